@@ -1,0 +1,25 @@
+# make train: set up .venv and run the default recipe; make test: set up and run the tests.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: it is the CPU build on this machine's disk, so the project's range
+# (torch>=2.9) is already met and pip never fetches a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+train: setup
+	$(PY) -m framework.train
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs multirun

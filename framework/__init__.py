@@ -1,0 +1,1 @@
+"""Declarative DP x TP training on PyTorch's DeviceMesh, driven by Hydra configs."""

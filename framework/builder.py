@@ -1,0 +1,127 @@
+"""The run, built stage by stage in the fixed order of framework.config.STAGES.
+
+Each stage reads the config and what earlier stages built, and adds one thing to `Run`.
+`cfg.pipeline` may stop early (a prefix of STAGES, e.g. the seed_mesh recipe stops after
+`mesh`); any other order was refused by framework.validate before launch.
+"""
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config import STAGES
+from framework.data import build_dataloader, build_sampler
+from framework.mesh import build_mesh, layout_table, role_coordinates
+from framework.parallel import apply_dp, apply_tp
+from framework.trainer import train
+
+log = logging.getLogger("framework")
+
+
+@dataclass
+class Run:
+    cfg: DictConfig
+    out_dir: str
+    rank: int = 0
+    mesh: Any = None
+    dp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} of the DP role
+    tp: Dict[str, int] = field(default_factory=dict)
+    model: Any = None
+    dataset: Any = None
+    sampler: Any = None
+    dataloader: Any = None
+    optimizer: Any = None
+    summary: Optional[dict] = None
+
+
+def backend_for(mesh_cfg: DictConfig) -> str:
+    if mesh_cfg.backend != "auto":
+        return str(mesh_cfg.backend)
+    return "cpu:gloo,cuda:nccl" if mesh_cfg.device_type == "cuda" else "gloo"
+
+
+def stage_distributed(run: Run) -> None:
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(run.cfg.mesh),
+                                timeout=timedelta(seconds=run.cfg.trainer.collective_timeout_s))
+    run.rank = dist.get_rank()
+    if run.cfg.mesh.device_type == "cuda":
+        torch.cuda.set_device(dist.get_node_local_rank())
+
+
+def stage_mesh(run: Run) -> None:
+    cfg = run.cfg
+    run.mesh = build_mesh(cfg.mesh.device_type, cfg.mesh.shape, cfg.mesh.dim_names)
+    run.dp = role_coordinates(run.mesh, cfg.parallel.dp_dim)
+    run.tp = role_coordinates(run.mesh, cfg.parallel.tp_dim)
+    if run.rank == 0:
+        log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names))
+
+
+def stage_model(run: Run) -> None:
+    """Seeded, so every rank builds the same weights (DataParallel also broadcasts them)."""
+    torch.manual_seed(run.cfg.trainer.seed)
+    with torch.device(run.cfg.mesh.device_type):
+        run.model = instantiate(run.cfg.model)
+
+
+def _submesh(run: Run, role: str):
+    name = run.cfg.parallel[role]
+    return None if name is None else run.mesh[name]
+
+
+def stage_data_parallel(run: Run) -> None:
+    run.model = apply_dp(run.model, _submesh(run, "dp_dim"))
+
+
+def stage_tensor_parallel(run: Run) -> None:
+    tp_mesh = _submesh(run, "tp_dim")
+    if tp_mesh is not None:
+        plan = OmegaConf.to_container(run.cfg.plan, resolve=True)
+        run.model.module = apply_tp(run.model.module, tp_mesh, plan)
+
+
+def stage_sampler(run: Run) -> None:
+    s = run.cfg.sampler
+    run.dataset = instantiate(run.cfg.data.dataset)
+    run.sampler = build_sampler(run.dataset, run.dp["size"], run.dp["rank"], s.shuffle, s.seed, s.drop_last)
+
+
+def stage_dataloader(run: Run) -> None:
+    per_replica = run.cfg.data.global_batch_size // run.dp["size"]
+    run.dataloader = build_dataloader(run.dataset, run.sampler, per_replica, run.cfg.data.num_workers)
+
+
+def stage_optimizer(run: Run) -> None:
+    """Built over the parameters as they are after DP and TP (DTensor shards included)."""
+    run.optimizer = instantiate(run.cfg.optim)(run.model.parameters())
+
+
+def stage_trainer(run: Run) -> None:
+    run.summary = train(run)
+
+
+STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
+    "distributed": stage_distributed,
+    "mesh": stage_mesh,
+    "model": stage_model,
+    "data_parallel": stage_data_parallel,
+    "tensor_parallel": stage_tensor_parallel,
+    "sampler": stage_sampler,
+    "dataloader": stage_dataloader,
+    "optimizer": stage_optimizer,
+    "trainer": stage_trainer,
+}
+assert list(STAGE_FUNCTIONS) == STAGES
+
+
+def build_and_run(cfg: DictConfig, out_dir: str) -> Run:
+    run = Run(cfg=cfg, out_dir=out_dir)
+    for name in cfg.pipeline:
+        STAGE_FUNCTIONS[name](run)
+    return run

@@ -1,0 +1,114 @@
+"""Typed schema of the composed config.
+
+Registered in Hydra's ConfigStore as `config_schema` and listed first in conf/config.yaml's
+defaults, so a wrong type or an unknown key fails when Hydra composes, before anything runs.
+Free-form nodes (`model`, `optim`, `data.dataset`, `data.loss`) are `_target_` dicts checked
+by framework.validate instead.
+"""
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+# The builder's stages, in the only order it accepts (framework.builder runs them).
+STAGES = [
+    "distributed",
+    "mesh",
+    "model",
+    "data_parallel",
+    "tensor_parallel",
+    "sampler",
+    "dataloader",
+    "optimizer",
+    "trainer",
+]
+
+
+class DeviceType(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Backend(str, Enum):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+@dataclass
+class MeshConfig:
+    shape: List[int] = field(default_factory=lambda: [1, 1])
+    dim_names: List[str] = field(default_factory=lambda: ["dp", "tp"])
+    device_type: DeviceType = DeviceType.cpu
+    backend: Backend = Backend.auto
+    # Ranks that share one host; null: all ranks of a self-launched run, LOCAL_WORLD_SIZE under torchrun.
+    ranks_per_host: Optional[int] = None
+
+
+@dataclass
+class ParallelConfig:
+    dp_dim: Optional[str] = "dp"
+    tp_dim: Optional[str] = "tp"
+    enforce_tp_innermost: bool = True
+    allow_tp_across_hosts: bool = False
+
+
+@dataclass
+class PlanEntry:
+    style: str = "colwise"
+    input_layouts: Any = None
+    output_layouts: Any = None
+    desired_input_layouts: Any = None
+    desired_output_layouts: Any = None
+    use_local_output: Optional[bool] = None
+    sequence_dim: Optional[int] = None
+
+
+@dataclass
+class SamplerConfig:
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = True
+
+
+@dataclass
+class DataConfig:
+    global_batch_size: int = 24
+    num_workers: int = 0
+    dataset: Any = None
+    loss: Any = None
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 20
+    log_every: int = 1
+    seed: int = 0
+    grad_clip: Optional[float] = None
+    progress_bar: bool = True
+    collective_timeout_s: int = 300
+
+
+@dataclass
+class LoggerConfig:
+    tensorboard: bool = True
+
+
+@dataclass
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: Any = None
+    plan: Dict[str, PlanEntry] = field(default_factory=dict)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: Any = None
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    pipeline: List[str] = field(default_factory=lambda: list(STAGES))
+    allowed_targets: List[str] = field(default_factory=lambda: ["framework", "torch.nn", "torch.optim"])
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="config_schema", node=Config)

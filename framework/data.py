@@ -1,0 +1,41 @@
+"""Datasets, the DP-derived DistributedSampler and the StatefulDataLoader over it.
+
+The sampler's replicas are the DP submesh: num_replicas is its size and rank this process's
+coordinate on the DP dim, so every rank of a TP group draws the same batch and DP replicas
+draw disjoint ones. With a fixed global batch, replica r's batch t is positions
+r, r+dp, r+2dp, ... of the permutation's slice [t*G, (t+1)*G): the union over replicas is the
+same global batch for every DP size, which is what makes mesh shapes comparable step by step.
+"""
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+class SyntheticRegression(Dataset):
+    """The seed's random regression data, embedded: x ~ N(0, 1), y = x @ W + noise, all seeded."""
+
+    def __init__(self, num_samples: int = 1536, in_dim: int = 12, out_dim: int = 12,
+                 noise: float = 0.1, seed: int = 1234):
+        gen = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn(num_samples, in_dim, generator=gen)
+        weight = torch.randn(in_dim, out_dim, generator=gen) / in_dim**0.5
+        self.targets = self.inputs @ weight + noise * torch.randn(num_samples, out_dim, generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int):
+        return self.inputs[index], self.targets[index]
+
+
+def build_sampler(dataset: Dataset, dp_size: int, dp_rank: int, shuffle: bool, seed: int,
+                  drop_last: bool) -> DistributedSampler:
+    return DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle,
+                              seed=seed, drop_last=drop_last)
+
+
+def build_dataloader(dataset: Dataset, sampler: DistributedSampler, per_replica_batch: int,
+                     num_workers: int) -> StatefulDataLoader:
+    """drop_last follows the sampler's: a short last batch would break the global batch size."""
+    return StatefulDataLoader(dataset, batch_size=per_replica_batch, sampler=sampler,
+                              drop_last=sampler.drop_last, num_workers=num_workers)

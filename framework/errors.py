@@ -1,0 +1,7 @@
+"""The one error type a bad config raises: it names the key, the value and the fix."""
+
+
+class ConfigError(ValueError):
+    def __init__(self, key: str, value: object, fix: str):
+        self.key, self.value, self.fix = key, value, fix
+        super().__init__(f"config error: {key}={value!r}: {fix}")

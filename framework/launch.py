@@ -1,0 +1,137 @@
+"""Starting the ranks. Hydra and validation run once, in the launching process; ranks get the
+resolved config and the job's output dir and never compose or create directories themselves.
+
+- Self-launched: prod(mesh.shape) workers through torch.distributed's elastic launcher (the
+  engine behind torchrun) on loopback. If any rank fails, the agent stops the others and the
+  launcher reports the failing rank and its error.
+- Under torchrun (RANK/WORLD_SIZE set): the process joins that world. Rank 0 runs Hydra and
+  validation, then hands the config and output dir to the other ranks through torchrun's
+  store; the others (framework.train's `follow_rank0`) wait for it.
+"""
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import uuid
+import warnings
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from framework.builder import build_and_run
+from framework.errors import ConfigError
+from framework.validate import validate
+
+log = logging.getLogger("framework")
+PAYLOAD_KEY = "framework/config"
+HANDSHAKE_TIMEOUT = timedelta(minutes=10)
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; the message names the rank and its error."""
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def setup_rank_logging(out_dir: str, rank: int) -> None:
+    """Every rank logs to logs/rank<N>.log in the job's dir; rank 0 also to the console."""
+    os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
+    handlers = [logging.FileHandler(os.path.join(out_dir, "logs", f"rank{rank}.log"))]
+    if rank == 0:
+        handlers.append(logging.StreamHandler(sys.stdout))
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s",
+                        handlers=handlers, force=True)
+
+
+@record
+def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
+    """What every rank runs: re-check the config cheaply, build the stages, return rank 0's summary."""
+    rank = int(os.environ["RANK"])
+    setup_rank_logging(out_dir, rank)
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
+    cfg = OmegaConf.create(cfg_container)
+    validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), deep=False)
+    try:
+        run = build_and_run(cfg, out_dir)
+    except Exception:
+        log.exception("rank %d failed", rank)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return run.summary if rank == 0 else None
+
+
+def _failure_message(error: ChildFailedError) -> str:
+    rank, failure = error.get_first_failure()
+    message = failure.message["message"] if isinstance(failure.message, dict) else failure.message
+    return (f"rank {rank} failed (exit code {failure.exitcode}): {message.strip().splitlines()[-1]} "
+            f"(traceback in logs/rank{rank}.log)")
+
+
+def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
+    """Spawn prod(mesh.shape) ranks on loopback; return rank 0's summary."""
+    world = math.prod(cfg.mesh.shape)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
+    # The agent logs each failed rank's whole traceback; the rank's own log has it, and
+    # RankFailed says which rank and why.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="framework-elastic-") as log_dir:
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
+            max_restarts=0, monitor_interval=0.1, start_method="spawn",
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        )
+        container = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            results = elastic_launch(config, run_rank)(container, out_dir)
+        except ChildFailedError as error:
+            raise RankFailed(_failure_message(error)) from None
+    return results[0]
+
+
+def _torchrun_store() -> dist.TCPStore:
+    """Client of the store torchrun's agent hosts for this job."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=HANDSHAKE_TIMEOUT)
+
+
+def launch_in_torchrun_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
+    """Rank 0 under torchrun: validate against the world, publish the config (or the error)."""
+    store = _torchrun_store()
+    try:
+        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]),
+                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+    except ConfigError as error:
+        store.set(PAYLOAD_KEY, json.dumps({"error": str(error)}))
+        raise
+    container = OmegaConf.to_container(cfg, resolve=True)
+    store.set(PAYLOAD_KEY, json.dumps({"cfg": container, "out_dir": out_dir}))
+    return run_rank(container, out_dir)
+
+
+def follow_rank0() -> int:
+    """Ranks > 0 under torchrun: wait for rank 0's config and run it; exit 2 if it refused."""
+    payload = json.loads(_torchrun_store().get(PAYLOAD_KEY))
+    if "error" in payload:
+        print(f"rank {os.environ['RANK']}: rank 0 refused the config: {payload['error']}", file=sys.stderr)
+        return 2
+    run_rank(payload["cfg"], payload["out_dir"])
+    return 0
+
+
+def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
+    if under_torchrun():
+        return launch_in_torchrun_world(cfg, out_dir)
+    validate(cfg)
+    return launch_local(cfg, out_dir)

@@ -1,0 +1,46 @@
+"""The DeviceMesh and a readable table of which ranks share which group.
+
+torch 2.13's DeviceMesh repr no longer lists ranks, so `layout_table` prints, for every rank,
+its coordinates and the ranks of each named submesh it belongs to. It is computed from the
+shape alone, so the launcher and tests can use it without a process group.
+"""
+import math
+from typing import Dict, List, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def submesh_ranks(shape: Sequence[int], rank: int, dim: int) -> List[int]:
+    """Ranks of the 1-D submesh along `dim` that contains `rank` (row-major rank order)."""
+    grid = torch.arange(math.prod(shape)).reshape(tuple(shape))
+    coords = list(torch.unravel_index(torch.tensor(rank), tuple(shape)))
+    coords[dim] = slice(None)
+    return grid[tuple(coords)].tolist()
+
+
+def layout_table(shape: Sequence[int], dim_names: Sequence[str]) -> str:
+    """One line per rank: coordinates on each dim, then the ranks of each named group."""
+    world = math.prod(shape)
+    grid = torch.arange(world).reshape(tuple(shape)).tolist()
+    header = ["rank", *dim_names, *(f"{name} group" for name in dim_names)]
+    rows = []
+    for rank in range(world):
+        coords = [int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(shape))]
+        groups = [str(submesh_ranks(shape, rank, d)) for d in range(len(shape))]
+        rows.append([str(rank), *map(str, coords), *groups])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    dims = ", ".join(f"{n}={s}" for n, s in zip(dim_names, shape))
+    return f"DeviceMesh [{dims}] ranks {grid}\n" + "\n".join(lines)
+
+
+def build_mesh(device_type: str, shape: Sequence[int], dim_names: Sequence[str]) -> DeviceMesh:
+    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(dim_names))
+
+
+def role_coordinates(mesh: DeviceMesh, dim_name: str | None) -> Dict[str, int]:
+    """Size of a role's submesh and this rank's coordinate on it; a missing role is size 1."""
+    if dim_name is None:
+        return {"size": 1, "rank": 0}
+    return {"size": mesh.size(mesh.mesh_dim_names.index(dim_name)), "rank": mesh.get_local_rank(dim_name)}

@@ -1,0 +1,126 @@
+"""Data parallelism over the DP submesh that stays correct when TP is applied afterwards.
+
+The seed wraps `DDP(model, process_group=dp_group)` and then replaces `model.module`'s
+layers with `parallelize_module`. torch's DDP binds its gradient reducer to the Parameter
+objects that exist at construction; TP swaps them for new DTensor Parameters, so no gradient
+all-reduce ever reaches the TP layers and the DP replicas silently diverge (measured on
+torch 2.13; tests/test_parallel.py keeps that measurement). Applying TP first does not help
+either: plain DDP cannot broadcast DTensors, and DDP(device_mesh=...) leaves
+`model.parameters()` empty after the first forward.
+
+`DataParallel` keeps the seed's shape (an outer wrapper whose `.module` is the model, so TP is
+applied to `.module` after it) but binds nothing at construction: when backward finishes it
+averages the gradients of whatever parameters `.module` holds at that moment, over the DP
+group, using each DTensor's local shard. Parameters stay ordinary module parameters, so the
+optimizer, grad clipping and state_dict see all of them.
+"""
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+
+BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket cap
+
+
+class _SyncGradientsAfterBackward(torch.autograd.Function):
+    """Identity on the model's outputs whose backward queues the DP gradient sync to run
+    once autograd has produced every gradient (the same hook point DDP uses)."""
+
+    @staticmethod
+    def forward(ctx, wrapper: "DataParallel", output: torch.Tensor) -> torch.Tensor:
+        ctx.wrapper = wrapper
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        wrapper = ctx.wrapper
+        if not wrapper._sync_queued:
+            wrapper._sync_queued = True
+            Variable._execution_engine.queue_callback(wrapper.sync_gradients)
+        return None, grad
+
+
+class DataParallel(nn.Module):
+    """Replicates `module` across the DP submesh; averages gradients after each backward."""
+
+    def __init__(self, module: nn.Module, dp_mesh: Optional[DeviceMesh]):
+        super().__init__()
+        self.module = module
+        self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+        self.dp_size = dp_mesh.size() if dp_mesh is not None else 1
+        self._sync_queued = False
+        self._broadcast_from_first_replica()
+
+    @torch.no_grad()
+    def _broadcast_from_first_replica(self) -> None:
+        """Start every replica from the same weights, as DDP does at construction."""
+        if self.dp_size == 1:
+            return
+        src = dist.get_global_rank(self.dp_group, 0)
+        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            dist.broadcast(tensor.data, src=src, group=self.dp_group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.module(*args, **kwargs)
+        if self.dp_size == 1 or not torch.is_grad_enabled():
+            return output
+        return tree_map_only(
+            torch.Tensor,
+            lambda t: _SyncGradientsAfterBackward.apply(self, t) if t.requires_grad else t,
+            output,
+        )
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Average every trainable parameter's gradient (its local shard for DTensors) over DP.
+
+        A parameter without a gradient on this replica contributes zeros, so all replicas
+        run the same collectives and end with the same gradients.
+        """
+        self._sync_queued = False
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        local_grads = [self._local_grad(p) for p in params]
+        for bucket in _buckets(local_grads):
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=self.dp_group)
+            flat.div_(self.dp_size)
+            for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(synced)
+
+    @staticmethod
+    def _local_grad(param: torch.Tensor) -> torch.Tensor:
+        """The tensor holding this rank's part of the gradient, made to match the parameter's
+        placements first (a replicated TP parameter can receive a Partial gradient)."""
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            if grad.placements != param.placements:
+                grad = grad.redistribute(param.device_mesh, param.placements)
+                param.grad = grad
+            return grad.to_local()  # a view: writing it writes the DTensor's shard
+        return grad
+
+
+def _buckets(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """Group same-dtype tensors into buckets of at most BUCKET_BYTES, keeping order."""
+    buckets: List[List[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or buckets[-1][0].dtype != t.dtype or size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets
+
+
+def apply_dp(model: nn.Module, dp_mesh: Optional[DeviceMesh]) -> DataParallel:
+    """Wrap `model`; with no DP dim (dp_mesh None) the wrapper only keeps the `.module` shape."""
+    return DataParallel(model, dp_mesh)

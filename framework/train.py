@@ -1,0 +1,46 @@
+"""`python -m framework.train [overrides]`: compose the config with Hydra, validate it, launch.
+
+A bad config exits with status 2 and one `config error: KEY=VALUE: FIX` line; a failed rank
+exits with status 1 and names the rank and its error.
+"""
+import os
+import shutil
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from framework.config import register_schema
+from framework.errors import ConfigError
+from framework.launch import RankFailed, follow_rank0, launch, under_torchrun
+
+register_schema()
+
+# What Hydra puts in a job's dir before the task runs; a job refused at validation leaves nothing.
+HYDRA_ONLY = {".hydra", "train.log"}
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def hydra_app(cfg: DictConfig) -> None:
+    out_dir = HydraConfig.get().runtime.output_dir
+    try:
+        launch(cfg, out_dir)
+    except ConfigError as error:
+        if set(os.listdir(out_dir)) <= HYDRA_ONLY:
+            shutil.rmtree(out_dir)
+        print(error, file=sys.stderr)
+        sys.exit(2)
+    except RankFailed as error:
+        print(f"training failed: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+def main() -> None:
+    if under_torchrun() and os.environ["RANK"] != "0":
+        sys.exit(follow_rank0())
+    hydra_app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Whole-config validation, run in the launcher before any worker starts (and again, cheaply,
+in every rank). Each failure is one ConfigError naming the key, the value and the fix."""
+import math
+from typing import Any, Iterator, Optional, Tuple
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from framework.config import STAGES
+from framework.errors import ConfigError
+from framework.mesh import submesh_ranks
+from framework.plan import check_plan
+
+
+def _targets(node: Any, path: str) -> Iterator[Tuple[str, str]]:
+    """Every `_target_` in the config, with its dotted key."""
+    if isinstance(node, DictConfig):
+        for key, value in node.items_ex(resolve=False):
+            child = f"{path}.{key}" if path else str(key)
+            if key == "_target_":
+                yield child, str(value)
+            else:
+                yield from _targets(value, child)
+    elif isinstance(node, ListConfig):
+        for i, value in enumerate(node):
+            yield from _targets(value, f"{path}[{i}]")
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """A config must not run arbitrary code: every `_target_` lies under an allowed package."""
+    allowed = list(cfg.allowed_targets)
+    for key, target in _targets(cfg, ""):
+        if not any(target == prefix or target.startswith(prefix + ".") for prefix in allowed):
+            raise ConfigError(key, target,
+                              f"only targets under {allowed} may be instantiated; add the package to "
+                              f"allowed_targets if you trust it")
+
+
+def check_mesh(cfg: DictConfig) -> None:
+    shape, names = list(cfg.mesh.shape), list(cfg.mesh.dim_names)
+    if len(shape) != len(names):
+        raise ConfigError("mesh.dim_names", names, f"give one name per dim of mesh.shape={shape}")
+    if len(set(names)) != len(names):
+        raise ConfigError("mesh.dim_names", names, "dim names must be unique")
+    for name, size in zip(names, shape):
+        if size < 1:
+            raise ConfigError("mesh.shape", shape, f"dim {name!r} has size {size}; every size must be >= 1")
+    if cfg.mesh.device_type == "cpu" and cfg.mesh.backend == "nccl":
+        raise ConfigError("mesh.backend", "nccl", "nccl needs mesh.device_type=cuda; use gloo (or auto) on cpu")
+    dp, tp = cfg.parallel.dp_dim, cfg.parallel.tp_dim
+    for key, name in (("parallel.dp_dim", dp), ("parallel.tp_dim", tp)):
+        if name is not None and name not in names:
+            raise ConfigError(key, name, f"name one of the mesh dims {names}, or null for no such parallelism")
+    if dp is not None and dp == tp:
+        raise ConfigError("parallel.tp_dim", tp, "DP and TP need different mesh dims")
+    for name, size in zip(names, shape):
+        if name not in (dp, tp) and size > 1:
+            raise ConfigError("mesh.shape", shape,
+                              f"dim {name!r} has size {size} but no role; set parallel.dp_dim or "
+                              f"parallel.tp_dim to it, or make it size 1")
+
+
+def check_tp_placement(cfg: DictConfig, ranks_per_host: int) -> None:
+    """TP exchanges activations every layer: keep its group on the innermost dim, inside one host.
+    torch >= 2.9 no longer refuses an outer TP dim, so the framework does."""
+    shape, names, tp = list(cfg.mesh.shape), list(cfg.mesh.dim_names), cfg.parallel.tp_dim
+    if tp is None or shape[names.index(tp)] == 1:
+        return
+    tp_index = names.index(tp)
+    outer = [n for n, s in zip(names[tp_index + 1:], shape[tp_index + 1:]) if s > 1]
+    if outer and cfg.parallel.enforce_tp_innermost:
+        raise ConfigError("mesh.dim_names", names,
+                          f"the TP dim {tp!r} must be innermost (last of the dims larger than 1) so its "
+                          f"ranks are neighbours; reorder the mesh, or set "
+                          f"parallel.enforce_tp_innermost=false to run it across {outer} anyway")
+    if cfg.parallel.allow_tp_across_hosts:
+        return
+    for rank in range(math.prod(shape)):
+        group = submesh_ranks(shape, rank, tp_index)
+        hosts = sorted({r // ranks_per_host for r in group})
+        if len(hosts) > 1:
+            raise ConfigError("mesh.shape", shape,
+                              f"TP group {group} spans hosts {hosts} ({ranks_per_host} ranks per host); "
+                              f"make the TP size divide the ranks per host, or set "
+                              f"parallel.allow_tp_across_hosts=true")
+
+
+def check_pipeline(cfg: DictConfig) -> None:
+    stages = list(cfg.pipeline)
+    if stages == STAGES[: len(stages)] and stages:
+        return
+    if "tensor_parallel" in stages and "data_parallel" in stages and \
+            stages.index("tensor_parallel") < stages.index("data_parallel"):
+        raise ConfigError("pipeline", stages,
+                          "data_parallel must come before tensor_parallel: DP is the outer wrapper and the "
+                          "TP plan applies to its .module (TP first leaves DTensors that DDP cannot "
+                          f"broadcast); use {STAGES} or a prefix of it")
+    raise ConfigError("pipeline", stages, f"the stages run in the fixed order {STAGES}; give that list or a prefix of it")
+
+
+def role_size(cfg: DictConfig, role: str) -> int:
+    name = cfg.parallel[role]
+    return 1 if name is None else list(cfg.mesh.shape)[list(cfg.mesh.dim_names).index(name)]
+
+
+def check_trainer_and_data(cfg: DictConfig) -> None:
+    for key in ("max_steps", "log_every"):
+        if cfg.trainer[key] < 1:
+            raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be >= 1")
+    if cfg.trainer.grad_clip is not None and cfg.trainer.grad_clip <= 0:
+        raise ConfigError("trainer.grad_clip", cfg.trainer.grad_clip, "must be > 0, or null for no clipping")
+    dp = role_size(cfg, "dp_dim")
+    gbs = cfg.data.global_batch_size
+    if gbs < 1 or gbs % dp:
+        raise ConfigError("data.global_batch_size", gbs,
+                          f"must be a positive multiple of the DP size {dp} (each replica takes global/DP)")
+    for key in ("model", "optim", "data.dataset", "data.loss"):
+        if OmegaConf.select(cfg, key) is None or "_target_" not in OmegaConf.select(cfg, key):
+            raise ConfigError(key, OmegaConf.select(cfg, key), "give a node with a _target_")
+
+
+def check_model_and_plan(cfg: DictConfig) -> None:
+    """Build the model on the meta device (no memory) to check the plan against its modules."""
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    check_plan(OmegaConf.to_container(cfg.plan, resolve=True), model, role_size(cfg, "tp_dim"))
+
+
+def check_dataset(cfg: DictConfig) -> None:
+    size = len(instantiate(cfg.data.dataset))
+    if size < cfg.data.global_batch_size:
+        raise ConfigError("data.global_batch_size", cfg.data.global_batch_size,
+                          f"the dataset has only {size} samples; lower the batch or grow the dataset")
+
+
+def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: Optional[int] = None,
+             deep: bool = True) -> None:
+    """All checks. `world_size` is the world a launcher joined (torchrun); `deep` also builds the
+    model on meta and the dataset, which the launcher does once and the ranks skip."""
+    check_pipeline(cfg)
+    check_mesh(cfg)
+    mesh_size = math.prod(cfg.mesh.shape)
+    if world_size is not None and world_size != mesh_size:
+        raise ConfigError("mesh.shape", list(cfg.mesh.shape),
+                          f"its {mesh_size} positions differ from the launched world size {world_size}; "
+                          f"launch {mesh_size} processes or pick a mesh of {world_size}")
+    check_tp_placement(cfg, cfg.mesh.ranks_per_host or ranks_per_host or mesh_size)
+    check_targets(cfg)
+    check_trainer_and_data(cfg)
+    if deep:
+        check_model_and_plan(cfg)
+        check_dataset(cfg)
