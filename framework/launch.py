@@ -17,12 +17,12 @@ import tempfile
 import uuid
 import warnings
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from framework.builder import build_and_run
@@ -52,7 +52,6 @@ def setup_rank_logging(out_dir: str, rank: int) -> None:
                         handlers=handlers, force=True)
 
 
-@record
 def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
     """What every rank runs: re-check the config cheaply, build the stages, return rank 0's summary."""
     rank = int(os.environ["RANK"])
@@ -78,9 +77,9 @@ def _failure_message(error: ChildFailedError) -> str:
             f"(traceback in logs/rank{rank}.log)")
 
 
-def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
-    """Spawn prod(mesh.shape) ranks on loopback; return rank 0's summary."""
-    world = math.prod(cfg.mesh.shape)
+def spawn_ranks(world: int, fn: Callable, *args: Any) -> Dict[int, Any]:
+    """Run `fn(*args)` in `world` fresh processes forming one process group on loopback;
+    return each rank's result. Any rank failing stops them all and raises RankFailed."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
     # The agent logs each failed rank's whole traceback; the rank's own log has it, and
     # RankFailed says which rank and why.
@@ -92,12 +91,16 @@ def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
             max_restarts=0, monitor_interval=0.1, start_method="spawn",
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
-        container = OmegaConf.to_container(cfg, resolve=True)
         try:
-            results = elastic_launch(config, run_rank)(container, out_dir)
+            return elastic_launch(config, fn)(*args)
         except ChildFailedError as error:
             raise RankFailed(_failure_message(error)) from None
-    return results[0]
+
+
+def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
+    """Spawn prod(mesh.shape) ranks running the config; return rank 0's summary."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    return spawn_ranks(math.prod(cfg.mesh.shape), run_rank, container, out_dir)[0]
 
 
 def _torchrun_store() -> dist.TCPStore:

@@ -101,6 +101,12 @@ def check_plan(plan: Mapping[str, Mapping[str, Any]], model: nn.Module, tp_size:
         raise ConfigError(f"plan.{ROOT}", plan[ROOT], "a plan for the model itself (key '.') must be its only entry")
     for pattern, entry in plan.items():
         key = f"plan.{pattern}"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(key, entry, "give a mapping such as {style: colwise}")
+        unknown = set(entry) - ALL_OPTIONS - {"style"}
+        if unknown:
+            raise ConfigError(f"{key}.{sorted(unknown)[0]}", entry[sorted(unknown)[0]],
+                              f"not a plan option; options are: style, {', '.join(sorted(ALL_OPTIONS))}")
         style = entry.get("style")
         if style not in STYLES:
             raise ConfigError(f"{key}.style", style, f"use one of: {', '.join(STYLES)}")

@@ -111,8 +111,7 @@ def train(run: "Run") -> dict:
     summary = {
         "mesh_shape": list(cfg.mesh.shape),
         "dim_names": list(cfg.mesh.dim_names),
-        "plan": {name: {k: v for k, v in entry.items() if v is not None}
-                 for name, entry in OmegaConf.to_container(cfg.plan, resolve=True).items()},
+        "plan": OmegaConf.to_container(cfg.plan, resolve=True),
         "steps": cfg.trainer.max_steps,
         "final_loss": losses[-1],
         "losses": losses,

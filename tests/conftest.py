@@ -1,0 +1,34 @@
+"""Shared helpers: compose the real configs with Hydra's compose API, run the CLI."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from framework.config import register_schema
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def compose_config(overrides: List[str] = ()) -> DictConfig:
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run_cli(args: List[str], timeout: float = 240, env: dict | None = None, module: str = "framework.train",
+            prefix: List[str] = ()) -> subprocess.CompletedProcess:
+    """Run `python -m framework.train ARGS` (or under a prefix such as torchrun) from the repo root."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [*prefix, "-m", module, *args] if prefix else [sys.executable, "-m", module, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def out_dir(tmp_path) -> Path:
+    return tmp_path / "run"

@@ -1,0 +1,73 @@
+"""Every config file composes against the schema, and every shipped combination validates."""
+import shutil
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from framework.config import register_schema
+
+from framework.validate import validate
+from tests.conftest import CONF, ROOT, compose_config
+
+GROUPS = ["mesh", "model", "plan", "sampler", "data", "optim", "trainer", "logger"]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+# Group files that only make sense together with another group's choice.
+PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
+          ("model", "seed_sequential"): ["plan=seed_sequential_rowwise_colwise"],
+          ("plan", "seed_linear_colwise"): ["model=seed_linear"],
+          ("plan", "seed_sequential_rowwise_colwise"): ["model=seed_sequential"]}
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_group_option_composes_and_validates(group, option):
+    cfg = compose_config([f"{group}={option}", *PAIRED.get((group, option), [])])
+    validate(cfg)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates(recipe):
+    cfg = compose_config([f"recipe={recipe}"])
+    validate(cfg)
+
+
+def test_recipe_overrides_defaults_and_cli_overrides_recipe():
+    cfg = compose_config(["recipe=seed_ddp_tp", "trainer.max_steps=7"])
+    assert list(cfg.mesh.shape) == [3, 2]
+    assert cfg.trainer.max_steps == 7
+
+
+def test_seed_tp_recipe_also_runs_the_sequential_example():
+    cfg = compose_config(["recipe=seed_tp", "model=seed_sequential", "plan=seed_sequential_rowwise_colwise"])
+    validate(cfg)
+    assert list(cfg.plan) == ["0", "2"]
+
+
+def test_unknown_key_on_the_command_line_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(["trainer.max_step=5"])
+    assert "max_step" in str(info.value.__cause__ or info.value)
+
+
+def test_unknown_key_in_a_config_file_fails_at_compose_time(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf, symlinks=True)
+    (conf / "trainer" / "typo.yaml").write_text("max_step: 5\n")
+    register_schema()
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as info:
+            compose(config_name="config", overrides=["trainer=typo"])
+    assert "max_step" in str(info.value.__cause__ or info.value)
+
+
+def test_wrong_type_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(["trainer.max_steps=many"])
+    assert "max_steps" in str(info.value.__cause__ or info.value)
+
+
+def test_device_type_is_checked_by_schema():
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(["mesh.device_type=tpu"])
+    assert "tpu" in str(info.value.__cause__ or info.value)

@@ -1,0 +1,72 @@
+"""Every bad config is refused before launch with one message naming key, value and fix."""
+import pytest
+
+from framework.errors import ConfigError
+from framework.validate import validate
+from tests.conftest import run_cli, compose_config
+
+BAD_CONFIGS = [
+    (["mesh.dim_names=[dp]"], r"mesh.dim_names=\['dp'\]: give one name per dim of mesh.shape=\[2, 2\]"),
+    (["mesh.dim_names=[dp,dp]"], r"mesh.dim_names=\['dp', 'dp'\]: dim names must be unique"),
+    (["mesh.shape=[0,2]"], r"mesh.shape=\[0, 2\]: dim 'dp' has size 0; every size must be >= 1"),
+    (["parallel.dp_dim=data"], r"parallel.dp_dim='data': name one of the mesh dims \['dp', 'tp'\], or null"),
+    (["parallel.tp_dim=model"], r"parallel.tp_dim='model': name one of the mesh dims"),
+    (["mesh.shape=[2,2,2]", "mesh.dim_names=[dp,tp,pp]"], r"dim 'pp' has size 2 but no role"),
+    (["mesh.dim_names=[tp,dp]"],
+     r"mesh.dim_names=\['tp', 'dp'\]: the TP dim 'tp' must be innermost .* parallel.enforce_tp_innermost=false"),
+    (["mesh.ranks_per_host=1"],
+     r"mesh.shape=\[2, 2\]: TP group \[0, 1\] spans hosts \[0, 1\] \(1 ranks per host\).*allow_tp_across_hosts=true"),
+    (["+plan.net9.style=colwise"],
+     r"plan.net9='net9': it matches no module of the model; its modules are: net1, relu, net2, net3"),
+    (["+plan.relu.style=colwise"],
+     r"plan.relu.style='colwise': relu is a ReLU; colwise applies only to nn.Linear and nn.Embedding"),
+    (["plan.net1.style=diagonal"], r"plan.net1.style='diagonal': use one of: colwise, rowwise, sequence_parallel"),
+    (["plan.net3.output_layouts=replicated"],
+     r"plan.net3.output_layouts='replicated': write a layout as replicate, shard\(D\) or null"),
+    (["+plan.net1.sequence_dim=1"], r"plan.net1.sequence_dim=1: colwise does not take sequence_dim"),
+    (["+plan.net1.output_layout=replicate"], r"plan.net1.output_layout='replicate': not a plan option"),
+    (["mesh=1x4", "model.hidden_dim=30"],
+     r"plan.net1=.colwise.: colwise shards net1.out_features=30, which the TP size 4 does not divide"),
+    (["data.global_batch_size=25"],
+     r"data.global_batch_size=25: must be a positive multiple of the DP size 2"),
+    (["data.global_batch_size=3000"], r"the dataset has only 1536 samples"),
+    (["model._target_=os.system"], r"model._target_='os.system': only targets under .* may be instantiated"),
+    (["optim._target_=subprocess.call"], r"optim._target_='subprocess.call'"),
+    (["pipeline=[distributed,mesh,model,tensor_parallel,data_parallel]"],
+     r"pipeline=.*: data_parallel must come before tensor_parallel: DP is the outer wrapper"),
+    (["pipeline=[mesh,distributed]"], r"pipeline=.*: the stages run in the fixed order"),
+    (["trainer.grad_clip=0"], r"trainer.grad_clip=0.0: must be > 0"),
+    (["mesh.backend=nccl"], r"mesh.backend='nccl': nccl needs mesh.device_type=cuda"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[" ".join(o) for o, _ in BAD_CONFIGS])
+def test_bad_config_is_refused_with_key_value_and_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(overrides))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["mesh.dim_names=[tp,dp]", "parallel.enforce_tp_innermost=false"],
+    ["mesh.ranks_per_host=1", "parallel.allow_tp_across_hosts=true"],
+    ["mesh.ranks_per_host=2"],
+    ["mesh.dim_names=[col,row]", "parallel.dp_dim=col", "parallel.tp_dim=row"],
+    ["allowed_targets=[framework,torch.nn,torch.optim,tests]", "model._target_=tests.workers.FailOnRank"],
+])
+def test_explicit_opt_outs_and_renamed_roles_are_accepted(overrides):
+    validate(compose_config(overrides))
+
+
+def test_world_size_must_match_the_mesh():
+    with pytest.raises(ConfigError, match=r"mesh.shape=\[2, 2\]: its 4 positions differ from the launched world size 3"):
+        validate(compose_config(), world_size=3)
+
+
+def test_cli_refuses_bad_config_in_one_line_before_starting_anything(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(["plan.net1.style=diagonal", f"hydra.run.dir={out}"], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("config error: plan.net1.style='diagonal'")
+    assert "Traceback" not in result.stderr
+    assert "DeviceMesh" not in result.stdout  # no rank ever started
+    assert not out.exists()  # the job's dir is not left half-made
