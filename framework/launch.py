@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
 import uuid
@@ -73,7 +74,10 @@ def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
 def _failure_message(error: ChildFailedError) -> str:
     rank, failure = error.get_first_failure()
     message = failure.message["message"] if isinstance(failure.message, dict) else failure.message
-    return (f"rank {rank} failed (exit code {failure.exitcode}): {message.strip().splitlines()[-1]} "
+    # The exception's own line, not the last line of a multi-line message.
+    headlines = re.findall(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b.*$", message, re.MULTILINE)
+    headline = headlines[-1] if headlines else message.strip().splitlines()[-1]
+    return (f"rank {rank} failed (exit code {failure.exitcode}): {headline} "
             f"(traceback in logs/rank{rank}.log)")
 
 

@@ -40,3 +40,28 @@ def train_and_report(cfg_container: dict, out_dir: str) -> dict:
     }
     dist.destroy_process_group()
     return report
+
+
+def seed_literal_ddp_then_tp(steps: int) -> dict:
+    """The seed's order with torch's own DDP, for comparison: each DP replica gets other data."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = DistributedDataParallel(SeedMLP(), process_group=mesh["dp"].get_group())
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel(), "net3": ColwiseParallel(output_layouts=Replicate())}
+    model.module = parallelize_module(model.module, mesh["tp"], plan)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(100 + mesh.get_local_rank("dp"))
+    for _ in range(steps):
+        x, y = torch.randn(8, 12, generator=data), torch.randn(8, 12, generator=data)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    report = {"params": {name: local_tensor(p) for name, p in model.module.named_parameters()}}
+    dist.destroy_process_group()
+    return report

@@ -1,0 +1,40 @@
+"""Single-process training written by hand, with plain torch: the independent reference the
+distributed runs are compared against (same seed, same global batches, same optimizer)."""
+from typing import Dict, List
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+def reference_training(cfg: DictConfig) -> Dict[str, List[float]]:
+    torch.manual_seed(cfg.trainer.seed)
+    model = instantiate(cfg.model)
+    optimizer = instantiate(cfg.optim)(model.parameters())
+    dataset = instantiate(cfg.data.dataset)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=cfg.sampler.shuffle,
+                                 seed=cfg.sampler.seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=cfg.data.global_batch_size, sampler=sampler, drop_last=True)
+    loss_fn = torch.nn.MSELoss()
+    losses, grad_norms = [], []
+    batches = iter(loader)
+    for _ in range(cfg.trainer.max_steps):
+        inputs, targets = next(batches)
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        if cfg.trainer.grad_clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        optimizer.step()
+        losses.append(loss.item())
+        grad_norms.append(norm.item())
+    return {"losses": losses, "grad_norms": grad_norms, "param_names": [n for n, _ in model.named_parameters()],
+            "numel": sum(p.numel() for p in model.parameters()), "state_dict_keys": sorted(model.state_dict())}
+
+
+def max_relative_error(values: List[float], reference: List[float]) -> float:
+    assert len(values) == len(reference)
+    return max(abs(v - r) / abs(r) for v, r in zip(values, reference))
