@@ -71,19 +71,31 @@ def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
     return run.summary if rank == 0 else None
 
 
-def _failure_message(error: ChildFailedError) -> str:
-    rank, failure = error.get_first_failure()
+# A rank whose peer died fails too, inside a collective; such errors are consequences.
+_PEER_LOST = re.compile(r"gloo|nccl|connection closed|connection reset|broken pipe", re.IGNORECASE)
+
+
+def _headline(failure) -> str:
+    """The exception's own line, not the last line of a multi-line message."""
     message = failure.message["message"] if isinstance(failure.message, dict) else failure.message
-    # The exception's own line, not the last line of a multi-line message.
     headlines = re.findall(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b.*$", message, re.MULTILINE)
-    headline = headlines[-1] if headlines else message.strip().splitlines()[-1]
-    return (f"rank {rank} failed (exit code {failure.exitcode}): {headline} "
-            f"(traceback in logs/rank{rank}.log)")
+    return headlines[-1] if headlines else message.strip().splitlines()[-1]
 
 
-def spawn_ranks(world: int, fn: Callable, *args: Any) -> Dict[int, Any]:
-    """Run `fn(*args)` in `world` fresh processes forming one process group on loopback;
-    return each rank's result. Any rank failing stops them all and raises RankFailed."""
+def _failure_message(error: ChildFailedError) -> str:
+    """Name the rank that failed first, preferring a rank's own error over a lost-peer error."""
+    ranks = sorted(error.failures, key=lambda r: (error.failures[r].timestamp,
+                                                  bool(_PEER_LOST.search(_headline(error.failures[r]))), r))
+    rank, failure = ranks[0], error.failures[ranks[0]]
+    others = f"; ranks {ranks[1:]} failed after it" if len(ranks) > 1 else ""
+    return (f"rank {rank} failed (exit code {failure.exitcode}): {_headline(failure)} "
+            f"(traceback in logs/rank{rank}.log){others}")
+
+
+def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any) -> Dict[int, Any]:
+    """Run `entrypoint(*args)` (a function, or a command with its arguments) in `world` fresh
+    processes forming one process group on loopback; return each rank's result (None for a
+    command). Any rank failing stops them all and raises RankFailed."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
     # The agent logs each failed rank's whole traceback; the rank's own log has it, and
     # RankFailed says which rank and why.
@@ -96,15 +108,30 @@ def spawn_ranks(world: int, fn: Callable, *args: Any) -> Dict[int, Any]:
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
-            return elastic_launch(config, fn)(*args)
+            return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as error:
             raise RankFailed(_failure_message(error)) from None
 
 
+def write_resolved_config(cfg: DictConfig, out_dir: str) -> str:
+    """The config every rank runs, interpolations resolved, kept with the job (.hydra/)."""
+    path = os.path.join(out_dir, ".hydra", "resolved_config.yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    OmegaConf.save(cfg, path, resolve=True)
+    return path
+
+
 def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
-    """Spawn prod(mesh.shape) ranks running the config; return rank 0's summary."""
-    container = OmegaConf.to_container(cfg, resolve=True)
-    return spawn_ranks(math.prod(cfg.mesh.shape), run_rank, container, out_dir)[0]
+    """Start prod(mesh.shape) ranks as `python -m framework.worker` processes, each handed the
+    resolved config; return rank 0's summary (None when the pipeline stops before training).
+    Separate processes (not a spawned function) let the agent see every failed rank."""
+    config_path = write_resolved_config(cfg, out_dir)
+    spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.worker", config_path, out_dir)
+    summary_path = os.path.join(out_dir, "summary.json")
+    if not os.path.exists(summary_path):
+        return None
+    with open(summary_path) as f:
+        return json.load(f)
 
 
 def _torchrun_store() -> dist.TCPStore:
@@ -122,6 +149,7 @@ def launch_in_torchrun_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     except ConfigError as error:
         store.set(PAYLOAD_KEY, json.dumps({"error": str(error)}))
         raise
+    write_resolved_config(cfg, out_dir)
     container = OmegaConf.to_container(cfg, resolve=True)
     store.set(PAYLOAD_KEY, json.dumps({"cfg": container, "out_dir": out_dir}))
     return run_rank(container, out_dir)
