@@ -13,24 +13,21 @@ QUIET = ["trainer.progress_bar=false", "logger.tensorboard=false"]
 PARITY_STEPS = 20
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return reference_training(compose_config([f"trainer.max_steps={PARITY_STEPS}"]))
-
-
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mesh,plan", [
-    ("1x1", "seed_mlp_tp"),
-    ("2x2", "seed_mlp_colwise_rowwise"),
-    ("4x1", "seed_mlp_tp"),
-    ("1x4", "seed_mlp_tp"),
-])
-def test_loss_equals_single_process_training(mesh, plan, reference, tmp_path):
-    cfg = compose_config([f"mesh={mesh}", f"plan={plan}", f"trainer.max_steps={PARITY_STEPS}",
-                          "trainer.log_every=5", *QUIET])
+@pytest.mark.parametrize("overrides", [
+    ["mesh=1x1"],
+    ["mesh=2x2", "plan=seed_mlp_colwise_rowwise"],
+    ["mesh=4x1"],
+    ["mesh=1x4"],
+    ["recipe=seed_tp"],  # the seed's Linear, colwise, on a 1-D TP mesh
+    ["recipe=seed_tp", "model=seed_sequential", "plan=seed_sequential_rowwise_colwise"],
+], ids=lambda o: " ".join(o))
+def test_loss_equals_single_process_training(overrides, tmp_path):
+    cfg = compose_config([*overrides, f"trainer.max_steps={PARITY_STEPS}", "trainer.log_every=5", *QUIET])
+    reference = reference_training(cfg)
     summary = launch_local(cfg, str(tmp_path))
     error = max_relative_error(summary["losses"], reference["losses"])
-    print(f"loss parity {mesh} {plan}: max relative error {error:.2e}")
+    print(f"loss parity {' '.join(overrides)}: max relative error {error:.2e}")
     assert error < 1e-5
     assert sum(summary["losses"][-5:]) < sum(summary["losses"][:5])  # and it trains
 

@@ -1,0 +1,64 @@
+"""Single-process pieces: mesh layout, plan parsing, epoch handling, gradient buckets."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.utils.data import DataLoader
+
+from framework.data import SyntheticRegression, build_sampler
+from framework.errors import ConfigError
+from framework.mesh import layout_table, submesh_ranks
+from framework.models import SeedMLP
+from framework.parallel.data_parallel import BUCKET_BYTES, _buckets
+from framework.plan import matching_modules, parse_layout
+from framework.trainer import batches
+
+
+def test_layout_of_the_seed_mesh_lists_each_ranks_groups():
+    table = layout_table([3, 2], ["dp", "tp"]).splitlines()
+    assert table[0] == "DeviceMesh [dp=3, tp=2] ranks [[0, 1], [2, 3], [4, 5]]"
+    assert table[1].split() == ["rank", "dp", "tp", "dp", "group", "tp", "group"]
+    assert table[4] == "2     1   0   [0, 2, 4]  [2, 3]"
+
+
+def test_submesh_ranks_of_a_three_dim_mesh():
+    # shape [2, 2, 2], rank 5 = (1, 0, 1)
+    assert submesh_ranks([2, 2, 2], 5, 0) == [1, 5]
+    assert submesh_ranks([2, 2, 2], 5, 1) == [5, 7]
+    assert submesh_ranks([2, 2, 2], 5, 2) == [4, 5]
+
+
+def test_layouts_parse_to_placements():
+    assert parse_layout("k", "replicate") == Replicate()
+    assert parse_layout("k", "shard(-1)") == Shard(-1)
+    assert parse_layout("k", ["shard(1)", None]) == (Shard(1), None)
+    with pytest.raises(ConfigError, match="k='shard'"):
+        parse_layout("k", "shard")
+
+
+def test_wildcards_match_one_name_segment():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([SeedMLP(), SeedMLP()])
+    assert matching_modules(model, "layers.*.net1") == ["layers.0.net1", "layers.1.net1"]
+    assert matching_modules(model, "layers.*") == ["layers.0", "layers.1"]
+    assert matching_modules(model, "net1") == []
+
+
+def test_every_epoch_gets_its_own_permutation_and_covers_the_data_once():
+    dataset = SyntheticRegression(num_samples=48)
+    sampler = build_sampler(dataset, dp_size=2, dp_rank=1, shuffle=True, seed=0, drop_last=True)
+    index_loader = DataLoader(range(48), batch_size=8, sampler=sampler, drop_last=True)
+    stream = batches(SimpleNamespace(sampler=sampler, dataloader=index_loader))
+    epochs = [torch.cat([next(stream) for _ in range(3)]).tolist() for _ in range(2)]  # 24 per replica
+    assert epochs[0] != epochs[1]
+    for epoch, indices in enumerate(epochs):
+        sampler.set_epoch(epoch)
+        assert indices == list(sampler)
+
+
+def test_buckets_keep_order_split_by_dtype_and_size():
+    big = torch.zeros(BUCKET_BYTES // 4)  # exactly one bucket of float32
+    tensors = [torch.zeros(3), big, torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]
+    buckets = _buckets(tensors)
+    assert [[t.numel() for t in b] for b in buckets] == [[3], [big.numel()], [2, 1]]
