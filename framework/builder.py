@@ -18,7 +18,7 @@ from framework.config import STAGES
 from framework.data import build_dataloader, build_sampler
 from framework.mesh import build_mesh, layout_table, role_coordinates
 from framework.parallel import apply_dp, apply_tp
-from framework.trainer import train
+from framework.trainer import lr_multiplier, train
 
 log = logging.getLogger("framework")
 
@@ -35,7 +35,10 @@ class Run:
     dataset: Any = None
     sampler: Any = None
     dataloader: Any = None
+    val_dataloader: Any = None  # only with trainer.eval_every
+    loss_fn: Any = None
     optimizer: Any = None
+    scheduler: Any = None
     summary: Optional[dict] = None
 
 
@@ -93,13 +96,24 @@ def stage_sampler(run: Run) -> None:
 
 
 def stage_dataloader(run: Run) -> None:
+    """The training loader, and with trainer.eval_every one over the dataset's `val` split
+    (in order, split across DP replicas the same way)."""
     per_replica = run.cfg.data.global_batch_size // run.dp["size"]
     run.dataloader = build_dataloader(run.dataset, run.sampler, per_replica, run.cfg.data.num_workers)
+    if run.cfg.trainer.eval_every:
+        val = instantiate(run.cfg.data.dataset, split="val")
+        val_sampler = build_sampler(val, run.dp["size"], run.dp["rank"], shuffle=False, seed=0, drop_last=True)
+        run.val_dataloader = build_dataloader(val, val_sampler, per_replica, run.cfg.data.num_workers)
 
 
 def stage_optimizer(run: Run) -> None:
-    """Built over the parameters as they are after DP and TP (DTensor shards included)."""
+    """What a step needs besides data: the optimizer, built over the parameters as they are
+    after DP and TP (DTensor shards included), its warmup / decay schedule, and the loss."""
+    t = run.cfg.trainer
+    run.loss_fn = instantiate(run.cfg.data.loss)
     run.optimizer = instantiate(run.cfg.optim)(run.model.parameters())
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        run.optimizer, lambda step: lr_multiplier(step, t.warmup_steps, t.max_steps, t.lr_decay))
 
 
 def stage_trainer(run: Run) -> None:

@@ -30,6 +30,11 @@ class DeviceType(str, Enum):
     cuda = "cuda"
 
 
+class LRDecay(str, Enum):
+    constant = "constant"
+    cosine = "cosine"
+
+
 class Backend(str, Enum):
     auto = "auto"
     gloo = "gloo"
@@ -75,6 +80,11 @@ class TrainerConfig:
     log_every: int = 1
     seed: int = 0
     grad_clip: Optional[float] = None
+    warmup_steps: int = 0
+    lr_decay: LRDecay = LRDecay.constant
+    eval_every: Optional[int] = None
+    eval_batches: int = 4
+    peak_tflops: Optional[float] = None
     progress_bar: bool = True
     collective_timeout_s: int = 300
 

@@ -1,4 +1,4 @@
-"""The training loop: step, sync (inside backward), clip, log, summarize.
+"""The training loop: step (gradients finalize inside backward), clip, schedule, evaluate, log.
 
 Losses stay on their ranks until a logging step; then one all-reduce over the DP group turns
 the pending per-replica losses into global-batch losses (TP ranks already agree), so the hot
@@ -9,12 +9,14 @@ import logging
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Iterator, List
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from tqdm import tqdm
 
 from framework.logger import TensorBoardLogger
@@ -26,24 +28,84 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("framework")
 
+# Dense bf16 peak of GPUs MFU is commonly quoted against; trainer.peak_tflops overrides.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
-def batches(run: "Run") -> Iterator:
+
+def batches(sampler, dataloader) -> Iterator:
     """Endless batches; each pass over the data is one epoch, with set_epoch before it so
     every epoch gets its own (seeded) permutation."""
     epoch = 0
     while True:
-        run.sampler.set_epoch(epoch)
-        yield from run.dataloader
+        sampler.set_epoch(epoch)
+        yield from dataloader
         epoch += 1
 
 
-def global_losses(run: "Run", pending: List[torch.Tensor]) -> List[float]:
-    """Mean over DP replicas of each pending per-replica loss: the global-batch loss."""
-    losses = torch.stack(pending).float()
+def lr_multiplier(step: int, warmup_steps: int, max_steps: int, decay: str) -> float:
+    """Linear warmup over warmup_steps, then constant or cosine decay to 10% at max_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def compute_loss(run: "Run", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Forward and loss; logits the plan leaves sharded on the vocabulary (output_layouts
+    shard(-1), use_local_output false) get torch's loss_parallel instead of a gather."""
+    logits = run.model(inputs)
+    sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard()
+    with loss_parallel() if sharded else nullcontext():
+        return run.loss_fn(logits, targets)
+
+
+def train_step(run: "Run", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One optimizer step without clipping or logging: what the comm audit and bench time."""
+    run.optimizer.zero_grad(set_to_none=True)
+    loss = compute_loss(run, inputs, targets)
+    with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
+        loss.backward()  # DataParallel finalizes gradients (TP partials, DP average) as it ends
+    return loss
+
+
+def local_value(loss: torch.Tensor) -> torch.Tensor:
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
+
+
+def mean_over_dp(run: "Run", values: List[torch.Tensor]) -> List[float]:
+    """Mean over DP replicas of each per-replica value: the global-batch value."""
+    stacked = torch.stack(values)
     if run.dp["size"] > 1:
-        dist.all_reduce(losses, group=run.model.dp_group)
-        losses /= run.dp["size"]
-    return losses.cpu().tolist()
+        dist.all_reduce(stacked, group=run.model.dp_group)
+        stacked /= run.dp["size"]
+    return stacked.cpu().tolist()
+
+
+@torch.no_grad()
+def evaluate(run: "Run", device: torch.device) -> float:
+    """Mean loss over trainer.eval_batches batches of the held-out split, over all replicas."""
+    run.model.eval()
+    data = iter(run.val_dataloader)
+    losses = [local_value(compute_loss(run, *(t.to(device) for t in next(data))))
+              for _ in range(min(run.cfg.trainer.eval_batches, len(run.val_dataloader)))]
+    run.model.train()
+    return sum(mean_over_dp(run, losses)) / len(losses)
+
+
+def peak_flops(cfg) -> Optional[float]:
+    if cfg.trainer.peak_tflops is not None:
+        return cfg.trainer.peak_tflops * 1e12
+    if cfg.mesh.device_type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in name), None)
+
+
+def mfu(tokens_per_s: float, flops_per_token: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices."""
+    return tokens_per_s * flops_per_token / peak_flops
 
 
 def write_json_atomically(path: str, data: dict) -> None:
@@ -55,70 +117,79 @@ def write_json_atomically(path: str, data: dict) -> None:
 
 def train(run: "Run") -> dict:
     cfg, model, optimizer = run.cfg, run.model, run.optimizer
-    loss_fn = instantiate(cfg.data.loss)
+    trainer = cfg.trainer
     device = torch.device(cfg.mesh.device_type)
     is_logger = run.rank == 0
     tb = TensorBoardLogger(os.path.join(run.out_dir, "tb")) if is_logger and cfg.logger.tensorboard else None
     if tb:
         tb.log_text("config", OmegaConf.to_yaml(cfg))
         tb.log_text("mesh_layout", layout_table(cfg.mesh.shape, cfg.mesh.dim_names))
-    progress = tqdm(total=cfg.trainer.max_steps, desc="train", disable=not (is_logger and cfg.trainer.progress_bar))
+    progress = tqdm(total=trainer.max_steps, desc="train", disable=not (is_logger and trainer.progress_bar))
     global_batch = cfg.data.global_batch_size
+    seq_len = getattr(run.dataset, "seq_len", None)  # token datasets: also report tokens/s
+    flops_per_token = model.module.flops_per_token(seq_len) if seq_len and hasattr(model.module, "flops_per_token") else None
+    peak = peak_flops(cfg)
 
     losses: List[float] = []
     grad_norms: List[float] = []
+    val_losses: List[List[float]] = []
     pending: List[torch.Tensor] = []
-    data = batches(run)
+    data = batches(run.sampler, run.dataloader)
     start = window_start = time.perf_counter()
     first_step_s = None
     model.train()
-    for step in range(1, cfg.trainer.max_steps + 1):
+    for step in range(1, trainer.max_steps + 1):
         inputs, targets = (t.to(device) for t in next(data))
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()  # DataParallel averages gradients over DP as backward finishes
-        logging_step = step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps
-        if cfg.trainer.grad_clip is not None:
-            grad_norm = clip_grad_norm(model.parameters(), cfg.trainer.grad_clip)
+        loss = train_step(run, inputs, targets)
+        logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
+        if trainer.grad_clip is not None:
+            grad_norm = clip_grad_norm(model.parameters(), trainer.grad_clip)
         elif logging_step:
             grad_norm = global_grad_norm(model.parameters())
+        lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
-        pending.append(loss.detach())
+        run.scheduler.step()
+        pending.append(local_value(loss))
         if first_step_s is None:
             first_step_s = time.perf_counter() - start
-        if logging_step:
-            grad_norms.append(float(grad_norm))
         progress.update(1)
+        if trainer.eval_every and step % trainer.eval_every == 0:
+            val_losses.append([step, evaluate(run, device)])
+            if tb:
+                tb.log_scalars(step, {"val_loss": val_losses[-1][1]})
         if not logging_step:
             continue
-        new_losses = global_losses(run, pending)
+        new_losses = mean_over_dp(run, pending)
         losses += new_losses
-        elapsed = time.perf_counter() - window_start
-        step_time = elapsed / len(pending)
+        grad_norms.append(float(grad_norm))
+        step_time = (time.perf_counter() - window_start) / len(pending)
         pending, window_start = [], time.perf_counter()
         progress.set_postfix(loss=f"{new_losses[-1]:.4f}")
+        scalars = {"loss": new_losses[-1], "lr": lr, "grad_norm": grad_norms[-1],
+                   "samples_per_s": global_batch / step_time, "step_time_s": step_time}
+        if seq_len:
+            scalars["tokens_per_s"] = global_batch * seq_len / step_time
+        if flops_per_token and peak:
+            scalars["mfu"] = mfu(scalars["tokens_per_s"], flops_per_token, peak * dist.get_world_size())
         if tb:
-            tb.log_scalars(step, {
-                "loss": new_losses[-1],
-                "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": grad_norms[-1],
-                "samples_per_s": global_batch / step_time,
-                "step_time_s": step_time,
-            })
+            tb.log_scalars(step, scalars)
     progress.close()
     wall = time.perf_counter() - start
-    steady_steps = cfg.trainer.max_steps - 1
+    steady_steps = trainer.max_steps - 1
+    samples_per_s = global_batch * steady_steps / (wall - first_step_s) if steady_steps else math.nan
     summary = {
         "mesh_shape": list(cfg.mesh.shape),
         "dim_names": list(cfg.mesh.dim_names),
         "plan": OmegaConf.to_container(cfg.plan, resolve=True),
-        "steps": cfg.trainer.max_steps,
+        "steps": trainer.max_steps,
         "final_loss": losses[-1],
         "losses": losses,
         "grad_norms": grad_norms,
+        "val_losses": val_losses,
         "time_to_first_step_s": first_step_s,
         "wall_s": wall,
-        "samples_per_s": global_batch * steady_steps / (wall - first_step_s) if steady_steps else math.nan,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * seq_len if seq_len else None,
     }
     if is_logger:
         log.info("final loss %.6f after %d steps, %.1f samples/s", summary["final_loss"], summary["steps"],
@@ -126,9 +197,9 @@ def train(run: "Run") -> dict:
         if tb:
             tb.log_hparams(
                 {"mesh": "x".join(map(str, cfg.mesh.shape)), "dim_names": list(cfg.mesh.dim_names),
-                 "plan": summary["plan"], "global_batch_size": global_batch, "max_steps": cfg.trainer.max_steps},
+                 "plan": summary["plan"], "global_batch_size": global_batch, "max_steps": trainer.max_steps},
                 {"final/loss": summary["final_loss"], "final/samples_per_s": summary["samples_per_s"]},
-                cfg.trainer.max_steps,
+                trainer.max_steps,
             )
             tb.close()
         write_json_atomically(os.path.join(run.out_dir, "summary.json"), summary)

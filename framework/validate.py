@@ -4,6 +4,7 @@ import math
 from typing import Any, Iterator, Optional, Tuple
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -105,9 +106,11 @@ def role_size(cfg: DictConfig, role: str) -> int:
 
 
 def check_trainer_and_data(cfg: DictConfig) -> None:
-    for key in ("max_steps", "log_every"):
+    for key in ("max_steps", "log_every", "eval_batches"):
         if cfg.trainer[key] < 1:
             raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be >= 1")
+    if cfg.trainer.eval_every is not None and cfg.trainer.eval_every < 1:
+        raise ConfigError("trainer.eval_every", cfg.trainer.eval_every, "must be >= 1, or null for no evaluation")
     if cfg.trainer.grad_clip is not None and cfg.trainer.grad_clip <= 0:
         raise ConfigError("trainer.grad_clip", cfg.trainer.grad_clip, "must be > 0, or null for no clipping")
     dp = role_size(cfg, "dp_dim")
@@ -121,14 +124,39 @@ def check_trainer_and_data(cfg: DictConfig) -> None:
 
 
 def check_model_and_plan(cfg: DictConfig) -> None:
-    """Build the model on the meta device (no memory) to check the plan against its modules."""
+    """Build the model on the meta device (no memory) to check the plan against its modules,
+    and the counts the plan splits whole (attention heads; the sequence, under SP)."""
     with torch.device("meta"):
-        model = instantiate(cfg.model)
-    check_plan(OmegaConf.to_container(cfg.plan, resolve=True), model, role_size(cfg, "tp_dim"))
+        model = instantiate_checked(cfg.model)
+    plan = OmegaConf.to_container(cfg.plan, resolve=True)
+    tp = role_size(cfg, "tp_dim")
+    check_plan(plan, model, tp)
+    if not plan or tp == 1:
+        return
+    counts = dict(model.tp_sharded_counts()) if hasattr(model, "tp_sharded_counts") else {}
+    if any(entry.get("style") == "sequence_parallel" for entry in plan.values()):
+        counts["data.dataset.seq_len"] = cfg.data.dataset.get("seq_len")
+    for key, count in counts.items():
+        if count is not None and count % tp:
+            raise ConfigError(key, count, f"the TP plan splits it across {tp} ranks; make it a multiple of {tp} "
+                                          f"or pick a TP size that divides it")
+
+
+def instantiate_checked(node: Any, **kwargs: Any) -> Any:
+    """instantiate, letting a ConfigError raised by the target (a bad data path, say) through
+    unwrapped, so it prints as the one-line config error it is."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, ConfigError):
+            raise error.__cause__ from None
+        raise
 
 
 def check_dataset(cfg: DictConfig) -> None:
-    size = len(instantiate(cfg.data.dataset))
+    if cfg.trainer.eval_every:
+        instantiate_checked(cfg.data.dataset, split="val")
+    size = len(instantiate_checked(cfg.data.dataset))
     if size < cfg.data.global_batch_size:
         raise ConfigError("data.global_batch_size", cfg.data.global_batch_size,
                           f"the dataset has only {size} samples; lower the batch or grow the dataset")

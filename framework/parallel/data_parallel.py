@@ -11,10 +11,11 @@ either: plain DDP cannot broadcast DTensors, and DDP(device_mesh=...) leaves
 `DataParallel` keeps the seed's shape (an outer wrapper whose `.module` is the model, so TP is
 applied to `.module` after it) but binds nothing at construction: when backward finishes it
 averages the gradients of whatever parameters `.module` holds at that moment, over the DP
-group, using each DTensor's local shard. Parameters stay ordinary module parameters, so the
+group, using each DTensor's local shard (after summing the partial gradients TP leaves on
+replicated parameters). Parameters stay ordinary module parameters, so the
 optimizer, grad clipping and state_dict see all of them.
 """
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ class _SyncGradientsAfterBackward(torch.autograd.Function):
 
 
 class DataParallel(nn.Module):
-    """Replicates `module` across the DP submesh; averages gradients after each backward."""
+    """Replicates `module` across the DP submesh; finalizes gradients after each backward."""
 
     def __init__(self, module: nn.Module, dp_mesh: Optional[DeviceMesh]):
         super().__init__()
@@ -67,7 +68,7 @@ class DataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output = self.module(*args, **kwargs)
-        if self.dp_size == 1 or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return output
         return tree_map_only(
             torch.Tensor,
@@ -77,34 +78,43 @@ class DataParallel(nn.Module):
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Average every trainable parameter's gradient (its local shard for DTensors) over DP.
-
-        A parameter without a gradient on this replica contributes zeros, so all replicas
-        run the same collectives and end with the same gradients.
-        """
+        """Make every trainable parameter's gradient final: placed like its parameter (TP) and
+        averaged over DP. A parameter without a gradient contributes zeros, so every replica
+        runs the same collectives and ends with the same gradients."""
         self._sync_queued = False
         params = [p for p in self.module.parameters() if p.requires_grad]
-        local_grads = [self._local_grad(p) for p in params]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        _reduce_partial_grads(params)
+        if self.dp_size == 1:
+            return
+        local_grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         for bucket in _buckets(local_grads):
             flat = torch._utils._flatten_dense_tensors(bucket)
             dist.all_reduce(flat, group=self.dp_group)
             flat.div_(self.dp_size)
             for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(synced)
+                grad.copy_(synced)  # to_local() is a view: this writes the DTensor's shard
 
-    @staticmethod
-    def _local_grad(param: torch.Tensor) -> torch.Tensor:
-        """The tensor holding this rank's part of the gradient, made to match the parameter's
-        placements first (a replicated TP parameter can receive a Partial gradient)."""
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        grad = param.grad
-        if isinstance(grad, DTensor):
-            if grad.placements != param.placements:
-                grad = grad.redistribute(param.device_mesh, param.placements)
-                param.grad = grad
-            return grad.to_local()  # a view: writing it writes the DTensor's shard
-        return grad
+
+def _reduce_partial_grads(params: List[torch.Tensor]) -> None:
+    """A replicated TP parameter (a sequence-parallel norm weight, say) gets a Partial gradient:
+    each TP rank holds a partial sum. Sum them with one all-reduce per TP mesh for all such
+    gradients together, rather than one redistribute per parameter."""
+    partial: Dict[DeviceMesh, List[torch.Tensor]] = {}
+    for p in params:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            if all(g.is_partial() and q.is_replicate() for g, q in zip(p.grad.placements, p.placements)):
+                partial.setdefault(p.grad.device_mesh, []).append(p)
+            else:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    for mesh, group_params in partial.items():
+        locals_ = [p.grad.to_local() for p in group_params]
+        flat = torch._utils._flatten_dense_tensors(locals_)
+        dist.all_reduce(flat, group=mesh.get_group())
+        for p, reduced in zip(group_params, torch._utils._unflatten_dense_tensors(flat, locals_)):
+            p.grad = DTensor.from_local(reduced, mesh, p.placements, run_check=False)
 
 
 def _buckets(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:

@@ -3,7 +3,8 @@
 torch.nn.utils.clip_grad_norm_ stacks per-parameter norms and fails when a model mixes
 DTensor and plain parameters (a plan that leaves some layers unsharded). Here each shard
 contributes its local sum of squares; sums of Shard-placed gradients are all-reduced once
-per TP mesh, Replicate-placed ones are counted once. Gradients are already equal across DP.
+per TP mesh, Replicate-placed ones are counted once. Gradients are final by then: placed like
+their parameters and equal across DP (framework.parallel.data_parallel).
 """
 from typing import Dict, Iterable
 
@@ -22,8 +23,6 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            if any(p.is_partial() for p in grad.placements):
-                grad = grad.redistribute(grad.device_mesh, param.placements)
             squares = grad.to_local().float().pow(2).sum().cpu()
             if any(p.is_shard() for p in grad.placements):
                 sharded[grad.device_mesh] = sharded.get(grad.device_mesh, 0) + squares
