@@ -153,6 +153,15 @@ def instantiate_checked(node: Any, **kwargs: Any) -> Any:
         raise
 
 
+def check_optimizer(cfg: DictConfig) -> None:
+    """Build the optimizer over a stand-in parameter: a wrong option fails here, not in every rank."""
+    try:
+        instantiate(cfg.optim)([torch.nn.Parameter(torch.zeros(1))])
+    except (InstantiationException, TypeError, ValueError) as error:
+        raise ConfigError("optim", OmegaConf.to_container(cfg.optim), f"the optimizer cannot be built: {error}; "
+                          f"fix or remove the option (e.g. ~optim.KEY on the command line)") from None
+
+
 def check_dataset(cfg: DictConfig) -> None:
     if cfg.trainer.eval_every:
         instantiate_checked(cfg.data.dataset, split="val")
@@ -178,4 +187,5 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     check_trainer_and_data(cfg)
     if deep:
         check_model_and_plan(cfg)
+        check_optimizer(cfg)
         check_dataset(cfg)

@@ -16,7 +16,7 @@ def reference_training(cfg: DictConfig) -> Dict[str, List[float]]:
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=cfg.sampler.shuffle,
                                  seed=cfg.sampler.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=cfg.data.global_batch_size, sampler=sampler, drop_last=True)
-    loss_fn = torch.nn.MSELoss()
+    loss_fn = instantiate(cfg.data.loss)
     losses, grad_norms = [], []
     batches = iter(loader)
     for _ in range(cfg.trainer.max_steps):
