@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test clean
+.PHONY: setup train test bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ train: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/run.py
 
 clean:
 	rm -rf $(VENV) outputs multirun

@@ -6,6 +6,8 @@ draw disjoint ones. With a fixed global batch, replica r's batch t is positions
 r, r+dp, r+2dp, ... of the permutation's slice [t*G, (t+1)*G): the union over replicas is the
 same global batch for every DP size, which is what makes mesh shapes comparable step by step.
 """
+import warnings
+
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -37,5 +39,7 @@ def build_sampler(dataset: Dataset, dp_size: int, dp_rank: int, shuffle: bool, s
 def build_dataloader(dataset: Dataset, sampler: DistributedSampler, per_replica_batch: int,
                      num_workers: int) -> StatefulDataLoader:
     """drop_last follows the sampler's: a short last batch would break the global batch size."""
-    return StatefulDataLoader(dataset, batch_size=per_replica_batch, sampler=sampler,
-                              drop_last=sampler.drop_last, num_workers=num_workers)
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(dataset, batch_size=per_replica_batch, sampler=sampler,
+                                  drop_last=sampler.drop_last, num_workers=num_workers)

@@ -16,7 +16,6 @@ import re
 import sys
 import tempfile
 import uuid
-import warnings
 from datetime import timedelta
 from typing import Any, Callable, Dict, Optional
 
@@ -26,9 +25,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from framework.builder import build_and_run
 from framework.errors import ConfigError
 from framework.validate import validate
+from framework.worker import run_rank
 
 log = logging.getLogger("framework")
 PAYLOAD_KEY = "framework/config"
@@ -41,34 +40,6 @@ class RankFailed(RuntimeError):
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def setup_rank_logging(out_dir: str, rank: int) -> None:
-    """Every rank logs to logs/rank<N>.log in the job's dir; rank 0 also to the console."""
-    os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
-    handlers = [logging.FileHandler(os.path.join(out_dir, "logs", f"rank{rank}.log"))]
-    if rank == 0:
-        handlers.append(logging.StreamHandler(sys.stdout))
-    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s",
-                        handlers=handlers, force=True)
-
-
-def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
-    """What every rank runs: re-check the config cheaply, build the stages, return rank 0's summary."""
-    rank = int(os.environ["RANK"])
-    setup_rank_logging(out_dir, rank)
-    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
-    cfg = OmegaConf.create(cfg_container)
-    validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), deep=False)
-    try:
-        run = build_and_run(cfg, out_dir)
-    except Exception:
-        log.exception("rank %d failed", rank)
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return run.summary if rank == 0 else None
 
 
 # A rank whose peer died fails too, inside a collective; such errors are consequences.
@@ -141,7 +112,9 @@ def _torchrun_store() -> dist.TCPStore:
 
 
 def launch_in_torchrun_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
-    """Rank 0 under torchrun: validate against the world, publish the config (or the error)."""
+    """Rank 0 under torchrun: validate against the world, publish the config (or the error),
+    then run as rank 0."""
+
     store = _torchrun_store()
     try:
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]),
@@ -157,6 +130,7 @@ def launch_in_torchrun_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
 
 def follow_rank0() -> int:
     """Ranks > 0 under torchrun: wait for rank 0's config and run it; exit 2 if it refused."""
+
     payload = json.loads(_torchrun_store().get(PAYLOAD_KEY))
     if "error" in payload:
         print(f"rank {os.environ['RANK']}: rank 0 refused the config: {payload['error']}", file=sys.stderr)

@@ -17,11 +17,13 @@ from framework.launch import RankFailed, follow_rank0, launch, under_torchrun
 
 register_schema()
 
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
 # What Hydra puts in a job's dir before the task runs; a job refused at validation leaves nothing.
 HYDRA_ONLY = {".hydra", "train.log"}
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def hydra_app(cfg: DictConfig) -> None:
     out_dir = HydraConfig.get().runtime.output_dir
     try:

@@ -134,9 +134,11 @@ def train(run: "Run") -> dict:
     grad_norms: List[float] = []
     val_losses: List[List[float]] = []
     pending: List[torch.Tensor] = []
+    step_times: List[float] = []
     data = batches(run.sampler, run.dataloader)
-    start = window_start = time.perf_counter()
+    start = window_start = step_start = time.perf_counter()
     first_step_s = None
+    first_step_unix = None
     model.train()
     for step in range(1, trainer.max_steps + 1):
         inputs, targets = (t.to(device) for t in next(data))
@@ -150,8 +152,11 @@ def train(run: "Run") -> dict:
         optimizer.step()
         run.scheduler.step()
         pending.append(local_value(loss))
+        now = time.perf_counter()
+        step_times.append(now - step_start)
+        step_start = now
         if first_step_s is None:
-            first_step_s = time.perf_counter() - start
+            first_step_s, first_step_unix = now - start, time.time()
         progress.update(1)
         if trainer.eval_every and step % trainer.eval_every == 0:
             val_losses.append([step, evaluate(run, device)])
@@ -187,6 +192,8 @@ def train(run: "Run") -> dict:
         "grad_norms": grad_norms,
         "val_losses": val_losses,
         "time_to_first_step_s": first_step_s,
+        "first_step_done_unix": first_step_unix,  # for startup timing from outside (bench/)
+        "step_times_s": step_times,
         "wall_s": wall,
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * seq_len if seq_len else None,

@@ -17,7 +17,10 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
 PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
           ("model", "seed_sequential"): ["plan=seed_sequential_rowwise_colwise"],
           ("plan", "seed_linear_colwise"): ["model=seed_linear"],
-          ("plan", "seed_sequential_rowwise_colwise"): ["model=seed_sequential"]}
+          ("plan", "seed_sequential_rowwise_colwise"): ["model=seed_sequential"],
+          **{(group, name): ["recipe=lm_2d", f"{group}={name}"]
+             for group, name in [("model", "lm_tiny"), ("model", "lm_small"), ("plan", "lm_tp"), ("plan", "lm_tp_sp"),
+                                 ("plan", "lm_tp_sp_loss_parallel"), ("data", "byte_corpus")]}}
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])

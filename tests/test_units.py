@@ -1,6 +1,4 @@
 """Single-process pieces: mesh layout, plan parsing, epoch handling, gradient buckets."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -49,7 +47,7 @@ def test_every_epoch_gets_its_own_permutation_and_covers_the_data_once():
     dataset = SyntheticRegression(num_samples=48)
     sampler = build_sampler(dataset, dp_size=2, dp_rank=1, shuffle=True, seed=0, drop_last=True)
     index_loader = DataLoader(range(48), batch_size=8, sampler=sampler, drop_last=True)
-    stream = batches(SimpleNamespace(sampler=sampler, dataloader=index_loader))
+    stream = batches(sampler, index_loader)
     epochs = [torch.cat([next(stream) for _ in range(3)]).tolist() for _ in range(2)]  # 24 per replica
     assert epochs[0] != epochs[1]
     for epoch, indices in enumerate(epochs):

@@ -15,7 +15,7 @@ group, using each DTensor's local shard (after summing the partial gradients TP 
 replicated parameters). Parameters stay ordinary module parameters, so the
 optimizer, grad clipping and state_dict see all of them.
 """
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,8 +63,8 @@ class DataParallel(nn.Module):
         if self.dp_size == 1:
             return
         src = dist.get_global_rank(self.dp_group, 0)
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            dist.broadcast(tensor.data, src=src, group=self.dp_group)
+        tensors = [t.data for t in [*self.module.parameters(), *self.module.buffers()]]
+        _in_flat_buckets(tensors, lambda flat: dist.broadcast(flat, src=src, group=self.dp_group))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output = self.module(*args, **kwargs)
@@ -89,13 +89,9 @@ class DataParallel(nn.Module):
         _reduce_partial_grads(params)
         if self.dp_size == 1:
             return
+        # to_local() is a view, so writing it writes the DTensor gradient's shard.
         local_grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        for bucket in _buckets(local_grads):
-            flat = torch._utils._flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=self.dp_group)
-            flat.div_(self.dp_size)
-            for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(synced)  # to_local() is a view: this writes the DTensor's shard
+        _in_flat_buckets(local_grads, lambda flat: _average(flat, self.dp_group, self.dp_size))
 
 
 def _reduce_partial_grads(params: List[torch.Tensor]) -> None:
@@ -110,11 +106,25 @@ def _reduce_partial_grads(params: List[torch.Tensor]) -> None:
             else:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
     for mesh, group_params in partial.items():
-        locals_ = [p.grad.to_local() for p in group_params]
-        flat = torch._utils._flatten_dense_tensors(locals_)
-        dist.all_reduce(flat, group=mesh.get_group())
-        for p, reduced in zip(group_params, torch._utils._unflatten_dense_tensors(flat, locals_)):
-            p.grad = DTensor.from_local(reduced, mesh, p.placements, run_check=False)
+        local_grads = [p.grad.to_local() for p in group_params]
+        _in_flat_buckets(local_grads, lambda flat: dist.all_reduce(flat, group=mesh.get_group()))
+        for p, summed in zip(group_params, local_grads):
+            p.grad = DTensor.from_local(summed, mesh, p.placements, run_check=False)
+
+
+def _average(flat: torch.Tensor, group, size: int) -> None:
+    dist.all_reduce(flat, group=group)
+    flat.div_(size)
+
+
+def _in_flat_buckets(tensors: List[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:
+    """Run `collective` in place on each bucket of `tensors` flattened into one tensor (one
+    collective per bucket instead of one per tensor), then copy the results back."""
+    for bucket in _buckets(tensors):
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        collective(flat)
+        for tensor, result in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+            tensor.copy_(result)
 
 
 def _buckets(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:

@@ -1,0 +1,115 @@
+"""The same training as `framework.train recipe=lm_2d` (bench settings), written by hand with
+plain PyTorch: init_process_group, DeviceMesh, parallelize_module, gradient averaging over DP
+after backward, a plain loop. No Hydra, no framework machinery: only the model and dataset
+classes are shared, so both sides train the same thing.
+
+    torchrun --standalone --nproc-per-node 4 bench/handwritten.py --mesh 2 2 --steps 30 --out result.json
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from framework.corpus import ByteCorpus
+from framework.transformer import NextTokenLoss, Transformer
+
+
+def tp_sp_plan(n_layers: int) -> dict:
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(n_layers):
+        plan.update({
+            f"layers.{i}.attention_norm": SequenceParallel(),
+            f"layers.{i}.attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            f"layers.{i}.attention.wq": ColwiseParallel(),
+            f"layers.{i}.attention.wk": ColwiseParallel(),
+            f"layers.{i}.attention.wv": ColwiseParallel(),
+            f"layers.{i}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            f"layers.{i}.ffn_norm": SequenceParallel(),
+            f"layers.{i}.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            f"layers.{i}.feed_forward.w1": ColwiseParallel(),
+            f"layers.{i}.feed_forward.w3": ColwiseParallel(),
+            f"layers.{i}.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return plan
+
+
+def average_gradients(model: torch.nn.Module, tp_group, dp_group, dp_size: int) -> None:
+    """Sum the partial gradients of the sequence-parallel norm weights over TP, then average
+    every gradient over DP: one flat all-reduce each."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    partial = [p for p in params if isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial()]
+    if partial:
+        flat = torch._utils._flatten_dense_tensors([p.grad.to_local() for p in partial])
+        dist.all_reduce(flat, group=tp_group)
+        for p, g in zip(partial, torch._utils._unflatten_dense_tensors(flat, [p.grad.to_local() for p in partial])):
+            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
+    if dp_size > 1:
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=dp_group)
+        flat /= dp_size
+        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mesh", type=int, nargs=2, default=[2, 2])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", tuple(args.mesh), mesh_dim_names=("dp", "tp"))
+    dp_size, tp_size = args.mesh
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=256, dim=128, n_layers=4, n_heads=8, hidden_dim=352)  # conf/model/lm_small.yaml
+    if tp_size > 1:
+        model = parallelize_module(model, mesh["tp"], tp_sp_plan(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.1, betas=(0.9, 0.95))
+    dataset = ByteCorpus(seq_len=args.seq_len)
+    sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=mesh.get_local_rank("dp"), seed=0, drop_last=True)
+    loader = StatefulDataLoader(dataset, batch_size=args.global_batch // dp_size, sampler=sampler, drop_last=True)
+    loss_fn = NextTokenLoss()
+
+    step_times, first_step_unix = [], None
+    batches = iter(loader)
+    step_start = time.perf_counter()
+    for _ in range(args.steps):
+        inputs, targets = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        average_gradients(model, mesh["tp"].get_group(), mesh["dp"].get_group(), dp_size)
+        optimizer.step()
+        now = time.perf_counter()
+        step_times.append(now - step_start)
+        step_start = now
+        first_step_unix = first_step_unix or time.time()
+    final_loss = loss.detach().clone()  # per replica; the global-batch loss is their DP mean
+    dist.all_reduce(final_loss, group=mesh["dp"].get_group())
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"step_times_s": step_times, "first_step_done_unix": first_step_unix,
+                       "final_loss": final_loss.item() / dp_size}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,85 @@
+"""`make bench`: the framework against the hand-written script, same model, mesh and steps.
+
+Alternates framework (a) and hand-written (b) runs, each a fresh launch from this driver, and
+prints median step time and time to first step (launch to the end of step 1, as the user waits
+for it) for both, with the ratios a / b. Then tokens/s of the framework per mesh shape.
+Absolute times on a shared CPU are noisy; the ratios come from interleaved runs.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
+# recipe=lm_2d, reduced to the loop both sides share: no eval, no clipping, constant LR.
+FRAMEWORK_SETTINGS = ["recipe=lm_2d", "trainer.eval_every=null", "trainer.grad_clip=null", "trainer.warmup_steps=0",
+                      "trainer.lr_decay=constant", "trainer.progress_bar=false", "logger.tensorboard=false"]
+
+
+def timed_launch(cmd, result_path: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launched = time.time()
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    result = json.loads(result_path.read_text())
+    steady = result["step_times_s"][1:]  # step 1 includes warm-up work on both sides
+    return {"median_step_s": statistics.median(steady), "first_step_s": result["first_step_done_unix"] - launched,
+            "final_loss": result["final_loss"]}
+
+
+def run_framework(mesh: str, steps: int, work: Path) -> dict:
+    out = work / f"fw-{mesh}-{time.time_ns()}"
+    cmd = [PYTHON, "-m", "framework.train", *FRAMEWORK_SETTINGS, f"mesh={mesh}", f"trainer.max_steps={steps}",
+           f"trainer.log_every={steps}", f"hydra.run.dir={out}"]
+    return timed_launch(cmd, out / "summary.json")
+
+
+def run_handwritten(mesh: str, steps: int, work: Path) -> dict:
+    dp, tp = mesh.split("x")
+    out = work / f"hw-{mesh}-{time.time_ns()}.json"
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(int(dp) * int(tp)), "bench/handwritten.py",
+           "--mesh", dp, tp, "--steps", str(steps), "--out", str(out)]
+    return timed_launch(cmd, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mesh", default="2x2")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--throughput-meshes", default="1x1,2x1,1x2,2x2")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
+        work = Path(tmp)
+        runs = {"framework": [], "hand-written": []}
+        for i in range(args.repeats):
+            runs["framework"].append(run_framework(args.mesh, args.steps, work))
+            runs["hand-written"].append(run_handwritten(args.mesh, args.steps, work))
+            print(f"repeat {i + 1}/{args.repeats}: framework {runs['framework'][-1]}, "
+                  f"hand-written {runs['hand-written'][-1]}", flush=True)
+        medians = {side: {key: statistics.median(r[key] for r in results) for key in ("median_step_s", "first_step_s")}
+                   for side, results in runs.items()}
+        a, b = medians["framework"], medians["hand-written"]
+        print(f"\nlm_small, lm_tp_sp, mesh {args.mesh}, {args.steps} steps, {args.repeats} interleaved repeats (medians)")
+        print("| | framework | hand-written | framework / hand-written |")
+        print("|---|---|---|---|")
+        print(f"| step time (s) | {a['median_step_s']:.4f} | {b['median_step_s']:.4f} | "
+              f"{a['median_step_s'] / b['median_step_s']:.3f} |")
+        print(f"| time to first step (s) | {a['first_step_s']:.2f} | {b['first_step_s']:.2f} | "
+              f"{a['first_step_s'] / b['first_step_s']:.3f} |")
+        print("\n| mesh | tokens/s (framework) |")
+        print("|---|---|")
+        for mesh in args.throughput_meshes.split(","):
+            result = run_framework(mesh, args.steps, work)
+            tokens = 16 * 128 / result["median_step_s"]
+            print(f"| {mesh} | {tokens:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

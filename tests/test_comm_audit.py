@@ -1,0 +1,57 @@
+"""The collectives of one step of the tiny LM (2 layers) on a 1x2 mesh, derived by hand from
+the plan, against what `framework.inspect comm` counts under CommDebugMode."""
+import pytest
+
+from framework.inspect import count_collectives
+from tests.conftest import run_cli
+
+TINY = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dataset.seq_len=32",
+        "data.global_batch_size=8", "trainer.progress_bar=false"]
+LAYERS = 2  # conf/model/lm_tiny.yaml
+
+
+@pytest.mark.timeout(180)
+def test_lm_tp_step_collectives_match_the_plan():
+    # Forward:
+    #   tok_embeddings rowwise, output replicate: partial lookups summed      1 all_reduce
+    #   per layer, wo and w2 rowwise, output replicate                         2 all_reduce
+    #   output colwise, output_layouts replicate: gather the logits            1 all_gather
+    # Backward:
+    #   each colwise layer's replicated input gets a partial gradient:
+    #   per layer wq, wk, wv, w1, w3 (each converts its input separately)      5 all_reduce
+    #   output's input                                                         1 all_reduce
+    #   (rowwise layers and the gather's backward need no communication)
+    # Optimizer step, DP (size 1) and replicated norm weights (not DTensors): none.
+    expected = {"c10d_functional.all_reduce": 1 + 2 * LAYERS + 5 * LAYERS + 1,
+                "c10d_functional.all_gather_into_tensor": 1}
+    assert count_collectives([*TINY, "mesh=1x2", "plan=lm_tp"]) == expected
+
+
+@pytest.mark.timeout(180)
+def test_lm_tp_sp_step_collectives_match_the_plan():
+    # Forward (the residual stream is sequence-sharded between TP regions):
+    #   tok_embeddings rowwise, output shard(1)                                1 reduce_scatter
+    #   per layer, attention and feed_forward inputs shard(1) -> replicate     2 all_gather
+    #   per layer, wo and w2 rowwise, output shard(1)                          2 reduce_scatter
+    #   output colwise: input shard(1) -> replicate, logits gathered           2 all_gather
+    # Backward (each forward redistribution reversed):
+    #   all_gather of a sequence-sharded input -> reduce_scatter of its
+    #   partial gradient: per layer 2 (q/k/v share one gathered input), output 1
+    #   reduce_scatter onto sequence shards -> all_gather of the gradient:
+    #   per layer wo and w2, and tok_embeddings                                2L+1 all_gather
+    # Gradient finalization: the sequence-parallel norm weights (2 per layer + final norm) get
+    # partial gradients, summed together by DataParallel                       1 allreduce_
+    expected = {"c10d_functional.reduce_scatter_tensor": (1 + 2 * LAYERS) + (2 * LAYERS + 1),
+                "c10d_functional.all_gather_into_tensor": (2 * LAYERS + 2) + (2 * LAYERS + 1),
+                "c10d.allreduce_": 1}
+    assert count_collectives([*TINY, "mesh=1x2", "plan=lm_tp_sp"]) == expected
+
+
+@pytest.mark.timeout(180)
+def test_inspect_cli_prints_counts_and_dp_adds_one_bucketed_all_reduce():
+    result = run_cli(["comm", *TINY, "mesh=2x2", "plan=lm_tp_sp"], module="framework.inspect")
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split() for line in result.stdout.splitlines() if line.startswith("  "))
+    # DP averaging of all gradients fits one 25 MB bucket: one more allreduce_ than on 1x2.
+    assert lines == {"c10d_functional.all_gather_into_tensor": "11", "c10d_functional.reduce_scatter_tensor": "10",
+                     "c10d.allreduce_": "2", "total": "23"}
