@@ -122,3 +122,23 @@ def test_torchrun_world_size_must_match_the_mesh(tmp_path):
     assert result.returncode != 0
     assert "config error: mesh.shape=[2, 2]: its 4 positions differ from the launched world size 2" in result.stderr
     assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.timeout(240)
+def test_lm_run_logs_tokens_per_second_and_validation_loss(tmp_path):
+    out = tmp_path / "job"
+    result = run_cli(["recipe=lm_2d", "model=lm_tiny", "mesh=1x2", "data.dataset.max_bytes=65536",
+                      "data.dataset.seq_len=32", "data.global_batch_size=4", "trainer.max_steps=6",
+                      "trainer.log_every=3", "trainer.eval_every=3", "trainer.eval_batches=2", "trainer.warmup_steps=2",
+                      *FAST, f"hydra.run.dir={out}"])
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert [step for step, _ in summary["val_losses"]] == [3, 6]
+    events = read_events(out / "tb")
+    assert [e.value for e in events.Scalars("val_loss")] == pytest.approx([v for _, v in summary["val_losses"]])
+    tokens = events.Scalars("tokens_per_s")
+    samples = events.Scalars("samples_per_s")
+    assert [t.value for t in tokens] == pytest.approx([s.value * 32 for s in samples])
+    # Warmup: lr after 2 warmup steps is the full lr, logged at step 3 (the lr that step used).
+    assert events.Scalars("lr")[0].value == pytest.approx(0.003)
+    assert "mfu" not in events.Tags()["scalars"]  # CPU: no peak FLOPs to compare against

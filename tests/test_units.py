@@ -10,7 +10,7 @@ from framework.mesh import layout_table, submesh_ranks
 from framework.models import SeedMLP
 from framework.parallel.data_parallel import BUCKET_BYTES, _buckets
 from framework.plan import matching_modules, parse_layout
-from framework.trainer import batches
+from framework.trainer import batches, lr_multiplier, mfu
 
 
 def test_layout_of_the_seed_mesh_lists_each_ranks_groups():
@@ -60,3 +60,16 @@ def test_buckets_keep_order_split_by_dtype_and_size():
     tensors = [torch.zeros(3), big, torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]
     buckets = _buckets(tensors)
     assert [[t.numel() for t in b] for b in buckets] == [[3], [big.numel()], [2, 1]]
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_a_tenth():
+    assert [lr_multiplier(s, 4, 104, "cosine") for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_multiplier(4, 4, 104, "cosine") == pytest.approx(1.0)
+    assert lr_multiplier(54, 4, 104, "cosine") == pytest.approx(0.1 + 0.9 * 0.5)  # halfway
+    assert lr_multiplier(104, 4, 104, "cosine") == pytest.approx(0.1)
+    assert lr_multiplier(50, 4, 104, "constant") == 1.0
+
+
+def test_mfu_is_achieved_over_peak_flops():
+    # 1000 tokens/s x 6e9 FLOPs/token = 6e12 FLOP/s achieved, over 4 devices of 10 TFLOP/s.
+    assert mfu(1000.0, 6_000_000_000, 4 * 10e12) == pytest.approx(0.15)
