@@ -12,7 +12,6 @@ import tempfile
 import warnings
 from typing import Dict, List
 
-import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf

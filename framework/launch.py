@@ -4,9 +4,7 @@ resolved config and the job's output dir and never compose or create directories
 - Self-launched: prod(mesh.shape) workers through torch.distributed's elastic launcher (the
   engine behind torchrun) on loopback. If any rank fails, the agent stops the others and the
   launcher reports the failing rank and its error.
-- Under torchrun (RANK/WORLD_SIZE set): the process joins that world. Rank 0 runs Hydra and
-  validation, then hands the config and output dir to the other ranks through torchrun's
-  store; the others (framework.train's `follow_rank0`) wait for it.
+- Under torchrun (RANK/WORLD_SIZE set): the process joins that world (framework.torchrun).
 """
 import json
 import logging
@@ -16,22 +14,15 @@ import re
 import sys
 import tempfile
 import uuid
-from datetime import timedelta
 from typing import Any, Callable, Dict, Optional
 
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from framework.errors import ConfigError
 from framework.validate import validate
-from framework.worker import run_rank
 
-log = logging.getLogger("framework")
-PAYLOAD_KEY = "framework/config"
-HANDSHAKE_TIMEOUT = timedelta(minutes=10)
 
 
 class RankFailed(RuntimeError):
@@ -105,42 +96,12 @@ def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
         return json.load(f)
 
 
-def _torchrun_store() -> dist.TCPStore:
-    """Client of the store torchrun's agent hosts for this job."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=HANDSHAKE_TIMEOUT)
-
-
-def launch_in_torchrun_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
-    """Rank 0 under torchrun: validate against the world, publish the config (or the error),
-    then run as rank 0."""
-
-    store = _torchrun_store()
-    try:
-        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]),
-                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
-    except ConfigError as error:
-        store.set(PAYLOAD_KEY, json.dumps({"error": str(error)}))
-        raise
-    write_resolved_config(cfg, out_dir)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    store.set(PAYLOAD_KEY, json.dumps({"cfg": container, "out_dir": out_dir}))
-    return run_rank(container, out_dir)
-
-
-def follow_rank0() -> int:
-    """Ranks > 0 under torchrun: wait for rank 0's config and run it; exit 2 if it refused."""
-
-    payload = json.loads(_torchrun_store().get(PAYLOAD_KEY))
-    if "error" in payload:
-        print(f"rank {os.environ['RANK']}: rank 0 refused the config: {payload['error']}", file=sys.stderr)
-        return 2
-    run_rank(payload["cfg"], payload["out_dir"])
-    return 0
-
-
 def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     if under_torchrun():
+        # Rank 0 of torchrun's world runs as a rank itself; a self-launcher never imports
+        # the ranks' machinery (DTensor and the rest), which keeps its start-up short.
+        from framework.torchrun import launch_in_torchrun_world
+
         return launch_in_torchrun_world(cfg, out_dir)
     validate(cfg)
     return launch_local(cfg, out_dir)

@@ -1,68 +1,47 @@
-"""Tensor-parallel plan: YAML entries -> torch ParallelStyle objects, plus the checks
-that need the model (does a key match a module, can the style apply to it, does it divide).
+"""Tensor-parallel plan checks: does each entry name a known style with options it takes,
+match a module it can apply to, and shard sizes the TP degree divides.
 
 A plan maps a module FQN (with `*` wildcards per name segment, as parallelize_module accepts)
-to a style name and its options. Layouts are written `replicate`, `shard(D)` or null.
+to a style name and its options. Layouts are written `replicate`, `shard(D)` or null (or a list
+of those, one per input). Checking needs no DTensor import, so the launcher stays light;
+framework.parallel.tensor_parallel turns a checked plan into ParallelStyle objects.
 """
 import fnmatch
 import re
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, List, Mapping
 
 from torch import nn
-from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 
 from framework.errors import ConfigError
 
-# style name -> (class, options it accepts). Options left null in YAML are not passed.
-STYLES = {
-    "colwise": (ColwiseParallel, ("input_layouts", "output_layouts", "use_local_output")),
-    "rowwise": (RowwiseParallel, ("input_layouts", "output_layouts", "use_local_output")),
-    "sequence_parallel": (SequenceParallel, ("sequence_dim", "use_local_output")),
-    "prepare_module_input": (
-        PrepareModuleInput,
-        ("input_layouts", "desired_input_layouts", "use_local_output"),
-    ),
-    "prepare_module_output": (
-        PrepareModuleOutput,
-        ("output_layouts", "desired_output_layouts", "use_local_output"),
-    ),
-    "prepare_module_input_output": (
-        PrepareModuleInputOutput,
-        ("input_layouts", "desired_input_layouts", "output_layouts", "desired_output_layouts", "use_local_output"),
-    ),
+# style name -> the options it accepts (torch's keyword arguments). Options left null are not passed.
+STYLE_OPTIONS = {
+    "colwise": ("input_layouts", "output_layouts", "use_local_output"),
+    "rowwise": ("input_layouts", "output_layouts", "use_local_output"),
+    "sequence_parallel": ("sequence_dim", "use_local_output"),
+    "prepare_module_input": ("input_layouts", "desired_input_layouts", "use_local_output"),
+    "prepare_module_output": ("output_layouts", "desired_output_layouts", "use_local_output"),
+    "prepare_module_input_output": ("input_layouts", "desired_input_layouts", "output_layouts",
+                                    "desired_output_layouts", "use_local_output"),
 }
 LAYOUT_OPTIONS = {"input_layouts", "output_layouts", "desired_input_layouts", "desired_output_layouts"}
-ALL_OPTIONS = {"input_layouts", "output_layouts", "desired_input_layouts", "desired_output_layouts",
-               "use_local_output", "sequence_dim"}
+ALL_OPTIONS = LAYOUT_OPTIONS | {"use_local_output", "sequence_dim"}
 # Styles that shard a weight: only these module types have a sharding rule in torch.
 SHARDING_STYLES = {"colwise", "rowwise"}
 SHARDABLE_MODULES = (nn.Linear, nn.Embedding)
 
-_SHARD = re.compile(r"^shard\((-?\d+)\)$")
+LAYOUT = re.compile(r"^(replicate|shard\((-?\d+)\))$")
 
 
-def parse_layout(key: str, value: Any) -> Optional[Placement] | tuple:
-    """`replicate` -> Replicate(), `shard(d)` -> Shard(d), null -> None, a list -> tuple of those."""
+def check_layout(key: str, value: Any) -> None:
+    """A layout is `replicate`, `shard(D)`, null, or a list of those."""
     if value is None:
-        return None
+        return
     if isinstance(value, (list, tuple)):
-        return tuple(parse_layout(key, v) for v in value)
-    text = str(value).strip().lower()
-    if text == "replicate":
-        return Replicate()
-    match = _SHARD.match(text)
-    if match:
-        return Shard(int(match.group(1)))
-    raise ConfigError(key, value, "write a layout as replicate, shard(D) or null")
+        for v in value:
+            check_layout(key, v)
+    elif not LAYOUT.match(str(value).strip().lower()):
+        raise ConfigError(key, value, "write a layout as replicate, shard(D) or null")
 
 
 ROOT = "."  # the plan key that names the model itself
@@ -108,15 +87,15 @@ def check_plan(plan: Mapping[str, Mapping[str, Any]], model: nn.Module, tp_size:
             raise ConfigError(f"{key}.{sorted(unknown)[0]}", entry[sorted(unknown)[0]],
                               f"not a plan option; options are: style, {', '.join(sorted(ALL_OPTIONS))}")
         style = entry.get("style")
-        if style not in STYLES:
-            raise ConfigError(f"{key}.style", style, f"use one of: {', '.join(STYLES)}")
-        accepted = STYLES[style][1]
+        if style not in STYLE_OPTIONS:
+            raise ConfigError(f"{key}.style", style, f"use one of: {', '.join(STYLE_OPTIONS)}")
+        accepted = STYLE_OPTIONS[style]
         for option in ALL_OPTIONS - set(accepted):
             if entry.get(option) is not None:
                 raise ConfigError(f"{key}.{option}", entry.get(option),
                                   f"{style} does not take {option}; it takes: {', '.join(accepted)}")
         for option in LAYOUT_OPTIONS & set(accepted):
-            parse_layout(f"{key}.{option}", entry.get(option))
+            check_layout(f"{key}.{option}", entry.get(option))
         names = matching_modules(model, pattern)
         if not names:
             known = ", ".join(n for n in modules if n) + f" (or {ROOT} for the model itself)"
@@ -131,17 +110,3 @@ def check_plan(plan: Mapping[str, Mapping[str, Any]], model: nn.Module, tp_size:
                         f"nn.Embedding: point it at a Linear/Embedding or use another style",
                     )
                 _check_divisible(key, name, module, style, tp_size)
-
-
-def build_plan(plan: Mapping[str, Mapping[str, Any]]) -> ParallelStyle | Dict[str, ParallelStyle]:
-    """What parallelize_module takes: FQN pattern -> ParallelStyle, or one style for the root."""
-    built = {}
-    for pattern, entry in plan.items():
-        cls, accepted = STYLES[entry["style"]]
-        kwargs = {}
-        for option in accepted:
-            value = entry.get(option)
-            if value is not None:
-                kwargs[option] = parse_layout(f"plan.{pattern}.{option}", value) if option in LAYOUT_OPTIONS else value
-        built[pattern] = cls(**kwargs)
-    return built.pop(ROOT) if ROOT in built else built

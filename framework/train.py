@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from framework.config import register_schema
 from framework.errors import ConfigError
-from framework.launch import RankFailed, follow_rank0, launch, under_torchrun
+from framework.launch import RankFailed, launch, under_torchrun
 
 register_schema()
 
@@ -40,6 +40,8 @@ def hydra_app(cfg: DictConfig) -> None:
 
 def main() -> None:
     if under_torchrun() and os.environ["RANK"] != "0":
+        from framework.torchrun import follow_rank0  # see framework.launch.launch
+
         sys.exit(follow_rank0())
     hydra_app()
 

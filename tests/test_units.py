@@ -9,7 +9,8 @@ from framework.errors import ConfigError
 from framework.mesh import layout_table, submesh_ranks
 from framework.models import SeedMLP
 from framework.parallel.data_parallel import BUCKET_BYTES, _buckets
-from framework.plan import matching_modules, parse_layout
+from framework.parallel.tensor_parallel import to_placement
+from framework.plan import check_layout, matching_modules
 from framework.trainer import batches, lr_multiplier, mfu
 
 
@@ -27,12 +28,13 @@ def test_submesh_ranks_of_a_three_dim_mesh():
     assert submesh_ranks([2, 2, 2], 5, 2) == [4, 5]
 
 
-def test_layouts_parse_to_placements():
-    assert parse_layout("k", "replicate") == Replicate()
-    assert parse_layout("k", "shard(-1)") == Shard(-1)
-    assert parse_layout("k", ["shard(1)", None]) == (Shard(1), None)
+def test_layouts_are_checked_then_turned_into_placements():
+    assert to_placement("replicate") == Replicate()
+    assert to_placement("Shard(-1)") == Shard(-1)
+    assert to_placement(["shard(1)", None]) == (Shard(1), None)
+    check_layout("k", ["shard(1)", None, "replicate"])
     with pytest.raises(ConfigError, match="k='shard'"):
-        parse_layout("k", "shard")
+        check_layout("k", ["replicate", "shard"])
 
 
 def test_wildcards_match_one_name_segment():

@@ -1,11 +1,52 @@
-"""Tensor parallelism: parallelize_module over the TP submesh with the config's plan."""
-from typing import Any, Mapping
+"""Tensor parallelism: parallelize_module over the TP submesh with the config's plan
+(checked beforehand by framework.plan)."""
+from typing import Any, Dict, Mapping
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from framework.plan import build_plan
+from framework.plan import LAYOUT, LAYOUT_OPTIONS, ROOT, STYLE_OPTIONS
+
+STYLE_CLASSES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "sequence_parallel": SequenceParallel,
+    "prepare_module_input": PrepareModuleInput,
+    "prepare_module_output": PrepareModuleOutput,
+    "prepare_module_input_output": PrepareModuleInputOutput,
+}
+assert STYLE_CLASSES.keys() == STYLE_OPTIONS.keys()
+
+
+def to_placement(value: Any) -> Placement | tuple | None:
+    """`replicate` -> Replicate(), `shard(d)` -> Shard(d), null -> None, a list -> a tuple."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return tuple(to_placement(v) for v in value)
+    match = LAYOUT.match(str(value).strip().lower())
+    return Replicate() if match.group(1) == "replicate" else Shard(int(match.group(2)))
+
+
+def build_plan(plan: Mapping[str, Mapping[str, Any]]) -> ParallelStyle | Dict[str, ParallelStyle]:
+    """What parallelize_module takes: FQN pattern -> ParallelStyle, or one style for the root."""
+    built = {}
+    for pattern, entry in plan.items():
+        kwargs = {option: to_placement(entry[option]) if option in LAYOUT_OPTIONS else entry[option]
+                  for option in STYLE_OPTIONS[entry["style"]] if entry.get(option) is not None}
+        built[pattern] = STYLE_CLASSES[entry["style"]](**kwargs)
+    return built.pop(ROOT) if ROOT in built else built
 
 
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, Mapping[str, Any]]) -> nn.Module:

@@ -1,0 +1,55 @@
+"""Joining a world torchrun started (RANK/WORLD_SIZE set) instead of spawning one.
+
+Rank 0 runs Hydra and validation, then hands the resolved config and its output dir to the
+other ranks through the store torchrun's agent hosts; the other ranks never run Hydra and never
+make directories of their own. A config rank 0 refuses is handed over as the error, so every
+rank exits instead of waiting.
+"""
+import json
+import os
+import sys
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from framework.errors import ConfigError
+from framework.launch import write_resolved_config
+from framework.validate import validate
+from framework.worker import run_rank
+
+PAYLOAD_KEY = "framework/config"
+HANDSHAKE_TIMEOUT = timedelta(minutes=10)
+
+
+def _torchrun_store() -> dist.TCPStore:
+    """Client of the store torchrun's agent hosts for this job."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=HANDSHAKE_TIMEOUT)
+
+
+def launch_in_torchrun_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
+    """Rank 0 under torchrun: validate against the world, publish the config (or the error),
+    then run as rank 0."""
+    store = _torchrun_store()
+    try:
+        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]),
+                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+    except ConfigError as error:
+        store.set(PAYLOAD_KEY, json.dumps({"error": str(error)}))
+        raise
+    write_resolved_config(cfg, out_dir)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    store.set(PAYLOAD_KEY, json.dumps({"cfg": container, "out_dir": out_dir}))
+    return run_rank(container, out_dir)
+
+
+def follow_rank0() -> int:
+    """Ranks > 0 under torchrun: wait for rank 0's config and run it; exit 2 if it refused."""
+    payload = json.loads(_torchrun_store().get(PAYLOAD_KEY))
+    if "error" in payload:
+        print(f"rank {os.environ['RANK']}: rank 0 refused the config: {payload['error']}", file=sys.stderr)
+        return 2
+    run_rank(payload["cfg"], payload["out_dir"])
+    return 0
