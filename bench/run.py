@@ -63,6 +63,9 @@ def main() -> None:
             runs["hand-written"].append(run_handwritten(args.mesh, args.steps, work))
             print(f"repeat {i + 1}/{args.repeats}: framework {runs['framework'][-1]}, "
                   f"hand-written {runs['hand-written'][-1]}", flush=True)
+            a_loss, b_loss = runs["framework"][-1]["final_loss"], runs["hand-written"][-1]["final_loss"]
+            if abs(a_loss - b_loss) > 1e-5 * abs(b_loss):
+                sys.exit(f"the two sides trained differently: final loss {a_loss} vs {b_loss}")
         medians = {side: {key: statistics.median(r[key] for r in results) for key in ("median_step_s", "first_step_s")}
                    for side, results in runs.items()}
         a, b = medians["framework"], medians["hand-written"]

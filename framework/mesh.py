@@ -11,12 +11,20 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
+def coordinates(shape: Sequence[int], rank: int) -> List[int]:
+    """Row-major coordinates of `rank` in a mesh of `shape`."""
+    coords = []
+    for size in reversed(shape):
+        rank, coord = divmod(rank, size)
+        coords.append(coord)
+    return coords[::-1]
+
+
 def submesh_ranks(shape: Sequence[int], rank: int, dim: int) -> List[int]:
-    """Ranks of the 1-D submesh along `dim` that contains `rank` (row-major rank order)."""
-    grid = torch.arange(math.prod(shape)).reshape(tuple(shape))
-    coords = list(torch.unravel_index(torch.tensor(rank), tuple(shape)))
-    coords[dim] = slice(None)
-    return grid[tuple(coords)].tolist()
+    """Ranks of the 1-D submesh along `dim` that contains `rank`."""
+    stride = math.prod(shape[dim + 1:])
+    first = rank - coordinates(shape, rank)[dim] * stride
+    return [first + i * stride for i in range(shape[dim])]
 
 
 def layout_table(shape: Sequence[int], dim_names: Sequence[str]) -> str:
@@ -26,9 +34,8 @@ def layout_table(shape: Sequence[int], dim_names: Sequence[str]) -> str:
     header = ["rank", *dim_names, *(f"{name} group" for name in dim_names)]
     rows = []
     for rank in range(world):
-        coords = [int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(shape))]
         groups = [str(submesh_ranks(shape, rank, d)) for d in range(len(shape))]
-        rows.append([str(rank), *map(str, coords), *groups])
+        rows.append([str(rank), *map(str, coordinates(shape, rank)), *groups])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     dims = ", ".join(f"{n}={s}" for n, s in zip(dim_names, shape))

@@ -142,3 +142,13 @@ def test_lm_run_logs_tokens_per_second_and_validation_loss(tmp_path):
     # Warmup: lr after 2 warmup steps is the full lr, logged at step 3 (the lr that step used).
     assert events.Scalars("lr")[0].value == pytest.approx(0.003)
     assert "mfu" not in events.Tags()["scalars"]  # CPU: no peak FLOPs to compare against
+
+
+@pytest.mark.timeout(300)
+def test_bench_runs_both_sides_and_they_train_the_same_model():
+    """A short `make bench`: the driver exits non-zero if the framework's final loss differs
+    from the hand-written script's (same model, data, optimizer, mesh)."""
+    result = run_cli(["--mesh", "1x2", "--steps", "3", "--repeats", "1", "--throughput-meshes", "1x1"],
+                     module="bench.run", timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| step time (s) |" in result.stdout and "| 1x1 |" in result.stdout
