@@ -1,5 +1,6 @@
 """Shared helpers: compose the real configs with Hydra's compose API, run the CLI."""
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +24,18 @@ def compose_config(overrides: List[str] = ()) -> DictConfig:
 
 def run_cli(args: List[str], timeout: float = 240, env: dict | None = None, module: str = "framework.train",
             prefix: List[str] = ()) -> subprocess.CompletedProcess:
-    """Run `python -m framework.train ARGS` (or under a prefix such as torchrun) from the repo root."""
+    """Run `python -m framework.train ARGS` (or under a prefix such as torchrun) from the repo root.
+    On timeout the whole process group goes, ranks included, so a hang leaves nothing running."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [*prefix, "-m", module, *args] if prefix else [sys.executable, "-m", module, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
 
 @pytest.fixture
