@@ -43,7 +43,7 @@ class Backend(str, Enum):
 
 @dataclass
 class MeshConfig:
-    shape: List[int] = field(default_factory=lambda: [1, 1])
+    shape: List[int] = field(default_factory=lambda: [2, 2])
     dim_names: List[str] = field(default_factory=lambda: ["dp", "tp"])
     device_type: DeviceType = DeviceType.cpu
     backend: Backend = Backend.auto
@@ -76,8 +76,8 @@ class DataConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 20
-    log_every: int = 1
+    max_steps: int = 500
+    log_every: int = 10
     seed: int = 0
     grad_clip: Optional[float] = None
     warmup_steps: int = 0

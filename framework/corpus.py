@@ -4,7 +4,8 @@ By default the corpus is this Python's own standard library sources (the top-lev
 sorted by name, so it is the same on every rank and every run on a machine); `path` may name
 any file or directory instead (a directory: its files, recursively, sorted). Tokens are the
 bytes (vocabulary 256). The last `val_fraction` of the bytes is held out for validation.
-Samples are non-overlapping windows of seq_len + 1 tokens: inputs and next-token targets.
+Sample i is the window of seq_len + 1 tokens starting at i * seq_len: inputs and next-token
+targets (consecutive windows share one boundary token).
 """
 import sysconfig
 from pathlib import Path

@@ -38,8 +38,10 @@ def build_sampler(dataset: Dataset, dp_size: int, dp_rank: int, shuffle: bool, s
 
 def build_dataloader(dataset: Dataset, sampler: DistributedSampler, per_replica_batch: int,
                      num_workers: int) -> StatefulDataLoader:
-    """drop_last follows the sampler's: a short last batch would break the global batch size."""
+    """Always drops a last batch shorter than the per-replica batch: every step, on every
+    replica, uses exactly global_batch_size / DP samples (sampler.drop_last only decides whether
+    the sampler trims or pads the epoch to a multiple of the DP size)."""
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StatefulDataLoader(dataset, batch_size=per_replica_batch, sampler=sampler,
-                                  drop_last=sampler.drop_last, num_workers=num_workers)
+                                  drop_last=True, num_workers=num_workers)

@@ -20,7 +20,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from framework.builder import build_and_run
 from framework.config import STAGES, register_schema
 from framework.errors import ConfigError
-from framework.launch import RankFailed, spawn_ranks
+from framework.launch import RankFailed, rank_config, spawn_ranks
 from framework.train import CONFIG_DIR
 from framework.trainer import train_step
 from framework.validate import validate
@@ -51,7 +51,7 @@ def count_collectives(overrides: List[str]) -> Dict[str, int]:
     validate(cfg)
     with tempfile.TemporaryDirectory(prefix="framework-inspect-") as out_dir:
         counts = spawn_ranks(math.prod(cfg.mesh.shape), collectives_of_one_step,
-                             OmegaConf.to_container(cfg, resolve=True), out_dir)[0]
+                             rank_config(cfg), out_dir)[0]
     return dict(sorted(counts.items()))
 
 

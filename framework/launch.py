@@ -16,6 +16,7 @@ import tempfile
 import uuid
 from typing import Any, Callable, Dict, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -75,11 +76,19 @@ def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any) -> Dict[int,
             raise RankFailed(_failure_message(error)) from None
 
 
+def rank_config(cfg: DictConfig) -> dict:
+    """The config the ranks run: resolved, plain values (enums as their names), plus the
+    job's command-line overrides (TensorBoard's hparams show what a sweep varied)."""
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    container["overrides"] = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    return container
+
+
 def write_resolved_config(cfg: DictConfig, out_dir: str) -> str:
     """The config every rank runs, interpolations resolved, kept with the job (.hydra/)."""
     path = os.path.join(out_dir, ".hydra", "resolved_config.yaml")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    OmegaConf.save(cfg, path, resolve=True)
+    OmegaConf.save(OmegaConf.create(rank_config(cfg)), path)
     return path
 
 

@@ -12,14 +12,15 @@ from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from framework.errors import ConfigError
-from framework.launch import write_resolved_config
+from framework.launch import rank_config, write_resolved_config
 from framework.validate import validate
 from framework.worker import run_rank
 
-PAYLOAD_KEY = "framework/config"
+def _payload_key() -> str:
+    """Per restart attempt, so a restarted world never reads the previous attempt's config."""
+    return f"framework/config/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 HANDSHAKE_TIMEOUT = timedelta(minutes=10)
 
 
@@ -36,18 +37,18 @@ def launch_in_torchrun_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     try:
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]),
                  ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
-    except ConfigError as error:
-        store.set(PAYLOAD_KEY, json.dumps({"error": str(error)}))
+    except Exception as error:  # a ConfigError, or anything else: never leave the others waiting
+        store.set(_payload_key(), json.dumps({"error": str(error)}))
         raise
     write_resolved_config(cfg, out_dir)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    store.set(PAYLOAD_KEY, json.dumps({"cfg": container, "out_dir": out_dir}))
+    container = rank_config(cfg)
+    store.set(_payload_key(), json.dumps({"cfg": container, "out_dir": out_dir}))
     return run_rank(container, out_dir)
 
 
 def follow_rank0() -> int:
     """Ranks > 0 under torchrun: wait for rank 0's config and run it; exit 2 if it refused."""
-    payload = json.loads(_torchrun_store().get(PAYLOAD_KEY))
+    payload = json.loads(_torchrun_store().get(_payload_key()))
     if "error" in payload:
         print(f"rank {os.environ['RANK']}: rank 0 refused the config: {payload['error']}", file=sys.stderr)
         return 2

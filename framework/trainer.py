@@ -43,12 +43,13 @@ def batches(sampler, dataloader) -> Iterator:
 
 
 def lr_multiplier(step: int, warmup_steps: int, max_steps: int, decay: str) -> float:
-    """Linear warmup over warmup_steps, then constant or cosine decay to 10% at max_steps."""
+    """For 0-based step `step`: linear warmup over warmup_steps, then constant, or cosine decay
+    reaching 10% on the last step."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if decay == "constant":
         return 1.0
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    progress = (step + 1 - warmup_steps) / max(1, max_steps - warmup_steps)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
@@ -56,7 +57,7 @@ def compute_loss(run: "Run", inputs: torch.Tensor, targets: torch.Tensor) -> tor
     """Forward and loss; logits the plan leaves sharded on the vocabulary (output_layouts
     shard(-1), use_local_output false) get torch's loss_parallel instead of a gather."""
     logits = run.model(inputs)
-    sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard()
+    sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
     with loss_parallel() if sharded else nullcontext():
         return run.loss_fn(logits, targets)
 
@@ -159,9 +160,12 @@ def train(run: "Run") -> dict:
             first_step_s, first_step_unix = now - start, time.time()
         progress.update(1)
         if trainer.eval_every and step % trainer.eval_every == 0:
+            eval_start = time.perf_counter()
             val_losses.append([step, evaluate(run, device)])
             if tb:
                 tb.log_scalars(step, {"val_loss": val_losses[-1][1]})
+            eval_s = time.perf_counter() - eval_start  # kept out of step times and throughput
+            step_start, window_start, start = step_start + eval_s, window_start + eval_s, start + eval_s
         if not logging_step:
             continue
         new_losses = mean_over_dp(run, pending)
@@ -179,7 +183,7 @@ def train(run: "Run") -> dict:
         if tb:
             tb.log_scalars(step, scalars)
     progress.close()
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - start  # training time, evaluation excluded
     steady_steps = trainer.max_steps - 1
     samples_per_s = global_batch * steady_steps / (wall - first_step_s) if steady_steps else math.nan
     summary = {
@@ -191,7 +195,8 @@ def train(run: "Run") -> dict:
         "losses": losses,
         "grad_norms": grad_norms,
         "val_losses": val_losses,
-        "time_to_first_step_s": first_step_s,
+        "overrides": list(cfg.get("overrides", [])),
+        "first_step_s": first_step_s,  # step 1 alone (compiles, warms caches): kept out of samples_per_s
         "first_step_done_unix": first_step_unix,  # for startup timing from outside (bench/)
         "step_times_s": step_times,
         "wall_s": wall,
@@ -204,7 +209,8 @@ def train(run: "Run") -> dict:
         if tb:
             tb.log_hparams(
                 {"mesh": "x".join(map(str, cfg.mesh.shape)), "dim_names": list(cfg.mesh.dim_names),
-                 "plan": summary["plan"], "global_batch_size": global_batch, "max_steps": trainer.max_steps},
+                 "plan": summary["plan"], "global_batch_size": global_batch, "max_steps": trainer.max_steps,
+                 **dict(override.split("=", 1) for override in summary["overrides"] if "=" in override)},
                 {"final/loss": summary["final_loss"], "final/samples_per_s": summary["samples_per_s"]},
                 trainer.max_steps,
             )

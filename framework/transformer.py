@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.errors import ConfigError
+
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles."""
@@ -73,7 +75,7 @@ class Transformer(nn.Module):
                  hidden_dim: int = 128):
         super().__init__()
         if dim % n_heads:
-            raise ValueError(f"dim={dim} must be a multiple of n_heads={n_heads}")
+            raise ConfigError("model.dim", dim, f"must be a multiple of model.n_heads={n_heads} (heads of equal size)")
         self.n_heads = n_heads
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleList(TransformerBlock(dim, n_heads, hidden_dim) for _ in range(n_layers))

@@ -49,6 +49,8 @@ def check_mesh(cfg: DictConfig) -> None:
     for name, size in zip(names, shape):
         if size < 1:
             raise ConfigError("mesh.shape", shape, f"dim {name!r} has size {size}; every size must be >= 1")
+    if cfg.mesh.ranks_per_host is not None and cfg.mesh.ranks_per_host < 1:
+        raise ConfigError("mesh.ranks_per_host", cfg.mesh.ranks_per_host, "must be >= 1, or null for all ranks on one host")
     if cfg.mesh.device_type == "cpu" and cfg.mesh.backend == "nccl":
         raise ConfigError("mesh.backend", "nccl", "nccl needs mesh.device_type=cuda; use gloo (or auto) on cpu")
     dp, tp = cfg.parallel.dp_dim, cfg.parallel.tp_dim
@@ -71,12 +73,12 @@ def check_tp_placement(cfg: DictConfig, ranks_per_host: int) -> None:
     if tp is None or shape[names.index(tp)] == 1:
         return
     tp_index = names.index(tp)
-    outer = [n for n, s in zip(names[tp_index + 1:], shape[tp_index + 1:]) if s > 1]
-    if outer and cfg.parallel.enforce_tp_innermost:
+    inner_dims = [n for n, s in zip(names[tp_index + 1:], shape[tp_index + 1:]) if s > 1]
+    if inner_dims and cfg.parallel.enforce_tp_innermost:
         raise ConfigError("mesh.dim_names", names,
                           f"the TP dim {tp!r} must be innermost (last of the dims larger than 1) so its "
                           f"ranks are neighbours; reorder the mesh, or set "
-                          f"parallel.enforce_tp_innermost=false to run it across {outer} anyway")
+                          f"parallel.enforce_tp_innermost=false to keep {inner_dims} inside it anyway")
     if cfg.parallel.allow_tp_across_hosts:
         return
     for rank in range(math.prod(shape)):
@@ -179,12 +181,20 @@ def check_optimizer(cfg: DictConfig) -> None:
 
 
 def check_dataset(cfg: DictConfig) -> None:
+    """Each split used fills at least one global batch."""
+    splits = {"train": {}}
     if cfg.trainer.eval_every:
-        instantiate_checked(cfg.data.dataset, split="val")
-    size = len(instantiate_checked(cfg.data.dataset))
-    if size < cfg.data.global_batch_size:
-        raise ConfigError("data.global_batch_size", cfg.data.global_batch_size,
-                          f"the dataset has only {size} samples; lower the batch or grow the dataset")
+        if "split" not in inspect.signature(get_class(cfg.data.dataset._target_)).parameters:
+            raise ConfigError("trainer.eval_every", cfg.trainer.eval_every,
+                              f"{cfg.data.dataset._target_} has no `split` argument, so no held-out data; "
+                              f"set trainer.eval_every=null or use a dataset with a val split")
+        splits["val"] = {"split": "val"}
+    for name, kwargs in splits.items():
+        size = len(instantiate_checked(cfg.data.dataset, **kwargs))
+        if size < cfg.data.global_batch_size:
+            raise ConfigError("data.global_batch_size", cfg.data.global_batch_size,
+                              f"the dataset's {name} split has only {size} samples; lower the batch or give "
+                              f"more data")
 
 
 def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: Optional[int] = None,

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 from typing import List
 
-import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -37,7 +36,3 @@ def run_cli(args: List[str], timeout: float = 240, env: dict | None = None, modu
             raise
     return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
-
-@pytest.fixture
-def out_dir(tmp_path) -> Path:
-    return tmp_path / "run"

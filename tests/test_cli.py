@@ -1,6 +1,7 @@
 """End to end through the command line, in subprocesses: outputs, TensorBoard, multirun,
 recipes, rank failure, torchrun."""
 import json
+import math
 import os
 import shutil
 import uuid
@@ -31,6 +32,7 @@ def test_train_writes_one_job_dir_with_summary_logs_and_tensorboard(tmp_path):
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["rank0.log", "rank1.log"]
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["losses"]) == 6 and len(summary["grad_norms"]) == 3
+    assert summary["overrides"] == ["mesh=2x1", "trainer.max_steps=6", "trainer.log_every=2"]
 
     events = read_events(out / "tb")
     loss = events.Scalars("loss")
@@ -139,8 +141,10 @@ def test_lm_run_logs_tokens_per_second_and_validation_loss(tmp_path):
     tokens = events.Scalars("tokens_per_s")
     samples = events.Scalars("samples_per_s")
     assert [t.value for t in tokens] == pytest.approx([s.value * 32 for s in samples])
-    # Warmup: lr after 2 warmup steps is the full lr, logged at step 3 (the lr that step used).
-    assert events.Scalars("lr")[0].value == pytest.approx(0.003)
+    # 2 warmup steps, then cosine over steps 3..6 down to 10% of optim.lr=0.003 on step 6;
+    # each logged lr is the one its step used.
+    assert [e.value for e in events.Scalars("lr")] == pytest.approx(
+        [0.003 * (0.1 + 0.45 * (1 + math.cos(math.pi / 4))), 0.0003])
     assert "mfu" not in events.Tags()["scalars"]  # CPU: no peak FLOPs to compare against
 
 

@@ -2,11 +2,10 @@
 the corpus, and the FLOPs count behind MFU."""
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from framework.corpus import ByteCorpus
 from framework.errors import ConfigError
-from framework.launch import launch_local, spawn_ranks
+from framework.launch import launch_local, rank_config, spawn_ranks
 from framework.transformer import Transformer
 from framework.validate import validate
 from tests.conftest import compose_config
@@ -37,7 +36,7 @@ def test_lm_loss_equals_single_process_training(mesh, plan, tmp_path):
 @pytest.mark.timeout(240)
 def test_lm_dp_replicas_identical_and_each_tp_rank_holds_one_tp_th_of_each_sharded_weight(tmp_path):
     cfg = compose_config([*TINY, "mesh=2x2", "plan=lm_tp_sp", "trainer.max_steps=5"])
-    reports = [r for _, r in sorted(spawn_ranks(4, train_and_report, OmegaConf.to_container(cfg, resolve=True),
+    reports = [r for _, r in sorted(spawn_ranks(4, train_and_report, rank_config(cfg),
                                                 str(tmp_path)).items())]
     full = dict(Transformer(**{k: v for k, v in cfg.model.items() if k != "_target_"}).named_parameters())
     sharded_rows = ["attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"]
@@ -61,6 +60,13 @@ def test_missing_or_empty_corpus_is_a_config_error_before_launch(tmp_path):
     empty.mkdir()
     with pytest.raises(ConfigError, match=r"data.dataset.path=.*holds no window of seq_len\+1=129 bytes"):
         validate(compose_config(["recipe=lm_2d", f"data.dataset.path={empty}"]))
+
+
+def test_validation_split_must_fill_a_global_batch_and_heads_must_divide_dim():
+    with pytest.raises(ConfigError, match=r"data.global_batch_size=16: the dataset's val split has only 7 samples"):
+        validate(compose_config(["recipe=lm_2d", "data.dataset.max_bytes=20000"]))
+    with pytest.raises(ConfigError, match=r"model.dim=30: must be a multiple of model.n_heads=4"):
+        validate(compose_config(["recipe=lm_2d", "model=lm_tiny", "model.dim=30"]))
 
 
 def test_heads_and_sequence_must_divide_by_the_tp_size():

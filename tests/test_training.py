@@ -2,9 +2,9 @@
 model as one process would, DP replicas stay bitwise identical, parameters stay visible."""
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from framework.launch import launch_local, spawn_ranks
+from framework.launch import launch_local, rank_config, spawn_ranks
+from framework.data import SyntheticRegression
 from tests.conftest import compose_config
 from tests.reference import max_relative_error, reference_training
 from tests.workers import seed_literal_ddp_then_tp, train_and_report
@@ -45,7 +45,7 @@ def test_dp_replicas_stay_bitwise_identical_and_parameters_stay_visible(override
     cfg = compose_config([*overrides, "trainer.max_steps=6", "trainer.log_every=1", *QUIET])
     reference = reference_training(cfg)
     reports = _by_rank(spawn_ranks(int(torch.tensor(list(cfg.mesh.shape)).prod()), train_and_report,
-                                   OmegaConf.to_container(cfg, resolve=True), str(tmp_path)))
+                                   rank_config(cfg), str(tmp_path)))
     tp_size = cfg.mesh.shape[1]
     worst = 0.0
     for report in reports:
@@ -86,7 +86,7 @@ def test_clip_by_global_norm_with_mixed_dtensor_and_plain_parameters(tmp_path):
 def test_sampler_follows_the_dp_submesh(tmp_path):
     """TP peers read the same samples, DP replicas disjoint ones covering the epoch once."""
     cfg = compose_config(["mesh=2x2", "trainer.max_steps=1", *QUIET])
-    reports = _by_rank(spawn_ranks(4, train_and_report, OmegaConf.to_container(cfg, resolve=True), str(tmp_path)))
+    reports = _by_rank(spawn_ranks(4, train_and_report, rank_config(cfg), str(tmp_path)))
     by_dp = {}
     for report in reports:
         by_dp.setdefault(report["dp_rank"], []).append(report["epoch0_indices"])
@@ -96,6 +96,10 @@ def test_sampler_follows_the_dp_submesh(tmp_path):
     first, second = by_dp[0][0], by_dp[1][0]
     assert not set(first) & set(second)
     assert sorted(first + second) == list(range(1536))
+    # The loader really reads through that sampler: step 1's batch is its first 12 indices.
+    dataset = SyntheticRegression(**{k: v for k, v in cfg.data.dataset.items() if k != "_target_"})
+    for report in reports:
+        assert torch.equal(report["first_batch_inputs"], dataset.inputs[report["epoch0_indices"][:12]])
 
 
 @pytest.mark.timeout(180)

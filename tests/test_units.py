@@ -66,9 +66,9 @@ def test_buckets_keep_order_split_by_dtype_and_size():
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_a_tenth():
     assert [lr_multiplier(s, 4, 104, "cosine") for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_multiplier(4, 4, 104, "cosine") == pytest.approx(1.0)
-    assert lr_multiplier(54, 4, 104, "cosine") == pytest.approx(0.1 + 0.9 * 0.5)  # halfway
-    assert lr_multiplier(104, 4, 104, "cosine") == pytest.approx(0.1)
+    assert lr_multiplier(3, 4, 104, "cosine") == 1.0  # last warmup step: the full lr
+    assert lr_multiplier(53, 4, 104, "cosine") == pytest.approx(0.1 + 0.9 * 0.5)  # halfway
+    assert lr_multiplier(103, 4, 104, "cosine") == pytest.approx(0.1)  # the last of 104 steps
     assert lr_multiplier(50, 4, 104, "constant") == 1.0
 
 

@@ -36,6 +36,7 @@ def train_and_report(cfg_container: dict, out_dir: str) -> dict:
         "state_dict_keys": sorted(run.model.state_dict()),
         "optimizer_params": sum(len(g["params"]) for g in run.optimizer.param_groups),
         "epoch0_indices": list(iter(run.sampler)),
+        "first_batch_inputs": next(iter(run.dataloader))[0],  # what step 1 trained on
         "summary": run.summary,
     }
     dist.destroy_process_group()

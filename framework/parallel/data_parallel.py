@@ -4,7 +4,7 @@ The seed wraps `DDP(model, process_group=dp_group)` and then replaces `model.mod
 layers with `parallelize_module`. torch's DDP binds its gradient reducer to the Parameter
 objects that exist at construction; TP swaps them for new DTensor Parameters, so no gradient
 all-reduce ever reaches the TP layers and the DP replicas silently diverge (measured on
-torch 2.13; tests/test_parallel.py keeps that measurement). Applying TP first does not help
+torch 2.13; tests/test_training.py keeps that measurement). Applying TP first does not help
 either: plain DDP cannot broadcast DTensors, and DDP(device_mesh=...) leaves
 `model.parameters()` empty after the first forward.
 
