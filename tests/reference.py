@@ -27,7 +27,7 @@ def reference_training(cfg: DictConfig) -> Dict[str, List[float]]:
         if cfg.trainer.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
         else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         optimizer.step()
         losses.append(loss.item())
         grad_norms.append(norm.item())

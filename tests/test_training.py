@@ -2,6 +2,7 @@
 model as one process would, DP replicas stay bitwise identical, parameters stay visible."""
 import pytest
 import torch
+from hydra.utils import instantiate
 
 from framework.launch import launch_local, rank_config, spawn_ranks
 from framework.data import SyntheticRegression
@@ -80,6 +81,22 @@ def test_clip_by_global_norm_with_mixed_dtensor_and_plain_parameters(tmp_path):
     assert max(reference["grad_norms"]) > 0.3
     assert max_relative_error(summary["grad_norms"], reference["grad_norms"]) < 1e-5
     assert max_relative_error(summary["losses"], reference["losses"]) < 1e-5
+
+
+@pytest.mark.timeout(180)
+def test_a_parameter_no_replica_uses_stays_untouched_as_in_one_process(tmp_path):
+    """AdamW's weight decay moves any parameter that has a gradient, even a zero one; like one
+    process (and DDP), an unused layer must get none and stay as initialised."""
+    cfg = compose_config(["mesh=2x2", "allowed_targets=[framework,torch.nn,torch.optim,tests]",
+                          "model._target_=tests.workers.WithUnusedLayer", "optim=adamw", "trainer.max_steps=3",
+                          *QUIET])
+    reference = reference_training(cfg)
+    reports = _by_rank(spawn_ranks(4, train_and_report, rank_config(cfg), str(tmp_path)))
+    torch.manual_seed(cfg.trainer.seed)
+    initial = instantiate(cfg.model).unused.weight
+    for report in reports:
+        assert torch.equal(report["params"]["unused.weight"], initial)
+    assert max_relative_error(reports[0]["summary"]["losses"], reference["losses"]) < 1e-5
 
 
 @pytest.mark.timeout(180)

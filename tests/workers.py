@@ -4,6 +4,7 @@ import os
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from framework.builder import build_and_run
@@ -66,3 +67,11 @@ def seed_literal_ddp_then_tp(steps: int) -> dict:
     report = {"params": {name: local_tensor(p) for name, p in model.module.named_parameters()}}
     dist.destroy_process_group()
     return report
+
+
+class WithUnusedLayer(SeedMLP):
+    """The seed model plus a layer forward never uses (a frozen branch, an unused head)."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        self.unused = nn.Linear(4, 4)

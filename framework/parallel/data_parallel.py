@@ -79,19 +79,24 @@ class DataParallel(nn.Module):
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Make every trainable parameter's gradient final: placed like its parameter (TP) and
-        averaged over DP. A parameter without a gradient contributes zeros, so every replica
-        runs the same collectives and ends with the same gradients."""
+        averaged over DP. A parameter no replica used keeps no gradient (the optimizer skips it,
+        as it would in one process); one only some replicas used gets their average, the
+        others counting zeros. Every replica runs the same collectives either way."""
         self._sync_queued = False
         params = [p for p in self.module.parameters() if p.requires_grad]
+        _reduce_partial_grads([p for p in params if p.grad is not None])
+        if self.dp_size == 1:
+            return
+        used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        _reduce_partial_grads(params)
-        if self.dp_size == 1:
-            return
         # to_local() is a view, so writing it writes the DTensor gradient's shard.
         local_grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        _in_flat_buckets(local_grads, lambda flat: _average(flat, self.dp_group, self.dp_size))
+        _in_flat_buckets([*local_grads, used], lambda flat: _average(flat, self.dp_group, self.dp_size))
+        for p, used_somewhere in zip(params, used.tolist()):
+            if not used_somewhere:
+                p.grad = None
 
 
 def _reduce_partial_grads(params: List[torch.Tensor]) -> None:
