@@ -26,7 +26,9 @@ FRAMEWORK_SETTINGS = ["recipe=lm_2d", "trainer.eval_every=null", "trainer.grad_c
 def timed_launch(cmd, result_path: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launched = time.time()
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     result = json.loads(result_path.read_text())
     steady = result["step_times_s"][1:]  # step 1 includes warm-up work on both sides
     return {"median_step_s": statistics.median(steady), "first_step_s": result["first_step_done_unix"] - launched,
