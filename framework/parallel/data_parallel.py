@@ -85,7 +85,7 @@ class DataParallel(nn.Module):
         self._sync_queued = False
         params = [p for p in self.module.parameters() if p.requires_grad]
         _reduce_partial_grads([p for p in params if p.grad is not None])
-        if self.dp_size == 1:
+        if self.dp_size == 1 or not params:
             return
         used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
         for p in params:
