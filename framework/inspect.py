@@ -22,7 +22,7 @@ from framework.config import STAGES, register_schema
 from framework.errors import ConfigError
 from framework.launch import RankFailed, rank_config, spawn_ranks
 from framework.train import CONFIG_DIR
-from framework.trainer import train_step
+from framework.trainer import forward_backward
 from framework.validate import validate
 
 USAGE = "usage: python -m framework.inspect comm [hydra overrides, e.g. recipe=lm_2d mesh=1x2]"
@@ -37,7 +37,7 @@ def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]
     # CommDebugMode's module tracker registers full backward hooks, which warn on the first module.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     with CommDebugMode() as comm:
-        train_step(run, inputs, targets)
+        forward_backward(run, inputs, targets)
         run.optimizer.step()
     counts = {str(op).removeprefix("torch.ops."): n for op, n in comm.get_comm_counts().items()}
     dist.destroy_process_group()

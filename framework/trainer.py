@@ -62,8 +62,9 @@ def compute_loss(run: "Run", inputs: torch.Tensor, targets: torch.Tensor) -> tor
         return run.loss_fn(logits, targets)
 
 
-def train_step(run: "Run", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """One optimizer step without clipping or logging: what the comm audit and bench time."""
+def forward_backward(run: "Run", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Zero the gradients, forward, loss, backward (gradients come out final): the part of a
+    step the training loop and the comm audit share; clipping and the optimizer step follow."""
     run.optimizer.zero_grad(set_to_none=True)
     loss = compute_loss(run, inputs, targets)
     with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
@@ -143,7 +144,7 @@ def train(run: "Run") -> dict:
     model.train()
     for step in range(1, trainer.max_steps + 1):
         inputs, targets = (t.to(device) for t in next(data))
-        loss = train_step(run, inputs, targets)
+        loss = forward_backward(run, inputs, targets)
         logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
         if trainer.grad_clip is not None:
             grad_norm = clip_grad_norm(model.parameters(), trainer.grad_clip)
