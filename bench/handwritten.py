@@ -19,8 +19,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from framework.corpus import ByteCorpus
-from framework.transformer import NextTokenLoss, Transformer
+from framework.data.corpus import ByteCorpus
+from framework.models.transformer import NextTokenLoss, Transformer
 
 
 def tp_sp_plan(n_layers: int) -> dict:

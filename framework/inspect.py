@@ -17,13 +17,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.distributed.tensor.debug import CommDebugMode
 
-from framework.builder import build_and_run
-from framework.config import STAGES, register_schema
-from framework.errors import ConfigError
-from framework.launch import RankFailed, rank_config, spawn_ranks
+from framework.training.builder import build_and_run
+from framework.config.schema import STAGES, register_schema
+from framework.config.errors import ConfigError
+from framework.launch.handoff import rank_config
+from framework.launch.local import RankFailed, spawn_ranks
 from framework.train import CONFIG_DIR
-from framework.trainer import forward_backward
-from framework.validate import validate
+from framework.training.loop import forward_backward
+from framework.config.validate import validate
 
 USAGE = "usage: python -m framework.inspect comm [hydra overrides, e.g. recipe=lm_2d mesh=1x2]"
 

@@ -6,14 +6,17 @@ exits with status 1 and names the rank and its error.
 import os
 import shutil
 import sys
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from framework.config import register_schema
-from framework.errors import ConfigError
-from framework.launch import RankFailed, launch, under_torchrun
+from framework.config.schema import register_schema
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
+from framework.launch.handoff import under_torchrun
+from framework.launch.local import RankFailed, launch_local
 
 register_schema()
 
@@ -21,6 +24,18 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 # What Hydra puts in a job's dir before the task runs; a job refused at validation leaves nothing.
 HYDRA_ONLY = {".hydra", "train.log"}
+
+
+def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
+    """Join torchrun's world when inside one, else validate and start the ranks here."""
+    if under_torchrun():
+        # Rank 0 of torchrun's world runs as a rank itself; a self-launcher never imports
+        # the ranks' machinery (DTensor and the rest), which keeps its start-up short.
+        from framework.launch.torchrun import launch_in_torchrun_world
+
+        return launch_in_torchrun_world(cfg, out_dir)
+    validate(cfg)
+    return launch_local(cfg, out_dir)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
@@ -40,7 +55,7 @@ def hydra_app(cfg: DictConfig) -> None:
 
 def main() -> None:
     if under_torchrun() and os.environ["RANK"] != "0":
-        from framework.torchrun import follow_rank0  # see framework.launch.launch
+        from framework.launch.torchrun import follow_rank0  # see launch()
 
         sys.exit(follow_rank0())
     hydra_app()

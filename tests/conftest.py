@@ -9,7 +9,7 @@ from typing import List
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from framework.config import register_schema
+from framework.config.schema import register_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

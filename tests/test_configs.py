@@ -5,9 +5,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from framework.config import register_schema
+from framework.config.schema import register_schema
 
-from framework.validate import validate
+from framework.config.validate import validate
 from tests.conftest import CONF, ROOT, compose_config
 
 GROUPS = ["mesh", "model", "plan", "sampler", "data", "optim", "trainer", "logger"]

@@ -3,11 +3,12 @@ the corpus, and the FLOPs count behind MFU."""
 import pytest
 import torch
 
-from framework.corpus import ByteCorpus
-from framework.errors import ConfigError
-from framework.launch import launch_local, rank_config, spawn_ranks
-from framework.transformer import Transformer
-from framework.validate import validate
+from framework.data.corpus import ByteCorpus
+from framework.config.errors import ConfigError
+from framework.launch.handoff import rank_config
+from framework.launch.local import launch_local, spawn_ranks
+from framework.models.transformer import Transformer
+from framework.config.validate import validate
 from tests.conftest import compose_config
 from tests.reference import max_relative_error, reference_training
 from tests.workers import train_and_report

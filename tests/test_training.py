@@ -4,7 +4,8 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from framework.launch import launch_local, rank_config, spawn_ranks
+from framework.launch.handoff import rank_config
+from framework.launch.local import launch_local, spawn_ranks
 from framework.data import SyntheticRegression
 from tests.conftest import compose_config
 from tests.reference import max_relative_error, reference_training

@@ -4,14 +4,15 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils.data import DataLoader
 
-from framework.data import SyntheticRegression, build_sampler
-from framework.errors import ConfigError
-from framework.mesh import layout_table, submesh_ranks
+from framework.data import SyntheticRegression
+from framework.data.loader import build_sampler
+from framework.config.errors import ConfigError
+from framework.parallel.mesh import layout_table, submesh_ranks
 from framework.models import SeedMLP
 from framework.parallel.data_parallel import BUCKET_BYTES, _buckets
 from framework.parallel.tensor_parallel import to_placement
-from framework.plan import check_layout, matching_modules
-from framework.trainer import batches, lr_multiplier, mfu
+from framework.parallel.plan import check_layout, matching_modules
+from framework.training.loop import batches, lr_multiplier, mfu
 
 
 def test_layout_of_the_seed_mesh_lists_each_ranks_groups():

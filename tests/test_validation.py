@@ -1,8 +1,8 @@
 """Every bad config is refused before launch with one message naming key, value and fix."""
 import pytest
 
-from framework.errors import ConfigError
-from framework.validate import validate
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
 from tests.conftest import run_cli, compose_config
 
 BAD_CONFIGS = [
@@ -38,6 +38,10 @@ BAD_CONFIGS = [
     (["+optim.betas=[0.9,0.95]"], r"optim=.*: SGD cannot be built: got an unexpected keyword argument 'betas'"),
     (["trainer.eval_every=5"], r"trainer.eval_every=5: framework.data.SyntheticRegression has no `split` argument"),
     (["mesh.ranks_per_host=0"], r"mesh.ranks_per_host=0: must be >= 1"),
+    (["model=lm_tiny", "data=byte_corpus", "plan=none", "model._target_=framework.transformer.Transformer"],
+     r"model._target_='framework.transformer.Transformer': this module moved; use framework.models.Transformer"),
+    (["model=lm_tiny", "data=byte_corpus", "plan=none", "data.dataset._target_=framework.corpus.ByteCorpus"],
+     r"data.dataset._target_='framework.corpus.ByteCorpus': this module moved; use framework.data.ByteCorpus"),
     (["trainer.grad_clip=0"], r"trainer.grad_clip=0.0: must be > 0"),
     (["mesh.backend=nccl"], r"mesh.backend='nccl': nccl needs mesh.device_type=cuda"),
 ]

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from framework.builder import build_and_run
+from framework.training.builder import build_and_run
 from framework.models import SeedMLP
 
 

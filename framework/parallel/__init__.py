@@ -1,5 +1,5 @@
-"""One small function per parallelism: apply_dp, apply_tp."""
-from framework.parallel.data_parallel import DataParallel, apply_dp
-from framework.parallel.tensor_parallel import apply_tp
+"""Building the parallel model: mesh roles (mesh), TP plan checks (plan) and styles
+(tensor_parallel), DP before TP (data_parallel), the global gradient norm (grad_norm).
 
-__all__ = ["DataParallel", "apply_dp", "apply_tp"]
+Kept import-free: the launcher validates plans through framework.parallel.plan without
+importing DTensor."""

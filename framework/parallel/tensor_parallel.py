@@ -1,5 +1,5 @@
 """Tensor parallelism: parallelize_module over the TP submesh with the config's plan
-(checked beforehand by framework.plan)."""
+(checked beforehand by framework.parallel.plan)."""
 from typing import Any, Dict, Mapping
 
 from torch import nn
@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from framework.plan import LAYOUT, LAYOUT_OPTIONS, ROOT, STYLE_OPTIONS
+from framework.parallel.plan import LAYOUT, LAYOUT_OPTIONS, ROOT, STYLE_OPTIONS
 
 STYLE_CLASSES = {
     "colwise": ColwiseParallel,

@@ -10,10 +10,10 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.overrides import TorchFunctionMode
 
-from framework.config import STAGES
-from framework.errors import ConfigError
-from framework.mesh import submesh_ranks
-from framework.plan import check_plan
+from framework.config.schema import STAGES
+from framework.config.errors import ConfigError
+from framework.parallel.mesh import submesh_ranks
+from framework.parallel.plan import check_plan
 
 
 def _targets(node: Any, path: str) -> Iterator[Tuple[str, str]]:
@@ -30,10 +30,18 @@ def _targets(node: Any, path: str) -> Iterator[Tuple[str, str]]:
             yield from _targets(value, f"{path}[{i}]")
 
 
+# Modules that moved when framework/ was grouped by concern: old `_target_` prefix -> new one.
+MOVED_TARGETS = {"framework.transformer.": "framework.models.", "framework.corpus.": "framework.data."}
+
+
 def check_targets(cfg: DictConfig) -> None:
-    """A config must not run arbitrary code: every `_target_` lies under an allowed package."""
+    """A config must not run arbitrary code: every `_target_` lies under an allowed package.
+    A target under a module that moved is named with its new path."""
     allowed = list(cfg.allowed_targets)
     for key, target in _targets(cfg, ""):
+        for old, new in MOVED_TARGETS.items():
+            if target.startswith(old):
+                raise ConfigError(key, target, f"this module moved; use {new}{target[len(old):]}")
         if not any(target == prefix or target.startswith(prefix + ".") for prefix in allowed):
             raise ConfigError(key, target,
                               f"only targets under {allowed} may be instantiated; add the package to "

@@ -14,9 +14,9 @@ from typing import Optional
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from framework.launch import rank_config, write_resolved_config
-from framework.validate import validate
-from framework.worker import run_rank
+from framework.launch.handoff import rank_config, write_resolved_config
+from framework.config.validate import validate
+from framework.launch.worker import run_rank
 
 def _payload_key() -> str:
     """Per restart attempt, so a restarted world never reads the previous attempt's config."""

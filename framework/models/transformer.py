@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.errors import ConfigError
+from framework.config.errors import ConfigError
 
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
     def tp_sharded_counts(self) -> Dict[str, int]:
-        """Counts a TP plan splits whole across ranks (checked by framework.validate)."""
+        """Counts a TP plan splits whole across ranks (checked by framework.config.validate)."""
         return {"model.n_heads": self.n_heads}
 
     def flops_per_token(self, seq_len: int) -> int:

@@ -1,45 +1,27 @@
-"""The run, built stage by stage in the fixed order of framework.config.STAGES.
+"""The run, built stage by stage in the fixed order of framework.config.schema.STAGES.
 
 Each stage reads the config and what earlier stages built, and adds one thing to `Run`.
 `cfg.pipeline` may stop early (a prefix of STAGES, e.g. the seed_mesh recipe stops after
-`mesh`); any other order was refused by framework.validate before launch.
+`mesh`); any other order was refused by framework.config.validate before launch.
 """
 import logging
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Dict, Optional
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import STAGES
-from framework.data import build_dataloader, build_sampler
-from framework.mesh import build_mesh, layout_table, role_coordinates
-from framework.parallel import apply_dp, apply_tp
-from framework.trainer import lr_multiplier, train
+from framework.config.schema import STAGES
+from framework.data.loader import build_dataloader, build_sampler
+from framework.parallel.mesh import build_mesh, layout_table, role_coordinates
+from framework.parallel.data_parallel import apply_dp
+from framework.parallel.tensor_parallel import apply_tp
+from framework.training.loop import lr_multiplier, train
+from framework.training.run import Run
 
 log = logging.getLogger("framework")
-
-
-@dataclass
-class Run:
-    cfg: DictConfig
-    out_dir: str
-    rank: int = 0
-    mesh: Any = None
-    dp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} of the DP role
-    tp: Dict[str, int] = field(default_factory=dict)
-    model: Any = None
-    dataset: Any = None
-    sampler: Any = None
-    dataloader: Any = None
-    val_dataloader: Any = None  # only with trainer.eval_every
-    loss_fn: Any = None
-    optimizer: Any = None
-    scheduler: Any = None
-    summary: Optional[dict] = None
 
 
 def backend_for(mesh_cfg: DictConfig) -> str:

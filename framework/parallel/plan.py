@@ -12,7 +12,7 @@ from typing import Any, List, Mapping
 
 from torch import nn
 
-from framework.errors import ConfigError
+from framework.config.errors import ConfigError
 
 # style name -> the options it accepts (torch's keyword arguments). Options left null are not passed.
 STYLE_OPTIONS = {

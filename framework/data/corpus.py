@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 from torch.utils.data import Dataset
 
-from framework.errors import ConfigError
+from framework.config.errors import ConfigError
 
 VOCAB_SIZE = 256
 

@@ -10,7 +10,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,12 +19,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from tqdm import tqdm
 
-from framework.logger import TensorBoardLogger
-from framework.mesh import layout_table
+from framework.training.logger import TensorBoardLogger
+from framework.parallel.mesh import layout_table
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
-
-if TYPE_CHECKING:
-    from framework.builder import Run
+from framework.training.run import Run
 
 log = logging.getLogger("framework")
 
@@ -53,7 +51,7 @@ def lr_multiplier(step: int, warmup_steps: int, max_steps: int, decay: str) -> f
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def compute_loss(run: "Run", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def compute_loss(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Forward and loss; logits the plan leaves sharded on the vocabulary (output_layouts
     shard(-1), use_local_output false) get torch's loss_parallel instead of a gather."""
     logits = run.model(inputs)
@@ -62,7 +60,7 @@ def compute_loss(run: "Run", inputs: torch.Tensor, targets: torch.Tensor) -> tor
         return run.loss_fn(logits, targets)
 
 
-def forward_backward(run: "Run", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def forward_backward(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Zero the gradients, forward, loss, backward (gradients come out final): the part of a
     step the training loop and the comm audit share; clipping and the optimizer step follow."""
     run.optimizer.zero_grad(set_to_none=True)
@@ -76,7 +74,7 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
     return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
 
 
-def mean_over_dp(run: "Run", values: List[torch.Tensor]) -> List[float]:
+def mean_over_dp(run: Run, values: List[torch.Tensor]) -> List[float]:
     """Mean over DP replicas of each per-replica value: the global-batch value."""
     stacked = torch.stack(values)
     if run.dp["size"] > 1:
@@ -86,7 +84,7 @@ def mean_over_dp(run: "Run", values: List[torch.Tensor]) -> List[float]:
 
 
 @torch.no_grad()
-def evaluate(run: "Run", device: torch.device) -> float:
+def evaluate(run: Run, device: torch.device) -> float:
     """Mean loss over trainer.eval_batches batches of the held-out split, over all replicas."""
     run.model.eval()
     data = iter(run.val_dataloader)
@@ -117,7 +115,7 @@ def write_json_atomically(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def train(run: "Run") -> dict:
+def train(run: Run) -> dict:
     cfg, model, optimizer = run.cfg, run.model, run.optimizer
     trainer = cfg.trainer
     device = torch.device(cfg.mesh.device_type)

@@ -1,10 +1,8 @@
-"""Starting the ranks. Hydra and validation run once, in the launching process; ranks get the
-resolved config and the job's output dir and never compose or create directories themselves.
-
-- Self-launched: prod(mesh.shape) workers through torch.distributed's elastic launcher (the
-  engine behind torchrun) on loopback. If any rank fails, the agent stops the others and the
-  launcher reports the failing rank and its error.
-- Under torchrun (RANK/WORLD_SIZE set): the process joins that world (framework.torchrun).
+"""Self-launch: prod(mesh.shape) workers through torch.distributed's elastic launcher (the
+engine behind torchrun) on loopback. Hydra and validation ran once, in the launching process;
+ranks get the resolved config and the job's output dir and never compose or create directories
+themselves. If any rank fails, the agent stops the others and the launcher reports the failing
+rank and its error. (Under torchrun the process joins that world instead: framework.launch.torchrun.)
 """
 import json
 import logging
@@ -16,22 +14,16 @@ import tempfile
 import uuid
 from typing import Any, Callable, Dict, Optional
 
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from framework.validate import validate
-
+from framework.launch.handoff import write_resolved_config
 
 
 class RankFailed(RuntimeError):
     """A rank raised or died; the message names the rank and its error."""
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 # A rank whose peer died fails too, inside a collective; such errors are consequences.
@@ -76,41 +68,14 @@ def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any) -> Dict[int,
             raise RankFailed(_failure_message(error)) from None
 
 
-def rank_config(cfg: DictConfig) -> dict:
-    """The config the ranks run: resolved, plain values (enums as their names), plus the
-    job's command-line overrides (TensorBoard's hparams show what a sweep varied)."""
-    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    container["overrides"] = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    return container
-
-
-def write_resolved_config(cfg: DictConfig, out_dir: str) -> str:
-    """The config every rank runs, interpolations resolved, kept with the job (.hydra/)."""
-    path = os.path.join(out_dir, ".hydra", "resolved_config.yaml")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    OmegaConf.save(OmegaConf.create(rank_config(cfg)), path)
-    return path
-
-
 def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
-    """Start prod(mesh.shape) ranks as `python -m framework.worker` processes, each handed the
+    """Start prod(mesh.shape) ranks as `python -m framework.launch.worker` processes, each handed the
     resolved config; return rank 0's summary (None when the pipeline stops before training).
     Separate processes (not a spawned function) let the agent see every failed rank."""
     config_path = write_resolved_config(cfg, out_dir)
-    spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.worker", config_path, out_dir)
+    spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.worker", config_path, out_dir)
     summary_path = os.path.join(out_dir, "summary.json")
     if not os.path.exists(summary_path):
         return None
     with open(summary_path) as f:
         return json.load(f)
-
-
-def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
-    if under_torchrun():
-        # Rank 0 of torchrun's world runs as a rank itself; a self-launcher never imports
-        # the ranks' machinery (DTensor and the rest), which keeps its start-up short.
-        from framework.torchrun import launch_in_torchrun_world
-
-        return launch_in_torchrun_world(cfg, out_dir)
-    validate(cfg)
-    return launch_local(cfg, out_dir)

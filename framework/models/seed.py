@@ -1,4 +1,4 @@
-"""The seed's models. Any torch.nn module (or one under framework.) can be a model `_target_`."""
+"""The seed's model. Any torch.nn module (or one under framework.) can be a model `_target_`."""
 from torch import nn
 
 

@@ -1,4 +1,4 @@
-"""Datasets, the DP-derived DistributedSampler and the StatefulDataLoader over it.
+"""The DP-derived DistributedSampler and the StatefulDataLoader over it.
 
 The sampler's replicas are the DP submesh: num_replicas is its size and rank this process's
 coordinate on the DP dim, so every rank of a TP group draws the same batch and DP replicas
@@ -8,26 +8,8 @@ same global batch for every DP size, which is what makes mesh shapes comparable 
 """
 import warnings
 
-import torch
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
-
-
-class SyntheticRegression(Dataset):
-    """The seed's random regression data, embedded: x ~ N(0, 1), y = x @ W + noise, all seeded."""
-
-    def __init__(self, num_samples: int = 1536, in_dim: int = 12, out_dim: int = 12,
-                 noise: float = 0.1, seed: int = 1234):
-        gen = torch.Generator().manual_seed(seed)
-        self.inputs = torch.randn(num_samples, in_dim, generator=gen)
-        weight = torch.randn(in_dim, out_dim, generator=gen) / in_dim**0.5
-        self.targets = self.inputs @ weight + noise * torch.randn(num_samples, out_dim, generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.inputs)
-
-    def __getitem__(self, index: int):
-        return self.inputs[index], self.targets[index]
 
 
 def build_sampler(dataset: Dataset, dp_size: int, dp_rank: int, shuffle: bool, seed: int,

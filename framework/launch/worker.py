@@ -1,7 +1,7 @@
 """What every rank runs, and the entry of a self-launched rank:
-`python -m framework.worker RESOLVED_CONFIG OUT_DIR`.
+`python -m framework.launch.worker RESOLVED_CONFIG OUT_DIR`.
 
-The launcher (framework.launch.launch_local) starts one per mesh position through the elastic
+The launcher (framework.launch.local.launch_local) starts one per mesh position through the elastic
 agent, which sets RANK, WORLD_SIZE and MASTER_ADDR/PORT. `record` writes the rank's error
 where the agent reads it, so the launcher can name the failing rank and its exception.
 """
@@ -14,8 +14,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from framework.builder import build_and_run
-from framework.validate import validate
+from framework.training.builder import build_and_run
+from framework.config.validate import validate
 
 log = logging.getLogger("framework")
 

@@ -3,7 +3,7 @@
 Registered in Hydra's ConfigStore as `config_schema` and listed first in conf/config.yaml's
 defaults, so a wrong type or an unknown key fails when Hydra composes, before anything runs.
 Free-form nodes (`model`, `optim`, `data.dataset`, `data.loss`, the plan's entries) are
-checked by framework.validate instead.
+checked by framework.config.validate instead.
 """
 from dataclasses import dataclass, field
 from enum import Enum
@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-# The builder's stages, in the only order it accepts (framework.builder runs them).
+# The builder's stages, in the only order it accepts (framework.training.builder runs them).
 STAGES = [
     "distributed",
     "mesh",
@@ -99,7 +99,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: Any = None
-    # FQN pattern -> {style, options}; entries are checked by framework.plan.check_plan, which
+    # FQN pattern -> {style, options}; entries are checked by framework.parallel.plan.check_plan, which
     # names the bad key (a typed entry would refuse `+plan.NAME.style=...` on the command line).
     plan: Dict[str, Any] = field(default_factory=dict)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)

@@ -1,0 +1,26 @@
+"""What the launcher hands every rank: the resolved config (plain values, plus the job's
+command-line overrides), also kept with the job as .hydra/resolved_config.yaml."""
+import os
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank_config(cfg: DictConfig) -> dict:
+    """The config the ranks run: resolved, plain values (enums as their names), plus the
+    job's command-line overrides (TensorBoard's hparams show what a sweep varied)."""
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    container["overrides"] = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    return container
+
+
+def write_resolved_config(cfg: DictConfig, out_dir: str) -> str:
+    """The config every rank runs, interpolations resolved, kept with the job (.hydra/)."""
+    path = os.path.join(out_dir, ".hydra", "resolved_config.yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    OmegaConf.save(OmegaConf.create(rank_config(cfg)), path)
+    return path
