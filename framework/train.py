@@ -34,7 +34,7 @@ def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
         from framework.launch.torchrun import launch_in_torchrun_world
 
         return launch_in_torchrun_world(cfg, out_dir)
-    validate(cfg)
+    validate(cfg, out_dir=out_dir)
     return launch_local(cfg, out_dir)
 
 

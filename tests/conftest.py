@@ -36,3 +36,14 @@ def run_cli(args: List[str], timeout: float = 240, env: dict | None = None, modu
             raise
     return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
+
+def processes_with_marker(marker: str) -> list:
+    """Live processes whose environment holds `marker` (a test sets it on the CLI it starts)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import run_cli
+from tests.conftest import processes_with_marker, run_cli
 
 FAST = ["trainer.progress_bar=false"]
 
@@ -76,17 +76,6 @@ def test_seed_mesh_recipe_prints_the_seed_layout_and_stops(tmp_path):
     assert not (out / "summary.json").exists()  # it stopped after the mesh stage
 
 
-def _processes_with_marker(marker: str) -> list:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker.encode() in Path(f"/proc/{pid}/environ").read_bytes():
-                found.append(pid)
-        except OSError:
-            continue
-    return found
-
-
 @pytest.mark.timeout(240)
 def test_a_failing_rank_ends_every_process_and_is_named(tmp_path):
     marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"
@@ -98,7 +87,7 @@ def test_a_failing_rank_ends_every_process_and_is_named(tmp_path):
     assert "boom on rank 1" in last
     assert "logs/rank1.log" in last
     assert "boom on rank 1" in (tmp_path / "job" / "logs" / "rank1.log").read_text()
-    assert _processes_with_marker(marker) == []  # no rank left running
+    assert processes_with_marker(marker) == []  # no rank left running
     assert not (tmp_path / "job" / "summary.json").exists()
 
 

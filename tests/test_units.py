@@ -12,6 +12,7 @@ from framework.models import SeedMLP
 from framework.parallel.data_parallel import BUCKET_BYTES, _buckets
 from framework.parallel.tensor_parallel import to_placement
 from framework.parallel.plan import check_layout, matching_modules
+from framework.checkpoint.manager import DataPosition
 from framework.training.loop import batches, lr_multiplier, mfu
 
 
@@ -50,12 +51,28 @@ def test_every_epoch_gets_its_own_permutation_and_covers_the_data_once():
     dataset = SyntheticRegression(num_samples=48)
     sampler = build_sampler(dataset, dp_size=2, dp_rank=1, shuffle=True, seed=0, drop_last=True)
     index_loader = DataLoader(range(48), batch_size=8, sampler=sampler, drop_last=True)
-    stream = batches(sampler, index_loader)
+    stream = batches(sampler, index_loader, DataPosition(), global_batch=16)
     epochs = [torch.cat([next(stream) for _ in range(3)]).tolist() for _ in range(2)]  # 24 per replica
     assert epochs[0] != epochs[1]
     for epoch, indices in enumerate(epochs):
         sampler.set_epoch(epoch)
         assert indices == list(sampler)
+
+
+@pytest.mark.parametrize("old_dp,new_dp", [(2, 2), (2, 4), (4, 1), (1, 2)])
+def test_a_resumed_position_continues_the_global_batch_order_on_any_dp_size(old_dp, new_dp):
+    """Global batch t is the union of the replicas' batch t, for every DP size; resuming at a
+    global position (epoch 1, 2 of its 3 batches) on another DP size gives the same batches."""
+    def global_batches(dp, position, count):
+        streams = []
+        for rank in range(dp):
+            sampler = build_sampler(range(48), dp_size=dp, dp_rank=rank, shuffle=True, seed=3, drop_last=True)
+            loader = DataLoader(range(48), batch_size=16 // dp, sampler=sampler, drop_last=True)
+            streams.append(batches(sampler, loader, DataPosition(position.epoch, position.samples), 16))
+        return [sorted(torch.cat([next(s) for s in streams]).tolist()) for _ in range(count)]
+
+    straight = global_batches(old_dp, DataPosition(), 8)  # 3 batches per epoch: epochs 0, 1, 2
+    assert global_batches(new_dp, DataPosition(epoch=1, samples=32), 3) == straight[5:8]
 
 
 def test_buckets_keep_order_split_by_dtype_and_size():

@@ -1,5 +1,6 @@
 """Functions the multi-process tests run inside each rank (importable by spawned processes)."""
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -7,6 +8,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from framework.config.schema import STAGES
 from framework.training.builder import build_and_run
 from framework.models import SeedMLP
 
@@ -75,3 +77,49 @@ class WithUnusedLayer(SeedMLP):
     def __init__(self, **sizes):
         super().__init__(**sizes)
         self.unused = nn.Linear(4, 4)
+
+
+def _first_attempt_on(rank: int) -> bool:
+    return os.environ.get("RANK") == str(rank) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+class KillAtForward(SeedMLP):
+    """The seed model, except that on the first attempt rank `rank` dies by SIGKILL (no cleanup,
+    no error report) in its forward number `at`: what an elastic restart must recover from."""
+
+    def __init__(self, rank: int = 1, at: int = 13, **sizes):
+        super().__init__(**sizes)
+        self.kill_rank, self.at, self.calls = rank, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at and _first_attempt_on(self.kill_rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)
+
+
+class KillInSave(SeedMLP):
+    """The seed model, except that on the first attempt rank `rank` dies by SIGKILL while its
+    state is gathered for save number `at` (the other ranks are already saving)."""
+
+    def __init__(self, rank: int = 0, at: int = 2, **sizes):
+        super().__init__(**sizes)
+        self.kill_rank, self.at, self.saves = rank, at, 0
+        self._register_state_dict_hook(self._count_save)
+
+    def _count_save(self, module, state_dict, prefix, local_metadata):
+        self.saves += 1
+        if self.saves == self.at and _first_attempt_on(self.kill_rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def output_after_loading(cfg_container: dict, out_dir: str, inputs: torch.Tensor) -> torch.Tensor:
+    """Build the run up to its checkpoint stage (which loads checkpoint.resume), then the
+    sharded model's output on `inputs`."""
+    cfg = OmegaConf.create(cfg_container)
+    cfg.pipeline = STAGES[: STAGES.index("checkpoint") + 1]
+    run = build_and_run(cfg, out_dir)
+    with torch.no_grad():
+        output = run.model(inputs)
+    dist.destroy_process_group()
+    return output.full_tensor() if isinstance(output, DTensor) else output

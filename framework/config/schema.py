@@ -21,6 +21,7 @@ STAGES = [
     "sampler",
     "dataloader",
     "optimizer",
+    "checkpoint",
     "trainer",
 ]
 
@@ -90,6 +91,22 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: Optional[int] = None
+    dir: Optional[str] = None
+    keep_last: Optional[int] = None
+    async_save: bool = False
+    resume: Optional[str] = "auto"
+    init_from: Optional[str] = None
+    reset_data: bool = False
+
+
+@dataclass
+class LauncherConfig:
+    max_restarts: int = 0
+
+
+@dataclass
 class LoggerConfig:
     tensorboard: bool = True
 
@@ -107,6 +124,8 @@ class Config:
     optim: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
     pipeline: List[str] = field(default_factory=lambda: list(STAGES))
     allowed_targets: List[str] = field(default_factory=lambda: ["framework", "torch.nn", "torch.optim"])
 

@@ -10,6 +10,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.overrides import TorchFunctionMode
 
+from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
 from framework.config.schema import STAGES
 from framework.config.errors import ConfigError
 from framework.parallel.mesh import submesh_ranks
@@ -146,16 +147,16 @@ class _SkipRandomInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def check_model_and_plan(cfg: DictConfig) -> None:
+def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     """Build the model on the meta device (no memory) to check the plan against its modules,
-    and the counts the plan splits whole (attention heads; the sequence, under SP)."""
+    and the counts the plan splits whole (attention heads; the sequence, under SP); return it."""
     with torch.device("meta"), _SkipRandomInit():
         model = instantiate_checked(cfg.model)
     plan = OmegaConf.to_container(cfg.plan, resolve=True)
     tp = role_size(cfg, "tp_dim")
     check_plan(plan, model, tp)
     if not plan or tp == 1:
-        return
+        return model
     counts = dict(model.tp_sharded_counts()) if hasattr(model, "tp_sharded_counts") else {}
     if any(entry.get("style") == "sequence_parallel" for entry in plan.values()):
         counts["data.dataset.seq_len"] = cfg.data.dataset.get("seq_len")
@@ -163,6 +164,7 @@ def check_model_and_plan(cfg: DictConfig) -> None:
         if count is not None and count % tp:
             raise ConfigError(key, count, f"the TP plan splits it across {tp} ranks; make it a multiple of {tp} "
                                           f"or pick a TP size that divides it")
+    return model
 
 
 def instantiate_checked(node: Any, **kwargs: Any) -> Any:
@@ -206,9 +208,10 @@ def check_dataset(cfg: DictConfig) -> None:
 
 
 def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: Optional[int] = None,
-             deep: bool = True) -> None:
+             deep: bool = True, out_dir: Optional[str] = None) -> None:
     """All checks. `world_size` is the world a launcher joined (torchrun); `deep` also builds the
-    model on meta and the dataset, which the launcher does once and the ranks skip."""
+    model on meta and the dataset, which the launcher does once and the ranks skip; with the
+    job's `out_dir`, also the checkpoint the run would start from."""
     check_pipeline(cfg)
     check_mesh(cfg)
     mesh_size = math.prod(cfg.mesh.shape)
@@ -219,7 +222,10 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     check_tp_placement(cfg, cfg.mesh.ranks_per_host or ranks_per_host or mesh_size)
     check_targets(cfg)
     check_trainer_and_data(cfg)
+    check_checkpoint_keys(cfg)
     if deep:
-        check_model_and_plan(cfg)
+        model = check_model_and_plan(cfg)
         check_optimizer(cfg)
         check_dataset(cfg)
+        if out_dir is not None:
+            check_checkpoint_sources(cfg, checkpoint_dir(cfg, out_dir), model)

@@ -10,12 +10,15 @@ import warnings
 
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 
 def build_sampler(dataset: Dataset, dp_size: int, dp_rank: int, shuffle: bool, seed: int,
-                  drop_last: bool) -> DistributedSampler:
-    return DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle,
-                              seed=seed, drop_last=drop_last)
+                  drop_last: bool) -> StatefulDistributedSampler:
+    """torchdata's DistributedSampler that can start an epoch part-way (load_state_dict's
+    `yielded`): a resumed run skips this replica's share of the samples already consumed."""
+    return StatefulDistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle,
+                                      seed=seed, drop_last=drop_last)
 
 
 def build_dataloader(dataset: Dataset, sampler: DistributedSampler, per_replica_batch: int,

@@ -47,10 +47,11 @@ def _failure_message(error: ChildFailedError) -> str:
             f"(traceback in logs/rank{rank}.log){others}")
 
 
-def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any) -> Dict[int, Any]:
+def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any, max_restarts: int = 0) -> Dict[int, Any]:
     """Run `entrypoint(*args)` (a function, or a command with its arguments) in `world` fresh
     processes forming one process group on loopback; return each rank's result (None for a
-    command). Any rank failing stops them all and raises RankFailed."""
+    command). Any rank failing stops them all; the agent then starts them all again, up to
+    `max_restarts` times, and after that raises RankFailed."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
     # The agent logs each failed rank's whole traceback; the rank's own log has it, and
     # RankFailed says which rank and why.
@@ -59,7 +60,7 @@ def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any) -> Dict[int,
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
             rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-            max_restarts=0, monitor_interval=0.1, start_method="spawn",
+            max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
@@ -73,7 +74,8 @@ def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     resolved config; return rank 0's summary (None when the pipeline stops before training).
     Separate processes (not a spawned function) let the agent see every failed rank."""
     config_path = write_resolved_config(cfg, out_dir)
-    spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.worker", config_path, out_dir)
+    spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.worker", config_path, out_dir,
+                max_restarts=cfg.launcher.max_restarts)
     summary_path = os.path.join(out_dir, "summary.json")
     if not os.path.exists(summary_path):
         return None

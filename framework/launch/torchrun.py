@@ -36,7 +36,7 @@ def launch_in_torchrun_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     store = _torchrun_store()
     try:
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]),
-                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])), out_dir=out_dir)
     except Exception as error:  # a ConfigError, or anything else: never leave the others waiting
         store.set(_payload_key(), json.dumps({"error": str(error)}))
         raise

@@ -5,14 +5,16 @@ Each stage reads the config and what earlier stages built, and adds one thing to
 `mesh`); any other order was refused by framework.config.validate before launch.
 """
 import logging
+import os
 from datetime import timedelta
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from framework.checkpoint.manager import Checkpointer
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
 from framework.parallel.mesh import build_mesh, layout_table, role_coordinates
@@ -30,10 +32,29 @@ def backend_for(mesh_cfg: DictConfig) -> str:
     return "cpu:gloo,cuda:nccl" if mesh_cfg.device_type == "cuda" else "gloo"
 
 
+def _store_of_this_attempt(timeout: timedelta) -> Optional[dist.Store]:
+    """torch 2.13's elastic agent keeps one TCPStore for all restarts of a job, and its ranks
+    join it without a per-attempt prefix (though torch.distributed.rendezvous assumes a new
+    store per retry), so a restarted world reads the dead ranks' gloo addresses and fails to
+    connect. Key this attempt's process group under its restart count instead. None: not a
+    restarted agent-store world; the default env:// rendezvous is right."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                timeout=timeout)
+    return dist.PrefixStore(f"framework/attempt_{attempt}", agent_store)
+
+
 def stage_distributed(run: Run) -> None:
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(run.cfg.mesh),
-                                timeout=timedelta(seconds=run.cfg.trainer.collective_timeout_s))
+        timeout = timedelta(seconds=run.cfg.trainer.collective_timeout_s)
+        store = _store_of_this_attempt(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend_for(run.cfg.mesh), timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend_for(run.cfg.mesh), timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     run.rank = dist.get_rank()
     if run.cfg.mesh.device_type == "cuda":
         torch.cuda.set_device(dist.get_node_local_rank())
@@ -98,6 +119,24 @@ def stage_optimizer(run: Run) -> None:
         run.optimizer, lambda step: lr_multiplier(step, t.warmup_steps, t.max_steps, t.lr_decay))
 
 
+def stage_checkpoint(run: Run) -> None:
+    """Before the first step: continue a checkpoint (model, optimizer, schedule, data position,
+    history; after an elastic restart, the newest one), or start from init_from's weights."""
+    run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank)
+    path, kind = run.checkpointer.source()
+    if kind == "resume":
+        run.resumed = run.checkpointer.load(run, path)
+        message = f"resumed from {path} (step {run.resumed.step})"
+    elif kind == "init":
+        run.checkpointer.load_model_only(run, path)
+        message = f"model weights from {path}; optimizer, schedule and data start fresh"
+    else:
+        message = f"fresh start (no checkpoint to resume in {run.checkpointer.dir})" if run.cfg.checkpoint.resume \
+            else "fresh start"
+    if run.rank == 0:
+        log.info("%s", message)
+
+
 def stage_trainer(run: Run) -> None:
     run.summary = train(run)
 
@@ -111,6 +150,7 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
     "sampler": stage_sampler,
     "dataloader": stage_dataloader,
     "optimizer": stage_optimizer,
+    "checkpoint": stage_checkpoint,
     "trainer": stage_trainer,
 }
 assert list(STAGE_FUNCTIONS) == STAGES

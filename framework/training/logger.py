@@ -1,15 +1,15 @@
 """Rank 0's TensorBoard writer: scalars per logged step, config and mesh layout as text,
 hparams (mesh shape, plan, ...) with the final metrics so sweeps compare in the HPARAMS tab."""
 import json
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
 
 class TensorBoardLogger:
-    def __init__(self, log_dir: str):
-        self.writer = SummaryWriter(log_dir=log_dir)
+    def __init__(self, log_dir: str, purge_step: Optional[int] = None):
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     def log_text(self, tag: str, text: str) -> None:
         # Markdown: indent four spaces so YAML and tables keep their layout.

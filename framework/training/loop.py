@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from framework.training.logger import TensorBoardLogger
 from framework.parallel.mesh import layout_table
+from framework.checkpoint.manager import DataPosition, restart_count
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
 from framework.training.run import Run
 
@@ -30,14 +31,19 @@ log = logging.getLogger("framework")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
-def batches(sampler, dataloader) -> Iterator:
-    """Endless batches; each pass over the data is one epoch, with set_epoch before it so
-    every epoch gets its own (seeded) permutation."""
-    epoch = 0
+def batches(sampler, dataloader, position: DataPosition, global_batch: int) -> Iterator:
+    """Endless batches from `position` on, which advances as batches are taken. Each pass over
+    the data is one epoch, with set_epoch before it so every epoch gets its own (seeded)
+    permutation; a resumed epoch skips the samples its global position says were consumed
+    (this replica's share of them, whatever the DP size)."""
     while True:
-        sampler.set_epoch(epoch)
-        yield from dataloader
-        epoch += 1
+        sampler.set_epoch(position.epoch)
+        sampler.load_state_dict({"yielded": position.samples // sampler.num_replicas})
+        for batch in dataloader:
+            position.samples += global_batch
+            yield batch
+        position.epoch += 1
+        position.samples = 0
 
 
 def lr_multiplier(step: int, warmup_steps: int, max_steps: int, decay: str) -> float:
@@ -116,31 +122,44 @@ def write_json_atomically(path: str, data: dict) -> None:
 
 
 def train(run: Run) -> dict:
+    """Steps from the first one not yet done (step 1, or the one after a resumed checkpoint) to
+    trainer.max_steps, saving a checkpoint where checkpoint.every says; the history (losses,
+    grad norms, validation losses, step times, saves) continues the checkpoint's."""
     cfg, model, optimizer = run.cfg, run.model, run.optimizer
     trainer = cfg.trainer
     device = torch.device(cfg.mesh.device_type)
     is_logger = run.rank == 0
-    tb = TensorBoardLogger(os.path.join(run.out_dir, "tb")) if is_logger and cfg.logger.tensorboard else None
-    if tb:
+    resumed = run.resumed
+    first = resumed.step + 1 if resumed else 1
+    tb = None
+    if is_logger and cfg.logger.tensorboard:
+        # purge_step hides events a crashed attempt logged past the checkpoint: no duplicate points.
+        tb = TensorBoardLogger(os.path.join(run.out_dir, "tb"), purge_step=first if resumed else None)
         tb.log_text("config", OmegaConf.to_yaml(cfg))
         tb.log_text("mesh_layout", layout_table(cfg.mesh.shape, cfg.mesh.dim_names))
-    progress = tqdm(total=trainer.max_steps, desc="train", disable=not (is_logger and trainer.progress_bar))
+    progress = tqdm(total=trainer.max_steps, initial=first - 1, desc="train",
+                    disable=not (is_logger and trainer.progress_bar))
     global_batch = cfg.data.global_batch_size
     seq_len = getattr(run.dataset, "seq_len", None)  # token datasets: also report tokens/s
     flops_per_token = model.module.flops_per_token(seq_len) if seq_len and hasattr(model.module, "flops_per_token") else None
     peak = peak_flops(cfg)
 
-    losses: List[float] = []
-    grad_norms: List[float] = []
-    val_losses: List[List[float]] = []
+    history = resumed.history if resumed else {"losses": [], "grad_norms": [], "val_losses": [],
+                                               "step_times_s": [], "checkpoints": []}
+    losses: List[float] = history["losses"]
+    grad_norms: List[float] = history["grad_norms"]
+    val_losses: List[List[float]] = history["val_losses"]
+    step_times: List[float] = history["step_times_s"]
+    saves: List[dict] = history["checkpoints"]
     pending: List[torch.Tensor] = []
-    step_times: List[float] = []
-    data = batches(run.sampler, run.dataloader)
+    position = resumed.position if resumed else DataPosition()
+    data = batches(run.sampler, run.dataloader, position, global_batch)
     start = window_start = step_start = time.perf_counter()
+    window_first = first
     first_step_s = None
     first_step_unix = None
     model.train()
-    for step in range(1, trainer.max_steps + 1):
+    for step in range(first, trainer.max_steps + 1):
         inputs, targets = (t.to(device) for t in next(data))
         loss = forward_backward(run, inputs, targets)
         logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
@@ -152,11 +171,6 @@ def train(run: Run) -> dict:
         optimizer.step()
         run.scheduler.step()
         pending.append(local_value(loss))
-        now = time.perf_counter()
-        step_times.append(now - step_start)
-        step_start = now
-        if first_step_s is None:
-            first_step_s, first_step_unix = now - start, time.time()
         progress.update(1)
         if trainer.eval_every and step % trainer.eval_every == 0:
             eval_start = time.perf_counter()
@@ -165,15 +179,31 @@ def train(run: Run) -> dict:
                 tb.log_scalars(step, {"val_loss": val_losses[-1][1]})
             eval_s = time.perf_counter() - eval_start  # kept out of step times and throughput
             step_start, window_start, start = step_start + eval_s, window_start + eval_s, start + eval_s
+        now = time.perf_counter()
+        step_times.append(now - step_start)  # a save's blocking time is recorded with the save
+        step_start = now
+        if first_step_s is None:
+            first_step_s, first_step_unix = now - start, time.time()
+        saving = run.checkpointer.due(step)
+        if logging_step or saving:  # a checkpoint holds every loss up to its step
+            losses += mean_over_dp(run, pending)
+            pending = []
+        if logging_step:
+            grad_norms.append(float(grad_norm))
+        if saving:
+            saves.append({"step": step, "blocking_s": None})
+            saves[-1]["blocking_s"] = run.checkpointer.save(run, step, position, history)
+            step_start = time.perf_counter()
+            if tb:
+                tb.log_scalars(step, {"checkpoint_blocking_s": saves[-1]["blocking_s"]})
+        else:
+            run.checkpointer.poll()
         if not logging_step:
             continue
-        new_losses = mean_over_dp(run, pending)
-        losses += new_losses
-        grad_norms.append(float(grad_norm))
-        step_time = (time.perf_counter() - window_start) / len(pending)
-        pending, window_start = [], time.perf_counter()
-        progress.set_postfix(loss=f"{new_losses[-1]:.4f}")
-        scalars = {"loss": new_losses[-1], "lr": lr, "grad_norm": grad_norms[-1],
+        step_time = (time.perf_counter() - window_start) / (step - window_first + 1)
+        window_start, window_first = time.perf_counter(), step + 1
+        progress.set_postfix(loss=f"{losses[-1]:.4f}")
+        scalars = {"loss": losses[-1], "lr": lr, "grad_norm": grad_norms[-1],
                    "samples_per_s": global_batch / step_time, "step_time_s": step_time}
         if seq_len:
             scalars["tokens_per_s"] = global_batch * seq_len / step_time
@@ -181,10 +211,11 @@ def train(run: Run) -> dict:
             scalars["mfu"] = mfu(scalars["tokens_per_s"], flops_per_token, peak * dist.get_world_size())
         if tb:
             tb.log_scalars(step, scalars)
+    run.checkpointer.close()  # the last async save finishes before the run ends
     progress.close()
     wall = time.perf_counter() - start  # training time, evaluation excluded
-    steady_steps = trainer.max_steps - 1
-    samples_per_s = global_batch * steady_steps / (wall - first_step_s) if steady_steps else math.nan
+    steady_steps = trainer.max_steps - first  # this attempt's steps after its first
+    samples_per_s = global_batch * steady_steps / (wall - first_step_s) if steady_steps > 0 else math.nan
     summary = {
         "mesh_shape": list(cfg.mesh.shape),
         "dim_names": list(cfg.mesh.dim_names),
@@ -195,12 +226,15 @@ def train(run: Run) -> dict:
         "grad_norms": grad_norms,
         "val_losses": val_losses,
         "overrides": list(cfg.get("overrides", [])),
-        "first_step_s": first_step_s,  # step 1 alone (compiles, warms caches): kept out of samples_per_s
+        "first_step_s": first_step_s,  # this attempt's first step (compiles, warms caches): kept out of samples_per_s
         "first_step_done_unix": first_step_unix,  # for startup timing from outside (bench/)
         "step_times_s": step_times,
         "wall_s": wall,
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * seq_len if seq_len else None,
+        "resumed_from": {"path": resumed.path, "step": resumed.step} if resumed else None,
+        "restarts": restart_count(),
+        "checkpoints": saves,
     }
     if is_logger:
         log.info("final loss %.6f after %d steps, %.1f samples/s", summary["final_loss"], summary["steps"],

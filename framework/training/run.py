@@ -22,4 +22,6 @@ class Run:
     loss_fn: Any = None
     optimizer: Any = None
     scheduler: Any = None
+    checkpointer: Any = None  # framework.checkpoint.manager.Checkpointer
+    resumed: Any = None  # framework.checkpoint.manager.Resumed, when the run continues a checkpoint
     summary: Optional[dict] = None

@@ -1,0 +1,96 @@
+"""What a run may take from a checkpoint, checked in the launcher before any rank starts: the
+path resolves to a complete checkpoint, its model keys and shapes are this model's, and a
+resume keeps the global batch order (or says checkpoint.reset_data). The mesh shape, plan,
+TP size and optimizer options may all differ: DCP reshards on load."""
+import os
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from framework.checkpoint.layout import CheckpointError, read_meta, resolve
+from framework.config.errors import ConfigError
+
+# Keys whose change reorders the global batches a resumed position points into.
+DATA_ORDER_KEYS = ("data.global_batch_size", "data.dataset", "sampler.seed", "sampler.shuffle", "sampler.drop_last")
+
+
+def check_checkpoint_keys(cfg: DictConfig) -> None:
+    c = cfg.checkpoint
+    for key in ("every", "keep_last"):
+        if c[key] is not None and c[key] < 1:
+            raise ConfigError(f"checkpoint.{key}", c[key], "must be >= 1, or null")
+    if c.resume not in (None, "auto") and c.init_from:
+        raise ConfigError("checkpoint.init_from", c.init_from,
+                          "a run either resumes checkpoint.resume or starts from init_from's weights; set "
+                          "checkpoint.resume=auto (init_from applies when it finds nothing) or drop init_from")
+    if cfg.launcher.max_restarts < 0:
+        raise ConfigError("launcher.max_restarts", cfg.launcher.max_restarts, "must be >= 0")
+    if cfg.launcher.max_restarts and not c.every:
+        raise ConfigError("launcher.max_restarts", cfg.launcher.max_restarts,
+                          "a restart resumes from the newest checkpoint; set checkpoint.every too")
+
+
+def _resolved(key: str, source: Optional[str], directory: str) -> Optional[str]:
+    if not source:
+        return None
+    try:
+        return resolve(source, directory)
+    except CheckpointError as error:
+        raise ConfigError(key, source, str(error)) from None
+
+
+def check_checkpoint_sources(cfg: DictConfig, checkpoint_dir: str, model: nn.Module) -> None:
+    """The checkpoint a run starts from (checkpoint.resume, else init_from) fits this config."""
+    c = cfg.checkpoint
+    resume = _resolved("checkpoint.resume", c.resume, checkpoint_dir)
+    path, key = (resume, "checkpoint.resume") if resume else (_resolved("checkpoint.init_from", c.init_from,
+                                                                        checkpoint_dir), "checkpoint.init_from")
+    if path is None:
+        return
+    try:
+        meta = read_meta(path)
+        check_model_keys(path, model)
+    except CheckpointError as error:
+        raise ConfigError(key, getattr(c, key.split(".")[1]), str(error)) from None
+    if resume and not c.reset_data:
+        check_data_order(cfg, path, meta["config"])
+
+
+def check_data_order(cfg: DictConfig, path: str, saved_config: dict) -> None:
+    saved = OmegaConf.create(saved_config)
+    for key in DATA_ORDER_KEYS:
+        now, then = (OmegaConf.select(c, key) for c in (cfg, saved))
+        now, then = (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for v in (now, then))
+        if now != then:
+            raise ConfigError(key, now, f"checkpoint {path} was saved with {then!r}, and a change reorders the global "
+                                        f"batches it resumes into; restore it, or set checkpoint.reset_data=true to "
+                                        f"restart the data at the next epoch")
+
+
+def check_model_keys(path: str, model: nn.Module) -> None:
+    """The model's state_dict keys and shapes against the checkpoint's (DCP's .metadata, read
+    without loading a tensor): name the first key missing on either side, or both shapes."""
+    from torch.distributed.checkpoint import FileSystemReader  # only when a checkpoint is given
+
+    try:
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as error:  # a truncated or foreign .metadata file unpickles into anything
+        raise CheckpointError(path, f"unreadable .metadata ({type(error).__name__}: {error})") from None
+    saved = {k.removeprefix("model."): list(v.size) for k, v in metadata.items()
+             if k.startswith("model.") and hasattr(v, "size")}
+    expected = {k: list(t.shape) for k, t in model.state_dict().items()}
+    for name, shape in expected.items():
+        if name not in saved:
+            raise CheckpointError(path, f"has no model key {name!r} (shape {shape} in this model): another model's "
+                                        f"checkpoint?")
+        if saved[name] != shape:
+            raise CheckpointError(path, f"model key {name!r} has shape {saved[name]} there but {shape} in this model")
+    extra = [name for name in saved if name not in expected]
+    if extra:
+        raise CheckpointError(path, f"model key {extra[0]!r} (shape {saved[extra[0]]}) is not in this model: another "
+                                    f"model's checkpoint?")
+
+
+def checkpoint_dir(cfg: DictConfig, out_dir: str) -> str:
+    return os.path.abspath(os.path.expanduser(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints")))

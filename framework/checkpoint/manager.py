@@ -1,0 +1,210 @@
+"""Saving and loading inside the ranks, with torch.distributed.checkpoint (DCP).
+
+Model and optimizer go through DCP's get_state_dict / set_state_dict over the model inside
+the DataParallel wrapper, so keys are the model's own names and TP parameters are DTensors
+that each rank writes as its own shards with their global layout (replicated tensors once).
+DCP reshards on load, so a checkpoint loads into another mesh shape or plan. Besides them the
+DCP files hold every rank's RNG state (`rng.rank<N>`); framework.json (layout.py) holds the
+step, the data position, the LR scheduler, the history summary.json reports, the config,
+the mesh and the versions.
+
+Saves are synchronous or, with checkpoint.async_save, DCP's async_save over a gloo group of
+their own (a background thread's collectives must not interleave with the training step's):
+at most one is in flight, and the last one finishes before the run ends.
+"""
+import copy
+import logging
+import os
+import time
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+from framework.checkpoint.compat import checkpoint_dir
+from framework.checkpoint.layout import (
+    CheckpointError,
+    first_failure,
+    keep_newest,
+    newest_checkpoint,
+    partial_dir,
+    read_meta,
+    remove_partial,
+    resolve,
+    step_dir,
+    write_meta_and_publish,
+)
+
+log = logging.getLogger("framework")
+
+
+def restart_count() -> int:
+    """How often the elastic agent (self-launched or torchrun) restarted this job's ranks."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+@dataclass
+class DataPosition:
+    """Where the global batch order stands: the epoch and the global samples consumed in it.
+    Independent of the DP size: a new DP size skips samples / DP of its replica's indices."""
+    epoch: int = 0
+    samples: int = 0
+
+
+@dataclass
+class Resumed:
+    """What a loaded checkpoint gives the loop besides the model and optimizer state."""
+    path: str
+    step: int
+    position: DataPosition
+    history: Dict[str, Any]
+
+
+class Checkpointer:
+    def __init__(self, cfg: DictConfig, out_dir: str, rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.every = cfg.checkpoint.every
+        self.dir = checkpoint_dir(cfg, out_dir)
+        self.in_flight = None  # (future, partial dir, final dir, meta) of an async save
+        self.async_group = dist.new_group(backend="gloo") if self.every and cfg.checkpoint.async_save else None
+
+    # -- saving -------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and (step % self.every == 0 or step == self.cfg.trainer.max_steps)
+
+    def save(self, run, step: int, position: DataPosition, history: Dict[str, Any]) -> float:
+        """Write checkpoint `step`; return the seconds training was blocked."""
+        start = time.perf_counter()
+        self.wait()  # at most one save in flight
+        state = self._state_dict(run)
+        partial, final = partial_dir(self.dir, step), step_dir(self.dir, step)
+        meta = self._meta(run, step, position, history)
+        if self.async_group is None:
+            dcp.save(state, checkpoint_id=partial)  # returns once every rank's files and .metadata are written
+            blocking = self._record_blocking(meta, start)
+            self._publish(partial, final, meta)
+        else:
+            future = dcp.async_save(state, checkpoint_id=partial, process_group=self.async_group)
+            blocking = self._record_blocking(meta, start)
+            self.in_flight = (future, partial, final, meta)
+        return blocking
+
+    @staticmethod
+    def _record_blocking(meta: dict, start: float) -> float:
+        """The save's own entry in the history it carries gets its blocking seconds."""
+        blocking = time.perf_counter() - start
+        meta["history"]["checkpoints"][-1]["blocking_s"] = blocking
+        return blocking
+
+    def poll(self) -> None:
+        """Publish a finished async save without waiting for one that is still writing."""
+        if self.in_flight is not None and self.in_flight[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (every rank's future completes once all files are in)."""
+        if self.in_flight is None:
+            return
+        future, partial, final, meta = self.in_flight
+        self.in_flight = None
+        future.result()
+        self._publish(partial, final, meta)
+
+    def _publish(self, partial: str, final: str, meta: dict) -> None:
+        if self.rank != 0:
+            return
+        write_meta_and_publish(partial, final, meta)
+        removed = keep_newest(self.dir, self.cfg.checkpoint.keep_last)
+        log.info("checkpoint %s saved%s", final, f"; removed {removed}" if removed else "")
+
+    @staticmethod
+    def _state_dict(run) -> Dict[str, Any]:
+        model_state, optim_state = get_state_dict(run.model.module, run.optimizer)
+        return {"model": model_state, "optim": optim_state, f"rng.rank{run.rank}": torch.get_rng_state()}
+
+    def _meta(self, run, step: int, position: DataPosition, history: Dict[str, Any]) -> dict:
+        cfg = self.cfg
+        return {
+            "step": step,
+            "data": {"epoch": position.epoch, "samples": position.samples,
+                     "global_batch_size": cfg.data.global_batch_size},
+            "scheduler": run.scheduler.state_dict(),
+            "history": copy.deepcopy(history),  # an async save publishes it later, as it is now
+            "mesh": {"shape": list(cfg.mesh.shape), "dim_names": list(cfg.mesh.dim_names)},
+            "world_size": dist.get_world_size(),
+            "config": OmegaConf.to_container(cfg, resolve=True),
+            "versions": {"torch": torch.__version__, "framework": version("framework")},
+            "saved_unix": time.time(),
+        }
+
+    # -- loading ------------------------------------------------------------------------
+
+    def source(self) -> tuple[Optional[str], str]:
+        """(path, kind) to start from, decided by rank 0 and shared: after an elastic restart the
+        newest complete checkpoint in dir; else checkpoint.resume, else checkpoint.init_from
+        (kind "init": model weights only). Rank 0 first removes what interrupted saves left."""
+        choice = [None, "fresh"]
+        if self.rank == 0:
+            for path in remove_partial(self.dir):
+                log.info("removed %s, left by an interrupted save", path)
+            c = self.cfg.checkpoint
+            newest = newest_checkpoint(self.dir) if restart_count() else None
+            resume = newest or (resolve(c.resume, self.dir) if c.resume else None)
+            if resume:
+                choice = [resume, "resume"]
+            elif c.init_from:
+                choice = [resolve(c.init_from, self.dir), "init"]
+        dist.broadcast_object_list(choice, src=0)
+        return choice[0], choice[1]
+
+    def load(self, run, path: str) -> Resumed:
+        """Model, optimizer, scheduler, data position and history from `path`; the RNG states
+        too when the world is the same (another world's ranks are other processes)."""
+        meta = read_meta(path)
+        model_state, optim_state = get_state_dict(run.model.module, run.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        same_world = meta["world_size"] == dist.get_world_size() and meta["mesh"]["shape"] == list(self.cfg.mesh.shape)
+        rng_key = f"rng.rank{run.rank}"
+        if same_world:
+            state[rng_key] = torch.get_rng_state()
+        self._dcp_load(state, path)
+        set_state_dict(run.model.module, run.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        if same_world:
+            torch.set_rng_state(state[rng_key])
+        run.scheduler.load_state_dict(meta["scheduler"])
+        position = DataPosition(meta["data"]["epoch"], meta["data"]["samples"])
+        if self.cfg.checkpoint.reset_data:
+            position = DataPosition(position.epoch + (position.samples > 0), 0)
+            if run.rank == 0:
+                log.info("checkpoint.reset_data: the data restarts at the start of epoch %d", position.epoch)
+        return Resumed(path, meta["step"], position, meta["history"])
+
+    def load_model_only(self, run, path: str) -> None:
+        """checkpoint.init_from: the weights start a new run (step 0, fresh optimizer and data)."""
+        read_meta(path)
+        state = {"model": run.model.module.state_dict()}
+        self._dcp_load(state, path)
+        set_model_state_dict(run.model.module, state["model"])
+
+    @staticmethod
+    def _dcp_load(state: Dict[str, Any], path: str) -> None:
+        """DCP reshards into whatever layout `state` has; its errors become one line naming the
+        checkpoint (a missing or truncated shard file, a key the checkpoint lacks)."""
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except (Exception, CheckpointException) as error:
+            raise CheckpointError(path, f"cannot be loaded: {first_failure(error)}") from None
+
+    def close(self) -> None:
+        self.wait()
+        if self.async_group is not None:
+            dist.destroy_process_group(self.async_group)
+            self.async_group = None
