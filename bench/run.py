@@ -2,12 +2,15 @@
 
 Alternates framework (a) and hand-written (b) runs, each a fresh launch from this driver, and
 prints median step time and time to first step (launch to the end of step 1, as the user waits
-for it) for both, with the ratios a / b. Then tokens/s of the framework per mesh shape.
+for it) for both, with the ratios a / b. Then tokens/s of the framework per mesh shape, then
+the cost of checkpointing (none, sync and async every 10 steps): mean step time with the saves'
+blocking inside, seconds per save (blocking and until written), and seconds to load one.
 Absolute times on a shared CPU are noisy; the ratios come from interleaved runs.
 """
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,6 +45,52 @@ def run_framework(mesh: str, steps: int, work: Path) -> dict:
     return timed_launch(cmd, out / "summary.json")
 
 
+def run_checkpointing(mode: str, mesh: str, steps: int, work: Path) -> dict:
+    """The framework alone, with no checkpoints, or a checkpoint every 10 steps (sync / async):
+    mean step time over steps 2..N with the saves' blocking inside, and each save's seconds."""
+    out = work / f"ck-{mode}-{time.time_ns()}"
+    saving = [] if mode == "none" else ["checkpoint.every=10", f"checkpoint.async_save={mode == 'async'}"]
+    cmd = [PYTHON, "-m", "framework.train", *FRAMEWORK_SETTINGS, *saving, f"mesh={mesh}", f"trainer.max_steps={steps}",
+           f"trainer.log_every={steps}", f"hydra.run.dir={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    saves = summary["checkpoints"]
+    result = {"mean_step_s": (summary["wall_s"] - summary["first_step_s"]) / (steps - 1),
+              "blocking_s": statistics.mean(s["blocking_s"] for s in saves) if saves else 0.0,
+              "total_s": statistics.mean(s["total_s"] for s in saves) if saves else 0.0,
+              "final_loss": summary["final_loss"]}
+    if saves:  # and the resume: load seconds, on the same mesh
+        resumed = out / "resumed"
+        subprocess.run([*cmd[:-1], f"hydra.run.dir={resumed}", f"checkpoint.resume={out}/checkpoints/step_10"],
+                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, check=True)
+        result["load_s"] = json.loads((resumed / "summary.json").read_text())["resumed_from"]["load_s"]
+    shutil.rmtree(out)
+    return result
+
+
+def checkpoint_costs(mesh: str, steps: int, repeats: int, work: Path) -> None:
+    runs = {mode: [] for mode in ("none", "sync", "async")}
+    for i in range(repeats):
+        for mode in runs:
+            runs[mode].append(run_checkpointing(mode, mesh, steps, work))
+        print(f"checkpoint repeat {i + 1}/{repeats}: " + ", ".join(f"{m} {r[-1]}" for m, r in runs.items()), flush=True)
+        losses = {r[-1]["final_loss"] for r in runs.values()}
+        if len(losses) > 1:
+            sys.exit(f"checkpointing changed the training: final losses {losses}")
+    base = statistics.median(r["mean_step_s"] for r in runs["none"])
+    print(f"\nlm_small, lm_tp_sp, mesh {mesh}, {steps} steps, checkpoint every 10, {repeats} interleaved repeats (medians)")
+    print("| checkpoints | mean step time (s) | overhead | blocking s / save | total s / save | load s |")
+    print("|---|---|---|---|---|---|")
+    for mode, results in runs.items():
+        median = {key: statistics.median(r.get(key, 0.0) for r in results)
+                  for key in ("mean_step_s", "blocking_s", "total_s", "load_s")}
+        print(f"| {mode} | {median['mean_step_s']:.4f} | {median['mean_step_s'] / base - 1:+.1%} | "
+              f"{median['blocking_s']:.3f} | {median['total_s']:.3f} | {median['load_s']:.3f} |", flush=True)
+
+
 def run_handwritten(mesh: str, steps: int, work: Path) -> dict:
     dp, tp = mesh.split("x")
     out = work / f"hw-{mesh}-{time.time_ns()}.json"
@@ -56,7 +105,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--throughput-meshes", default="1x1,2x1,1x2,2x2")
+    parser.add_argument("--checkpoint-steps", type=int, default=40, help="0: skip the checkpoint costs")
+    parser.add_argument("--only-checkpoints", action="store_true", help="just the checkpoint costs")
     args = parser.parse_args()
+    if args.only_checkpoints:
+        with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
+            checkpoint_costs(args.mesh, args.checkpoint_steps, args.repeats, Path(tmp))
+        return
     with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
         work = Path(tmp)
         runs = {"framework": [], "hand-written": []}
@@ -82,6 +137,8 @@ def main() -> None:
         print("|---|---|")
         for mesh in args.throughput_meshes.split(","):
             print(f"| {mesh} | {run_framework(mesh, args.steps, work)['tokens_per_s']:.0f} |", flush=True)
+        if args.checkpoint_steps:
+            checkpoint_costs(args.mesh, args.checkpoint_steps, args.repeats, work)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,13 @@ from omegaconf import DictConfig
 from framework.config.schema import register_schema
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
-from framework.launch.handoff import under_torchrun
+from framework.launch.handoff import HYDRA_ONLY, under_torchrun
 from framework.launch.local import RankFailed, launch_local
 
 register_schema()
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
-# What Hydra puts in a job's dir before the task runs; a job refused at validation leaves nothing.
-HYDRA_ONLY = {".hydra", "train.log"}
 
 
 def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
@@ -44,7 +42,7 @@ def hydra_app(cfg: DictConfig) -> None:
     try:
         launch(cfg, out_dir)
     except ConfigError as error:
-        if set(os.listdir(out_dir)) <= HYDRA_ONLY:
+        if set(os.listdir(out_dir)) <= HYDRA_ONLY:  # a job refused at validation leaves nothing
             shutil.rmtree(out_dir)
         print(error, file=sys.stderr)
         sys.exit(2)

@@ -114,8 +114,8 @@ class KillInSave(SeedMLP):
 
 
 def output_after_loading(cfg_container: dict, out_dir: str, inputs: torch.Tensor) -> torch.Tensor:
-    """Build the run up to its checkpoint stage (which loads checkpoint.resume), then the
-    sharded model's output on `inputs`."""
+    """Build the run up to its checkpoint stage (which loads checkpoint.resume or init_from),
+    then the sharded model's output on `inputs`."""
     cfg = OmegaConf.create(cfg_container)
     cfg.pipeline = STAGES[: STAGES.index("checkpoint") + 1]
     run = build_and_run(cfg, out_dir)

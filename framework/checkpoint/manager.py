@@ -64,6 +64,7 @@ class Resumed:
     step: int
     position: DataPosition
     history: Dict[str, Any]
+    load_s: float
 
 
 class Checkpointer:
@@ -86,14 +87,15 @@ class Checkpointer:
         state = self._state_dict(run)
         partial, final = partial_dir(self.dir, step), step_dir(self.dir, step)
         meta = self._meta(run, step, position, history)
+        entry = history["checkpoints"][-1]  # the loop's record of this save: gets total_s when published
         if self.async_group is None:
             dcp.save(state, checkpoint_id=partial)  # returns once every rank's files and .metadata are written
             blocking = self._record_blocking(meta, start)
-            self._publish(partial, final, meta)
+            self._publish(partial, final, meta, entry, start)
         else:
             future = dcp.async_save(state, checkpoint_id=partial, process_group=self.async_group)
             blocking = self._record_blocking(meta, start)
-            self.in_flight = (future, partial, final, meta)
+            self.in_flight = (future, partial, final, meta, entry, start)
         return blocking
 
     @staticmethod
@@ -112,15 +114,16 @@ class Checkpointer:
         """Finish the save in flight, if any (every rank's future completes once all files are in)."""
         if self.in_flight is None:
             return
-        future, partial, final, meta = self.in_flight
+        future, *publish = self.in_flight
         self.in_flight = None
         future.result()
-        self._publish(partial, final, meta)
+        self._publish(*publish)
 
-    def _publish(self, partial: str, final: str, meta: dict) -> None:
+    def _publish(self, partial: str, final: str, meta: dict, entry: dict, start: float) -> None:
         if self.rank != 0:
             return
         write_meta_and_publish(partial, final, meta)
+        entry["total_s"] = time.perf_counter() - start  # async: until the files were all in (to a step)
         removed = keep_newest(self.dir, self.cfg.checkpoint.keep_last)
         log.info("checkpoint %s saved%s", final, f"; removed {removed}" if removed else "")
 
@@ -167,6 +170,7 @@ class Checkpointer:
     def load(self, run, path: str) -> Resumed:
         """Model, optimizer, scheduler, data position and history from `path`; the RNG states
         too when the world is the same (another world's ranks are other processes)."""
+        start = time.perf_counter()
         meta = read_meta(path)
         model_state, optim_state = get_state_dict(run.model.module, run.optimizer)
         state = {"model": model_state, "optim": optim_state}
@@ -185,7 +189,7 @@ class Checkpointer:
             position = DataPosition(position.epoch + (position.samples > 0), 0)
             if run.rank == 0:
                 log.info("checkpoint.reset_data: the data restarts at the start of epoch %d", position.epoch)
-        return Resumed(path, meta["step"], position, meta["history"])
+        return Resumed(path, meta["step"], position, meta["history"], time.perf_counter() - start)
 
     def load_model_only(self, run, path: str) -> None:
         """checkpoint.init_from: the weights start a new run (step 0, fresh optimizer and data)."""

@@ -5,6 +5,9 @@ import os
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+# What Hydra puts in a job's dir before the task runs.
+HYDRA_ONLY = {".hydra", "train.log"}
+
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ

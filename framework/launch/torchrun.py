@@ -7,6 +7,7 @@ rank exits instead of waiting.
 """
 import json
 import os
+import shutil
 import sys
 from datetime import timedelta
 from typing import Optional
@@ -14,14 +15,30 @@ from typing import Optional
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from framework.launch.handoff import rank_config, write_resolved_config
+from framework.launch.handoff import HYDRA_ONLY, rank_config, write_resolved_config
 from framework.config.validate import validate
 from framework.launch.worker import run_rank
+
+HANDSHAKE_TIMEOUT = timedelta(minutes=10)
+JOB_DIR_KEY = "framework/job_dir"
+
 
 def _payload_key() -> str:
     """Per restart attempt, so a restarted world never reads the previous attempt's config."""
     return f"framework/config/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-HANDSHAKE_TIMEOUT = timedelta(minutes=10)
+
+
+def _job_dir(store: dist.TCPStore, out_dir: str) -> str:
+    """The first attempt's job dir: after torchrun's --max-restarts restarts the world, rank 0's
+    Hydra makes a new (timestamped) dir, but the run continues where its checkpoints, logs and
+    TensorBoard events are. The new dir, which holds only Hydra's files, is removed."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" or not store.check([JOB_DIR_KEY]):
+        store.set(JOB_DIR_KEY, out_dir)
+        return out_dir
+    first = store.get(JOB_DIR_KEY).decode()
+    if first != out_dir and set(os.listdir(out_dir)) <= HYDRA_ONLY:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return first
 
 
 def _torchrun_store() -> dist.TCPStore:
@@ -34,6 +51,7 @@ def launch_in_torchrun_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     """Rank 0 under torchrun: validate against the world, publish the config (or the error),
     then run as rank 0."""
     store = _torchrun_store()
+    out_dir = _job_dir(store, out_dir)
     try:
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]),
                  ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])), out_dir=out_dir)

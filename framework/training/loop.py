@@ -232,7 +232,7 @@ def train(run: Run) -> dict:
         "wall_s": wall,
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * seq_len if seq_len else None,
-        "resumed_from": {"path": resumed.path, "step": resumed.step} if resumed else None,
+        "resumed_from": {"path": resumed.path, "step": resumed.step, "load_s": resumed.load_s} if resumed else None,
         "restarts": restart_count(),
         "checkpoints": saves,
     }
