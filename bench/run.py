@@ -64,7 +64,8 @@ def run_checkpointing(mode: str, mesh: str, steps: int, work: Path) -> dict:
               "final_loss": summary["final_loss"]}
     if saves:  # and the resume: load seconds, on the same mesh
         resumed = out / "resumed"
-        subprocess.run([*cmd[:-1], f"hydra.run.dir={resumed}", f"checkpoint.resume={out}/checkpoints/step_10"],
+        subprocess.run([*cmd[:-1], f"hydra.run.dir={resumed}", f"checkpoint.resume={out}/checkpoints/step_10",
+                        "trainer.max_steps=11"],
                        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, check=True)
         result["load_s"] = json.loads((resumed / "summary.json").read_text())["resumed_from"]["load_s"]
     shutil.rmtree(out)

@@ -3,6 +3,7 @@ import os
 import signal
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
@@ -10,7 +11,8 @@ from torch.distributed.tensor import DTensor
 
 from framework.config.schema import STAGES
 from framework.training.builder import build_and_run
-from framework.models import SeedMLP
+from framework.models import SeedMLP, Transformer
+from framework.models.transformer import Attention, rotary
 
 
 class FailOnRank(SeedMLP):
@@ -123,3 +125,39 @@ def output_after_loading(cfg_container: dict, out_dir: str, inputs: torch.Tensor
         output = run.model(inputs)
     dist.destroy_process_group()
     return output.full_tensor() if isinstance(output, DTensor) else output
+
+
+class GlobalHeadsAttention(Attention):
+    """The classic TP bug: q/k/v reshaped with the model's global head count. On one process it
+    is the same model; under TP each rank holds n_heads / TP heads' channels, so it splits them
+    into n_heads heads of the wrong size, and trains a different model without any error."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq = x.shape[0], x.shape[1]
+        q, k, v = (w(x).view(batch, seq, self.n_heads, -1) for w in (self.wq, self.wk, self.wv))
+        q, k = rotary(q), rotary(k)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class GlobalHeadsTransformer(Transformer):
+    """The tiny LM with GlobalHeadsAttention in every block (same weights as Transformer's)."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        for layer in self.layers:
+            layer.attention.__class__ = GlobalHeadsAttention
+            layer.attention.n_heads = self.n_heads
+
+
+class ScaledSeedMLP(SeedMLP):
+    """The seed model times a learned scalar of its own: a custom parameter no plan entry
+    covers, replicated on every TP rank, whose gradient is whole on each (the output it scales
+    is replicated), so it is correct under TP and DP."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.scale * super().forward(x)

@@ -107,6 +107,14 @@ class LauncherConfig:
 
 
 @dataclass
+class VerifyConfig:
+    steps: int = 3
+    rtol: float = 1e-5
+    atol: float = 1e-6
+    report: Optional[str] = None
+
+
+@dataclass
 class LoggerConfig:
     tensorboard: bool = True
 
@@ -126,6 +134,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
     pipeline: List[str] = field(default_factory=lambda: list(STAGES))
     allowed_targets: List[str] = field(default_factory=lambda: ["framework", "torch.nn", "torch.optim"])
 

@@ -1,0 +1,260 @@
+"""`python -m framework.verify [overrides]`: prove a mesh and plan train the model one process
+would, and name the first module that does not.
+
+Takes the same config as framework.train (recipe, mesh, plan, model). Runs verify.steps steps
+twice from the same seeded weights and global batches: on the configured mesh, and in this one
+process without DP or TP roles (the plan is not applied). It compares, per step, the
+global loss, every parameter's full gradient (DTensors gathered; before clipping, which would
+spread one wrong gradient over all) and every parameter after the optimizer step; for step 1 also every module's input and output (DP replica 0's share of the
+global batch; TP shards reassembled). The culprit is the first module, in the order modules
+finish, whose input matches one process and whose output does not, named with the plan entry
+that covers it; for gradients, the first parameter whose gradient differs although its module's
+forward matched. Exit 0: everything within verify.rtol / verify.atol; 1: not; 2: a config error.
+"""
+import json
+import math
+import sys
+import tempfile
+from functools import partial
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement
+
+from framework.checkpoint.manager import DataPosition
+from framework.config.errors import ConfigError
+from framework.config.schema import STAGES, register_schema
+from framework.config.validate import check_model_and_plan, validate
+from framework.launch.handoff import rank_config
+from framework.launch.local import RankFailed, spawn_ranks
+from framework.parallel.grad_norm import clip_grad_norm
+from framework.parallel.plan import matching_modules
+from framework.train import CONFIG_DIR
+from framework.training.builder import STAGE_FUNCTIONS, build_and_run
+from framework.training.run import Run
+from framework.training.loop import batches, forward_backward, local_value, mean_over_dp
+
+Piece = Tuple[torch.Tensor, Optional[Placement]]  # a rank's local tensor and its DTensor placement, if any
+
+
+def _piece(value: Any) -> Optional[Piece]:
+    if isinstance(value, (tuple, list)):
+        value = next((v for v in value if isinstance(v, torch.Tensor)), None)
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone(), value.placements[0]
+    return (value.detach().clone(), None) if isinstance(value, torch.Tensor) else None
+
+
+def _keep_input(record: Dict[str, Piece], name: str, module, args) -> None:
+    if name not in record:  # the first call: step 1
+        record[name] = _piece(args)
+
+
+def _keep_output(record: Dict[str, Piece], name: str, module, args, output) -> None:
+    if name not in record:
+        record[name] = _piece(output)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor: DTensors are gathered (a collective every rank runs in the same order)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def build_one_process(cfg: DictConfig, out_dir: str) -> Run:
+    """The reference run in this process, with no process group: no DP or TP roles, so the DP
+    wrapper syncs nothing and the plan is not applied; the same seeded model, data and optimizer."""
+    cfg.parallel.dp_dim = cfg.parallel.tp_dim = None
+    run = Run(cfg=cfg, out_dir=out_dir, dp={"size": 1, "rank": 0}, tp={"size": 1, "rank": 0})
+    for stage in STAGES[STAGES.index("model"): STAGES.index("optimizer") + 1]:
+        STAGE_FUNCTIONS[stage](run)
+    return run
+
+
+def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -> dict:
+    """Runs in every rank (or, for the reference, in this process): build up to the optimizer,
+    train verify.steps steps, and return the module inputs and outputs of step 1 (ranks of DP
+    replica 0) and, on rank 0, each step's global loss, full gradients and full parameters
+    after the optimizer step."""
+    cfg = OmegaConf.create(cfg_container)
+    cfg.pipeline = STAGES[: STAGES.index("optimizer") + 1]
+    run = build_one_process(cfg, out_dir) if one_process else build_and_run(cfg, out_dir)
+    model = run.model.module
+    inputs_seen: Dict[str, Piece] = {}
+    outputs_seen: Dict[str, Piece] = {}
+    order: List[str] = []
+    hooks = []
+    for name, module in model.named_modules():
+        # prepend: the input as it arrives, before a plan's PrepareModuleInput redistributes it
+        hooks.append(module.register_forward_pre_hook(partial(_keep_input, inputs_seen, name), prepend=True))
+        hooks.append(module.register_forward_hook(partial(_keep_output, outputs_seen, name)))
+        hooks.append(module.register_forward_hook(lambda m, a, o, name=name: order.append(name)))
+    data = batches(run.sampler, run.dataloader, DataPosition(), cfg.data.global_batch_size)
+    steps = []
+    for step in range(cfg.verify.steps):
+        inputs, targets = next(data)
+        loss = forward_backward(run, inputs, targets)
+        if step == 0:
+            for hook in hooks:
+                hook.remove()
+        # before clipping: one wrong gradient changes the global norm, and so every clipped one
+        grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+        if cfg.trainer.grad_clip is not None:
+            clip_grad_norm(run.model.parameters(), cfg.trainer.grad_clip)
+        run.optimizer.step()
+        run.scheduler.step()
+        params = {name: _full(p) for name, p in model.named_parameters()}
+        global_loss = mean_over_dp(run, [local_value(loss)])[0]
+        if run.rank == 0:
+            steps.append({"loss": global_loss, "grads": grads, "params": params})
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    first_replica = run.dp["rank"] == 0
+    return {"tp_rank": run.tp["rank"], "dp_size": run.dp["size"], "order": order, "steps": steps,
+            "inputs": inputs_seen if first_replica else {}, "outputs": outputs_seen if first_replica else {}}
+
+
+def assemble(pieces: List[Optional[Piece]], like: torch.Tensor) -> Optional[torch.Tensor]:
+    """The whole tensor from the TP ranks' pieces (in TP rank order): by the DTensor placement,
+    or, for a plain local tensor, along the one dim whose size differs from `like`."""
+    if any(p is None for p in pieces):
+        return None
+    local, placement = pieces[0]
+    if placement is not None and placement.is_shard():
+        return torch.cat([p for p, _ in pieces], dim=placement.dim)
+    if placement is not None and placement.is_partial():
+        return sum(p for p, _ in pieces)
+    if placement is not None or local.shape == like.shape:
+        return local
+    differing = [d for d in range(min(local.dim(), like.dim())) if local.shape[d] != like.shape[d]]
+    return torch.cat([p for p, _ in pieces], dim=differing[0]) if len(differing) == 1 else local
+
+
+def compare(name: str, what: str, value: Optional[torch.Tensor], reference: torch.Tensor, rtol: float,
+            atol: float) -> dict:
+    """One table row: max abs error, max error relative to the reference's largest magnitude,
+    and ok when every element is within atol + rtol * |reference| (torch.allclose)."""
+    if value is None or value.shape != reference.shape:
+        shape = None if value is None else list(value.shape)
+        return {"name": name, "what": what, "abs": math.inf, "rel": math.inf, "ok": False,
+                "note": f"shape {shape} vs {list(reference.shape)}"}
+    value, reference = value.double(), reference.double()
+    abs_error = (value - reference).abs().max().item() if value.numel() else 0.0
+    scale = reference.abs().max().item() if reference.numel() else 0.0
+    return {"name": name, "what": what, "abs": abs_error, "rel": abs_error / scale if scale else abs_error,
+            "ok": bool(torch.allclose(value, reference, rtol=rtol, atol=atol)), "note": ""}
+
+
+def plan_entry_for(module_name: str, plan: dict, model: nn.Module) -> str:
+    """The plan entry that covers a module (it or its nearest ancestor matches the pattern)."""
+    parts = module_name.split(".") if module_name else []
+    for depth in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:depth])
+        for pattern, entry in plan.items():
+            if prefix in matching_modules(model, pattern) and (prefix or pattern == "."):
+                return f"plan entry {pattern}: {entry['style']}"
+    return "not in the plan"
+
+
+def verify_rows(mesh_records: Dict[int, dict], reference: dict, rtol: float, atol: float) -> List[dict]:
+    first_replica = sorted((r for r in mesh_records.values() if r["inputs"]), key=lambda r: r["tp_rank"])
+    dp = first_replica[0]["dp_size"]
+    rows = []
+    for name in reference["order"]:
+        for what, key in (("input", "inputs"), ("output", "outputs")):
+            ref_piece = reference[key].get(name)
+            if ref_piece is None:
+                continue
+            like = ref_piece[0][0::dp]  # DP replica 0 holds rows 0, dp, 2dp... of the global batch
+            rows.append(compare(name, what, assemble([r[key].get(name) for r in first_replica], like), like, rtol, atol))
+    ours = mesh_records[0]["steps"]
+    for step, (mine, theirs) in enumerate(zip(ours, reference["steps"]), start=1):
+        rows.append(compare(f"step {step}", "loss", torch.tensor(mine["loss"]), torch.tensor(theirs["loss"]), rtol, atol))
+        for what in ("grads", "params"):
+            for name, ref in theirs[what].items():
+                rows.append(compare(name, f"{what[:-1]} step {step}", mine[what].get(name), ref, rtol, atol))
+    return rows
+
+
+def culprits(rows: List[dict], cfg: DictConfig, model: nn.Module) -> List[str]:
+    """What to look at first: the module whose input matches but output does not, and the first
+    parameter whose gradient differs although its module's forward matched."""
+    plan = OmegaConf.to_container(cfg.plan, resolve=True)
+    forward = {}
+    for row in rows:
+        if row["what"] in ("input", "output"):
+            forward.setdefault(row["name"], {})[row["what"]] = row["ok"]
+    module = next((name for name, ok in forward.items() if ok.get("input", True) and not ok.get("output", True)), None)
+    if module is not None:  # every gradient before it differs too: the forward is the place to look
+        return [f"first module whose output differs from one process with a matching input: "
+                f"{module or '(the model)'} ({plan_entry_for(module, plan, model)})"]
+    found = []
+    for row in rows:
+        if row["what"].startswith("grad") and not row["ok"]:
+            owner = row["name"].rsplit(".", 1)[0] if "." in row["name"] else ""
+            if forward.get(owner, {}).get("output", True):
+                found.append(f"first parameter whose gradient differs although its module's forward matched: "
+                             f"{row['name']} ({plan_entry_for(owner, plan, model)})")
+                break
+    return found
+
+
+def table(rows: List[dict]) -> str:
+    lines = ["| what | name | max abs error | max rel error | |", "|---|---|---|---|---|"]
+    for row in rows:
+        status = "ok" if row["ok"] else f"FAIL {row['note']}".strip()
+        lines.append(f"| {row['what']} | {row['name'] or '(the model)'} | {row['abs']:.3g} | {row['rel']:.3g} | {status} |")
+    return "\n".join(lines)
+
+
+def compose_config(overrides: List[str]) -> DictConfig:
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def verify(cfg: DictConfig) -> Tuple[bool, str, List[dict]]:
+    """Both runs, the comparison table's rows and the verdict line; writes verify.report."""
+    validate(cfg)
+    if cfg.verify.steps < 1:
+        raise ConfigError("verify.steps", cfg.verify.steps, "must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="framework-verify-") as out_dir:
+        mesh_records = spawn_ranks(math.prod(cfg.mesh.shape), record_steps, rank_config(cfg), out_dir)
+        reference = record_steps(rank_config(cfg), out_dir, one_process=True)
+    rows = verify_rows(mesh_records, reference, cfg.verify.rtol, cfg.verify.atol)
+    failed = [row for row in rows if not row["ok"]]
+    where = f"mesh {'x'.join(map(str, cfg.mesh.shape))}, {cfg.verify.steps} steps, rtol={cfg.verify.rtol} " \
+            f"atol={cfg.verify.atol}"
+    if not failed:
+        verdict = f"verify: OK: the configured run matches one process ({where}; {len(rows)} comparisons)"
+    else:
+        model = check_model_and_plan(cfg)
+        hints = "; ".join(culprits(rows, cfg, model)) or f"first difference: {failed[0]['what']} {failed[0]['name']}"
+        verdict = f"verify: FAIL: {len(failed)} of {len(rows)} comparisons differ from one process ({where}); {hints}"
+    if cfg.verify.report:
+        with open(cfg.verify.report, "w") as f:
+            f.write(f"{table(rows)}\n\n{verdict}\n")
+        with open(f"{cfg.verify.report}.json", "w") as f:
+            json.dump({"verdict": verdict, "ok": not failed, "rows": rows}, f, indent=1)
+    return not failed, verdict, rows
+
+
+def main(argv: List[str]) -> int:
+    try:
+        ok, verdict, rows = verify(compose_config(argv))
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    except RankFailed as error:
+        print(f"verify failed to run: {error}", file=sys.stderr)
+        return 1
+    print(table(rows))
+    print(verdict)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
