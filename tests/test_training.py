@@ -5,7 +5,7 @@ import torch
 from hydra.utils import instantiate
 
 from framework.launch.handoff import rank_config
-from framework.launch.local import launch_local, spawn_ranks
+from framework.launch.local import RankFailed, launch_local, spawn_ranks
 from framework.data import SyntheticRegression
 from tests.conftest import compose_config
 from tests.reference import max_relative_error, reference_training
@@ -127,3 +127,13 @@ def test_torch_ddp_then_tp_diverges_which_is_why_data_parallel_syncs_itself(tmp_
     reports = _by_rank(spawn_ranks(4, seed_literal_ddp_then_tp, 5))
     diverged = [name for name, t in reports[2]["params"].items() if not torch.equal(t, reports[0]["params"][name])]
     assert "net1.weight" in diverged and "net2.weight" in diverged
+
+
+@pytest.mark.timeout(180)
+def test_the_replica_check_fails_the_run_naming_a_parameter_that_drifted_on_one_rank(tmp_path):
+    cfg = compose_config(["mesh=2x2", "allowed_targets=[framework,torch.nn,torch.optim,tests]",
+                          "model._target_=tests.workers.DriftOnRank", "trainer.max_steps=10",
+                          "trainer.check_replicas_every=5", *QUIET])
+    with pytest.raises(RankFailed, match=r"RuntimeError: replica check at step 5: parameter scale differs across "
+                                         r"all ranks \(it must be identical there\)"):
+        launch_local(cfg, str(tmp_path))

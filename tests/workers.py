@@ -161,3 +161,19 @@ class ScaledSeedMLP(SeedMLP):
 
     def forward(self, x):
         return self.scale * super().forward(x)
+
+
+class DriftOnRank(ScaledSeedMLP):
+    """ScaledSeedMLP whose plain `scale` is nudged on one rank in forward number `at`: replicas
+    that silently stop being replicas, for the replica check to catch."""
+
+    def __init__(self, rank: int = 1, at: int = 3, **sizes):
+        super().__init__(**sizes)
+        self.drift_rank, self.at, self.calls = rank, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at and os.environ.get("RANK") == str(self.drift_rank):
+            with torch.no_grad():
+                self.scale.add_(1e-3)
+        return super().forward(x)

@@ -122,6 +122,8 @@ def check_trainer_and_data(cfg: DictConfig) -> None:
     for key in ("max_steps", "log_every", "eval_batches"):
         if cfg.trainer[key] < 1:
             raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be >= 1")
+    if cfg.trainer.check_replicas_every is not None and cfg.trainer.check_replicas_every < 1:
+        raise ConfigError("trainer.check_replicas_every", cfg.trainer.check_replicas_every, "must be >= 1, or null")
     if cfg.trainer.eval_every is not None and cfg.trainer.eval_every < 1:
         raise ConfigError("trainer.eval_every", cfg.trainer.eval_every, "must be >= 1, or null for no evaluation")
     if cfg.trainer.grad_clip is not None and cfg.trainer.grad_clip <= 0:

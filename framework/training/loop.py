@@ -19,10 +19,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from tqdm import tqdm
 
-from framework.training.logger import TensorBoardLogger
-from framework.parallel.mesh import layout_table
 from framework.checkpoint.manager import DataPosition, restart_count
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
+from framework.parallel.mesh import layout_table
+from framework.parallel.replica_check import check_replicas
+from framework.training.logger import TensorBoardLogger
 from framework.training.run import Run
 
 log = logging.getLogger("framework")
@@ -170,6 +171,8 @@ def train(run: Run) -> dict:
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         run.scheduler.step()
+        if trainer.check_replicas_every and step % trainer.check_replicas_every == 0:
+            check_replicas(model.module, model.dp_group, step)
         pending.append(local_value(loss))
         progress.update(1)
         if trainer.eval_every and step % trainer.eval_every == 0:
