@@ -35,9 +35,10 @@ def _run(overrides, out_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The uninterrupted 2x2 run, keeping its last three checkpoints."""
+    """The uninterrupted 2x2 run, keeping its last three checkpoints, saved asynchronously (the
+    kill tests save synchronously: test_kill_9... compares the files)."""
     out = tmp_path_factory.mktemp("straight")
-    summary = _run([*SEED, "checkpoint.keep_last=3"], out)
+    summary = _run([*SEED, "checkpoint.keep_last=3", "checkpoint.async_save=true"], out)
     return {"summary": summary, "dir": out / "checkpoints"}
 
 
@@ -86,8 +87,8 @@ LM = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dat
 @pytest.mark.timeout(240)
 def test_lm_saved_under_tp_sp_resumes_under_another_plan_and_tp_size(tmp_path):
     saved = _run([*LM, "mesh=1x2", "plan=lm_tp_sp"], tmp_path / "saved")
-    reference = reference_training(compose_config([*LM, "mesh=1x1", "plan=none"]))
-    for mesh, plan in [("2x1", "lm_tp"), ("1x1", "none")]:
+    reference = reference_training(compose_config([*LM, "mesh=1x1", "plan=none"]))  # one process, by hand
+    for mesh, plan in [("2x1", "lm_tp")]:  # another plan and TP size (tested to 1x1 for the seed MLP)
         summary = _run([*LM, f"mesh={mesh}", f"plan={plan}", f"checkpoint.resume={tmp_path}/saved/checkpoints/step_5"],
                        tmp_path / f"{mesh}-{plan}")
         error = max_relative_error(summary["losses"], reference["losses"])
@@ -114,19 +115,42 @@ def test_kill_9_of_a_rank_restarts_every_rank_from_the_newest_checkpoint(straigh
     events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == list(range(2, 21, 2))  # steps 12 logged twice, shown once
+    # Its sync saves hold what the straight run's async saves hold, tensor for tensor.
+    for step in (15, 20):
+        contents = []
+        for directory in (out / "checkpoints", straight["dir"]):
+            dcp_to_torch_save(directory / f"step_{step}", tmp_path / "all.pt")
+            contents.append(_flat(torch.load(tmp_path / "all.pt", weights_only=False)))
+        assert contents[0].keys() == contents[1].keys()
+        assert any(key.startswith("optim.state.net1.weight.exp_avg") for key in contents[0])
+        for key, value in contents[0].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, contents[1][key]), key
+            else:
+                assert value == contents[1][key], key
+
+
+def _flat(state: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 @pytest.mark.timeout(300)
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_which_auto_resumes(straight, tmp_path):
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_which_auto_resumes(one_process, tmp_path):
     out = tmp_path / "job"
-    result = run_cli([*SEED, "launcher.max_restarts=1", TEST_MODELS, "model._target_=tests.workers.KillInSave",
+    result = run_cli([*SEED, "mesh=2x1", "launcher.max_restarts=1", TEST_MODELS, "model._target_=tests.workers.KillInSave",
                       "+model.rank=0", "+model.at=2", f"hydra.run.dir={out}"], timeout=240)
     assert result.returncode == 0, result.stderr
     log = (out / "logs" / "rank0.log").read_text()
     assert f"removed {out / 'checkpoints' / '.partial_step_10'}, left by an interrupted save" in log
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == 5
-    assert summary["losses"] == straight["summary"]["losses"]
+    assert max_relative_error(summary["losses"], one_process["losses"]) < 1e-5
     assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [5, 10, 15, 20]
 
 
@@ -145,34 +169,6 @@ def test_under_torchrun_max_restarts_resumes_in_the_first_attempts_job_dir(one_p
     summary = json.loads((job / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["resumed_from"]["path"] == str(job / "checkpoints" / "step_10")
     assert max_relative_error(summary["losses"], one_process["losses"]) < 1e-5
-
-
-def _flat(state: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-@pytest.mark.timeout(180)
-def test_async_save_writes_what_sync_save_writes(straight, tmp_path):
-    summary = _run([*SEED, "checkpoint.async_save=true"], tmp_path)
-    assert summary["losses"] == straight["summary"]["losses"]
-    for step in (15, 20):
-        contents = []
-        for directory in (tmp_path / "checkpoints", straight["dir"]):
-            dcp_to_torch_save(directory / f"step_{step}", tmp_path / "all.pt")
-            contents.append(_flat(torch.load(tmp_path / "all.pt", weights_only=False)))
-        assert contents[0].keys() == contents[1].keys()
-        assert any(key.startswith("optim.state.net1.weight.exp_avg") for key in contents[0])
-        for key, value in contents[0].items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value, contents[1][key]), key
-            else:
-                assert value == contents[1][key], key
 
 
 @pytest.mark.timeout(120)

@@ -72,7 +72,7 @@ class Checkpointer:
         self.cfg, self.rank = cfg, rank
         self.every = cfg.checkpoint.every
         self.dir = checkpoint_dir(cfg, out_dir)
-        self.in_flight = None  # (future, partial dir, final dir, meta) of an async save
+        self.in_flight = None  # an async save: (future, then what _publish takes)
         self.async_group = dist.new_group(backend="gloo") if self.every and cfg.checkpoint.async_save else None
 
     # -- saving -------------------------------------------------------------------------

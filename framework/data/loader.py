@@ -8,6 +8,8 @@ same global batch for every DP size, which is what makes mesh shapes comparable 
 """
 import warnings
 
+import torch
+
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -25,8 +27,10 @@ def build_dataloader(dataset: Dataset, sampler: DistributedSampler, per_replica_
                      num_workers: int) -> StatefulDataLoader:
     """Always drops a last batch shorter than the per-replica batch: every step, on every
     replica, uses exactly global_batch_size / DP samples (sampler.drop_last only decides whether
-    the sampler trims or pads the epoch to a multiple of the DP size)."""
+    the sampler trims or pads the epoch to a multiple of the DP size). Its own generator: a new
+    iterator (every epoch, and a resumed one mid-epoch) would otherwise draw a worker seed from
+    the global RNG, and a resumed run's RNG stream would drift from the uninterrupted run's."""
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        return StatefulDataLoader(dataset, batch_size=per_replica_batch, sampler=sampler,
-                                  drop_last=True, num_workers=num_workers)
+        return StatefulDataLoader(dataset, batch_size=per_replica_batch, sampler=sampler, drop_last=True,
+                                  num_workers=num_workers, generator=torch.Generator().manual_seed(0))
