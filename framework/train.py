@@ -8,7 +8,12 @@ import shutil
 import sys
 from typing import Optional
 
-import hydra
+from framework.launch.zygote import zygote_socket
+
+if __name__ == "__main__" and "RANK" not in os.environ:  # self-launching (torchrun sets RANK):
+    zygote_socket()  # start the ranks' zygote first, so its imports overlap Hydra's and validation's
+
+import hydra  # noqa: E402 (after the zygote's start)
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -21,7 +26,6 @@ from framework.launch.local import RankFailed, launch_local
 register_schema()
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
 
 
 def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:

@@ -7,6 +7,7 @@ rank and its error. (Under torchrun the process joins that world instead: framew
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
 import sys
@@ -20,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from framework.launch.handoff import write_resolved_config
+from framework.launch.zygote import zygote_socket
 
 
 class RankFailed(RuntimeError):
@@ -51,8 +53,10 @@ def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any, max_restarts
     """Run `entrypoint(*args)` (a function, or a command with its arguments) in `world` fresh
     processes forming one process group on loopback; return each rank's result (None for a
     command). Any rank failing stops them all; the agent then starts them all again, up to
-    `max_restarts` times, and after that raises RankFailed."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
+    `max_restarts` times, and after that raises RankFailed. A function runs in forks of a server
+    that imported the framework once (multiprocessing's forkserver), not in fresh interpreters."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the ranks (and the forkservers)
+    multiprocessing.set_forkserver_preload(["framework.training.builder"])
     # The agent logs each failed rank's whole traceback; the rank's own log has it, and
     # RankFailed says which rank and why.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -60,7 +64,7 @@ def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any, max_restarts
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
             rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-            max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+            max_restarts=max_restarts, monitor_interval=0.1, start_method="forkserver",
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
@@ -72,10 +76,11 @@ def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any, max_restarts
 def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     """Start prod(mesh.shape) ranks as `python -m framework.launch.worker` processes, each handed the
     resolved config; return rank 0's summary (None when the pipeline stops before training).
-    Separate processes (not a spawned function) let the agent see every failed rank."""
+    Separate processes (not a spawned function) let the agent see every failed rank; forks of a
+    zygote that imported the framework once (framework.launch.zygote) make them start in ms."""
     config_path = write_resolved_config(cfg, out_dir)
-    spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.worker", config_path, out_dir,
-                max_restarts=cfg.launcher.max_restarts)
+    spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.zygote", zygote_socket(),
+                "framework.launch.worker", config_path, out_dir, max_restarts=cfg.launcher.max_restarts)
     summary_path = os.path.join(out_dir, "summary.json")
     if not os.path.exists(summary_path):
         return None

@@ -1,0 +1,183 @@
+"""Rank start-up in milliseconds instead of seconds: a zygote imports torch and the framework
+once, and every self-launched rank is a fork of it.
+
+Importing torch and DTensor costs about 5 s of CPU per process; four ranks on two cores spent
+most of a short run's wall time importing. The elastic agent still starts, watches, signals and
+restarts each rank as a command (so it sees every rank's exit code and error file); that command
+is this module's light client, which hands its stdio, environment and arguments to the zygote,
+relays the agent's signals to the forked rank, and exits as the rank did (same code, or killed
+by the same signal). A rank kills itself when its client disappears, so nothing outlives the
+agent. Stdlib only: the client must start fast.
+
+    server: python -m framework.launch.zygote --serve SOCKET PRELOADED_MODULE
+    client: python -m framework.launch.zygote SOCKET MODULE [ARGS...]
+"""
+import atexit
+import json
+import os
+import runpy
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Dict, Optional, Tuple
+
+_HEADER = struct.Struct("!Q")
+_RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = conn.recv(size)
+        if not chunk:
+            raise ConnectionError("zygote peer closed the connection")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+_running: Optional[Tuple[subprocess.Popen, str]] = None
+
+
+def zygote_socket(preload: str = "framework.launch.worker") -> str:
+    """The socket of this process's zygote, started on first use and stopped at exit. It is a
+    fresh interpreter (not a fork of the caller, whose threads or OpenMP may not survive a fork)
+    with the caller's environment, so starting it early overlaps its imports with the caller's."""
+    global _running
+    if _running is None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # read at import: the forks inherit it
+        sock_dir = tempfile.mkdtemp(prefix="framework-zygote-")
+        path = os.path.join(sock_dir, "zygote.sock")
+        _running = subprocess.Popen([sys.executable, "-m", __name__, "--serve", path, preload]), path
+
+        def stop() -> None:
+            _running[0].kill()
+            _running[0].wait()
+            shutil.rmtree(sock_dir, ignore_errors=True)
+
+        atexit.register(stop)
+    return _running[1]
+
+
+# ---- server -------------------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent-pid check in serve() still ends the server
+
+
+def _run_rank(conn: socket.socket, stdio: list, request: dict) -> None:
+    """In the forked child: become the rank the client asked for, run it, exit with its status."""
+    for target, fd in enumerate(stdio):
+        os.dup2(fd, target)
+        os.close(fd)
+    for sig in _RELAYED + (signal.SIGCHLD,):
+        signal.signal(sig, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+
+    def die_with_client() -> None:
+        conn.recv(1)  # returns only when the client is gone
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=die_with_client, daemon=True).start()
+    sys.argv = [request["module"], *request["args"]]
+    code = 0
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        if isinstance(exit_.code, str):
+            print(exit_.code, file=sys.stderr)
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(path: str, preload: str) -> None:
+    _die_with_parent()
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(256)  # clients may connect (and wait) while the preload is importing
+    __import__(preload)
+    ranks: Dict[int, socket.socket] = {}
+    while os.getppid() == parent:
+        if select.select([listener], [], [], 0.05)[0]:
+            conn, _ = listener.accept()
+            header, stdio, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+            request = json.loads(_recv_exactly(conn, _HEADER.unpack(header)[0]))
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in ranks.values():
+                    other.close()
+                _run_rank(conn, stdio, request)
+            for fd in stdio:
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            ranks[pid] = conn
+        while ranks:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = ranks.pop(pid)
+            reply = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.WEXITSTATUS(status)}
+            conn.sendall(json.dumps(reply).encode())
+            conn.close()
+
+
+# ---- client -------------------------------------------------------------------------------
+
+def _connect(path: str, timeout_s: float = 120.0) -> socket.socket:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            return conn
+        except (FileNotFoundError, ConnectionRefusedError):
+            conn.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def run_client(path: str, module: str, args: list) -> None:
+    conn = _connect(path)
+    request = json.dumps({"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    socket.send_fds(conn, [_HEADER.pack(len(request))], [0, 1, 2])
+    conn.sendall(request)
+    reader = conn.makefile("rb")
+    pid = int(reader.readline())
+    for sig in _RELAYED:
+        signal.signal(sig, lambda number, _frame: os.kill(pid, number))
+    reply = json.loads(reader.read() or b'{"signal": 9}')  # no reply: the zygote itself died
+    if "signal" in reply:
+        signal.signal(reply["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), reply["signal"])
+    sys.exit(reply["exit"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        serve(*sys.argv[2:4])
+    else:
+        run_client(sys.argv[1], sys.argv[2], sys.argv[3:])
