@@ -1,5 +1,6 @@
 """Every bad config is refused before launch with one message naming key, value and fix."""
 import pytest
+import torch
 
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
@@ -44,6 +45,16 @@ BAD_CONFIGS = [
      r"data.dataset._target_='framework.corpus.ByteCorpus': this module moved; use framework.data.ByteCorpus"),
     (["trainer.grad_clip=0"], r"trainer.grad_clip=0.0: must be > 0"),
     (["mesh.backend=nccl"], r"mesh.backend='nccl': nccl needs mesh.device_type=cuda"),
+    (["optim.lr=-1"], r"optim.lr=-1: SGD refuses it: Invalid learning rate: -1$"),
+    (["optim=adamw", "+optim.betas=[2,0.9]"], r"optim.betas=\[2, 0.9\]: AdamW refuses it: Invalid beta parameter at index 0"),
+    (["plan.net3.output_layouts=null"],
+     r"plan.net3=.*: colwise leaves the model's output \(net3\) as local shards \(shard\(-1\)\) on each of the 2 TP "
+     r"ranks, so the loss would see only a slice of it; set output_layouts: replicate, or output_layouts: shard\(-1\) "
+     r"with use_local_output: false"),
+    (["recipe=lm_2d", "plan=lm_tp_sp_loss_parallel", "plan.output.use_local_output=true"],
+     r"plan.output=.*: colwise leaves the model's output \(output\) as local shards"),
+    (["trainer.stall_timeout_s=300"],
+     r"trainer.stall_timeout_s=300.0: must be > 0 and below trainer.collective_timeout_s=300"),
 ]
 
 
@@ -53,7 +64,15 @@ def test_bad_config_is_refused_with_key_value_and_fix(overrides, message):
         validate(compose_config(overrides))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_refused_before_any_rank_starts():
+    with pytest.raises(ConfigError, match=r"mesh.device_type='cuda': torch sees no CUDA device here .*; use "
+                                          r"mesh.device_type=cpu"):
+        validate(compose_config(["mesh.device_type=cuda"]))
+
+
 @pytest.mark.parametrize("overrides", [
+    ["recipe=lm_2d", "plan=lm_tp_sp_loss_parallel"],
     ["mesh.dim_names=[tp,dp]", "parallel.enforce_tp_innermost=false"],
     ["mesh.ranks_per_host=1", "parallel.allow_tp_across_hosts=true"],
     ["mesh.ranks_per_host=2"],

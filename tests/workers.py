@@ -1,6 +1,7 @@
 """Functions the multi-process tests run inside each rank (importable by spawned processes)."""
 import os
 import signal
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -176,4 +177,19 @@ class DriftOnRank(ScaledSeedMLP):
         if self.calls == self.at and os.environ.get("RANK") == str(self.drift_rank):
             with torch.no_grad():
                 self.scale.add_(1e-3)
+        return super().forward(x)
+
+
+class BlockOnRank(SeedMLP):
+    """The seed model, except that rank `rank` blocks forever in its forward number `at`
+    (outside any collective): the other ranks then wait in the step's collectives."""
+
+    def __init__(self, rank: int = 1, at: int = 3, **sizes):
+        super().__init__(**sizes)
+        self.block_rank, self.at, self.calls = rank, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at and os.environ["RANK"] == str(self.block_rank):
+            threading.Event().wait()
         return super().forward(x)

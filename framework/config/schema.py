@@ -88,6 +88,7 @@ class TrainerConfig:
     peak_tflops: Optional[float] = None
     progress_bar: bool = True
     collective_timeout_s: int = 300
+    stall_timeout_s: Optional[float] = 180
     check_replicas_every: Optional[int] = 100
 
 

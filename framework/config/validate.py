@@ -14,7 +14,7 @@ from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_
 from framework.config.schema import STAGES
 from framework.config.errors import ConfigError
 from framework.parallel.mesh import submesh_ranks
-from framework.parallel.plan import check_plan
+from framework.parallel.plan import check_output_layout, check_plan
 
 
 def _targets(node: Any, path: str) -> Iterator[Tuple[str, str]]:
@@ -126,6 +126,11 @@ def check_trainer_and_data(cfg: DictConfig) -> None:
         raise ConfigError("trainer.check_replicas_every", cfg.trainer.check_replicas_every, "must be >= 1, or null")
     if cfg.trainer.eval_every is not None and cfg.trainer.eval_every < 1:
         raise ConfigError("trainer.eval_every", cfg.trainer.eval_every, "must be >= 1, or null for no evaluation")
+    stall = cfg.trainer.stall_timeout_s
+    if stall is not None and not 0 < stall < cfg.trainer.collective_timeout_s:
+        raise ConfigError("trainer.stall_timeout_s", stall,
+                          f"must be > 0 and below trainer.collective_timeout_s={cfg.trainer.collective_timeout_s} "
+                          f"(else the collective timeout fires first, with no stacks), or null for no watchdog")
     if cfg.trainer.grad_clip is not None and cfg.trainer.grad_clip <= 0:
         raise ConfigError("trainer.grad_clip", cfg.trainer.grad_clip, "must be > 0, or null for no clipping")
     dp = role_size(cfg, "dp_dim")
@@ -157,6 +162,7 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     plan = OmegaConf.to_container(cfg.plan, resolve=True)
     tp = role_size(cfg, "tp_dim")
     check_plan(plan, model, tp)
+    check_output_layout(plan, model, tp)
     if not plan or tp == 1:
         return model
     counts = dict(model.tp_sharded_counts()) if hasattr(model, "tp_sharded_counts") else {}
@@ -181,8 +187,9 @@ def instantiate_checked(node: Any, **kwargs: Any) -> Any:
 
 
 def check_optimizer(cfg: DictConfig) -> None:
-    """The optimizer takes every option given (checked against its signature: building one
-    would import torch's compiler stack, seconds the launcher should not spend)."""
+    """The optimizer takes every option given (checked against its signature) and accepts their
+    values (its own checks). Building one on a real parameter would import torch's compiler
+    stack, seconds the launcher should not spend."""
     options = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
     optimizer = get_class(cfg.optim._target_)
     try:
@@ -190,6 +197,23 @@ def check_optimizer(cfg: DictConfig) -> None:
     except TypeError as error:
         raise ConfigError("optim", options, f"{optimizer.__name__} cannot be built: {error}; fix or remove the "
                                             f"option (e.g. ~optim.KEY on the command line)") from None
+    error = _refusal(optimizer, options)
+    if error is not None:
+        # The option without which the optimizer accepts the rest is the one to name.
+        key = next((k for k in options if _refusal(optimizer, {o: v for o, v in options.items() if o != k}) is None),
+                   None)
+        raise ConfigError(f"optim.{key}" if key else "optim", options[key] if key else options,
+                          f"{optimizer.__name__} refuses it: {error}")
+
+
+def _refusal(optimizer: type, options: dict) -> Optional[str]:
+    """The optimizer's own checks of its options (a negative lr, say), run on an empty parameter
+    list: they come before the parameters are looked at, and cost microseconds."""
+    try:
+        optimizer([], **options)
+    except ValueError as error:
+        return None if "empty parameter list" in str(error) else str(error)
+    return None
 
 
 def check_dataset(cfg: DictConfig) -> None:
@@ -209,6 +233,19 @@ def check_dataset(cfg: DictConfig) -> None:
                               f"more data")
 
 
+def check_devices(cfg: DictConfig, ranks_per_host: int) -> None:
+    """One device per rank on each host, before any rank starts (NCCL would fail in every rank)."""
+    if cfg.mesh.device_type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("mesh.device_type", "cuda", "torch sees no CUDA device here (a CPU-only build, no GPU "
+                                                      "or no driver); use mesh.device_type=cpu")
+    if torch.cuda.device_count() < ranks_per_host:
+        raise ConfigError("mesh.shape", list(cfg.mesh.shape),
+                          f"{ranks_per_host} ranks per host need as many GPUs and this host has "
+                          f"{torch.cuda.device_count()}; pick a smaller mesh or set mesh.ranks_per_host")
+
+
 def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: Optional[int] = None,
              deep: bool = True, out_dir: Optional[str] = None) -> None:
     """All checks. `world_size` is the world a launcher joined (torchrun); `deep` also builds the
@@ -221,7 +258,9 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         raise ConfigError("mesh.shape", list(cfg.mesh.shape),
                           f"its {mesh_size} positions differ from the launched world size {world_size}; "
                           f"launch {mesh_size} processes or pick a mesh of {world_size}")
-    check_tp_placement(cfg, cfg.mesh.ranks_per_host or ranks_per_host or mesh_size)
+    per_host = cfg.mesh.ranks_per_host or ranks_per_host or mesh_size
+    check_tp_placement(cfg, per_host)
+    check_devices(cfg, per_host)
     check_targets(cfg)
     check_trainer_and_data(cfg)
     check_checkpoint_keys(cfg)

@@ -10,6 +10,7 @@ import math
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import tempfile
 import uuid
@@ -22,6 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from framework.launch.handoff import write_resolved_config
 from framework.launch.zygote import zygote_socket
+from framework.training.watchdog import stall_message
 
 
 class RankFailed(RuntimeError):
@@ -39,12 +41,26 @@ def _headline(failure) -> str:
     return headlines[-1] if headlines else message.strip().splitlines()[-1]
 
 
+def _is_consequence(failure) -> bool:
+    """Failures that follow another rank's: the agent's SIGTERM to the ranks still running, and
+    a collective that lost its peer."""
+    if failure.exitcode < 0:
+        return failure.exitcode == -signal.SIGTERM
+    return bool(_PEER_LOST.search(_headline(failure)))
+
+
 def _failure_message(error: ChildFailedError) -> str:
-    """Name the rank that failed first, preferring a rank's own error over a lost-peer error."""
-    ranks = sorted(error.failures, key=lambda r: (error.failures[r].timestamp,
-                                                  bool(_PEER_LOST.search(_headline(error.failures[r]))), r))
-    rank, failure = ranks[0], error.failures[ranks[0]]
+    """Name the rank that failed first: a rank's own error or a rank killed by a signal (kill -9,
+    the OOM killer, a crash) before the consequences; among equals, the earliest (the agent
+    stamps failures to the second, so ties are common), an error before a signal, then by rank."""
+    failures = error.failures
+    ranks = sorted(failures, key=lambda r: (_is_consequence(failures[r]), failures[r].timestamp,
+                                            failures[r].exitcode < 0, r))
+    rank, failure = ranks[0], failures[ranks[0]]
     others = f"; ranks {ranks[1:]} failed after it" if len(ranks) > 1 else ""
+    if failure.exitcode < 0:
+        return (f"rank {rank} was killed by signal {failure.signal_name()} (exit code {failure.exitcode}): from "
+                f"outside the run (kill, the OOM killer) or by a crash, so it left no traceback{others}")
     return (f"rank {rank} failed (exit code {failure.exitcode}): {_headline(failure)} "
             f"(traceback in logs/rank{rank}.log){others}")
 
@@ -79,8 +95,14 @@ def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     Separate processes (not a spawned function) let the agent see every failed rank; forks of a
     zygote that imported the framework once (framework.launch.zygote) make them start in ms."""
     config_path = write_resolved_config(cfg, out_dir)
-    spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.zygote", zygote_socket(),
-                "framework.launch.worker", config_path, out_dir, max_restarts=cfg.launcher.max_restarts)
+    try:
+        spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.zygote", zygote_socket(),
+                    "framework.launch.worker", config_path, out_dir, max_restarts=cfg.launcher.max_restarts)
+    except RankFailed:
+        stalled = stall_message(out_dir)  # the ranks' own account of a stall beats their exit codes
+        if stalled:
+            raise RankFailed(stalled) from None
+        raise
     summary_path = os.path.join(out_dir, "summary.json")
     if not os.path.exists(summary_path):
         return None

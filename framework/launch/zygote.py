@@ -52,7 +52,7 @@ def zygote_socket(preload: str = "framework.launch.worker") -> str:
     fresh interpreter (not a fork of the caller, whose threads or OpenMP may not survive a fork)
     with the caller's environment, so starting it early overlaps its imports with the caller's."""
     global _running
-    if _running is None:
+    if _running is None or _running[0].poll() is not None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # read at import: the forks inherit it
         sock_dir = tempfile.mkdtemp(prefix="framework-zygote-")
         path = os.path.join(sock_dir, "zygote.sock")
@@ -111,6 +111,21 @@ def _run_rank(conn: socket.socket, stdio: list, request: dict) -> None:
         os._exit(code)
 
 
+def _fork_rank(listener: socket.socket, conn: socket.socket, ranks: Dict[int, socket.socket]) -> None:
+    header, stdio, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+    request = json.loads(_recv_exactly(conn, _HEADER.unpack(header)[0]))
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        for other in ranks.values():
+            other.close()
+        _run_rank(conn, stdio, request)
+    for fd in stdio:
+        os.close(fd)
+    ranks[pid] = conn
+    conn.sendall(f"{pid}\n".encode())
+
+
 def serve(path: str, preload: str) -> None:
     _die_with_parent()
     parent = os.getppid()
@@ -122,25 +137,20 @@ def serve(path: str, preload: str) -> None:
     while os.getppid() == parent:
         if select.select([listener], [], [], 0.05)[0]:
             conn, _ = listener.accept()
-            header, stdio, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
-            request = json.loads(_recv_exactly(conn, _HEADER.unpack(header)[0]))
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                for other in ranks.values():
-                    other.close()
-                _run_rank(conn, stdio, request)
-            for fd in stdio:
-                os.close(fd)
-            conn.sendall(f"{pid}\n".encode())
-            ranks[pid] = conn
+            try:
+                _fork_rank(listener, conn, ranks)
+            except OSError:  # the client died before being served
+                conn.close()
         while ranks:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             conn = ranks.pop(pid)
             reply = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.WEXITSTATUS(status)}
-            conn.sendall(json.dumps(reply).encode())
+            try:
+                conn.sendall(json.dumps(reply).encode())
+            except OSError:
+                pass  # the client is gone (killed): the rank went with it, nobody to tell
             conn.close()
 
 
@@ -153,7 +163,7 @@ def _connect(path: str, timeout_s: float = 120.0) -> socket.socket:
         try:
             conn.connect(path)
             return conn
-        except (FileNotFoundError, ConnectionRefusedError):
+        except FileNotFoundError:  # not bound yet (refused would mean the zygote died)
             conn.close()
             if time.monotonic() > deadline:
                 raise
@@ -171,7 +181,8 @@ def run_client(path: str, module: str, args: list) -> None:
         signal.signal(sig, lambda number, _frame: os.kill(pid, number))
     reply = json.loads(reader.read() or b'{"signal": 9}')  # no reply: the zygote itself died
     if "signal" in reply:
-        signal.signal(reply["signal"], signal.SIG_DFL)
+        if reply["signal"] in _RELAYED:
+            signal.signal(reply["signal"], signal.SIG_DFL)  # (SIGKILL has no handler to reset)
         os.kill(os.getpid(), reply["signal"])
     sys.exit(reply["exit"])
 

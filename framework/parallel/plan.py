@@ -8,8 +8,9 @@ framework.parallel.tensor_parallel turns a checked plan into ParallelStyle objec
 """
 import fnmatch
 import re
-from typing import Any, List, Mapping
+from typing import Any, List, Mapping, Optional, Tuple
 
+import torch.fx
 from torch import nn
 
 from framework.config.errors import ConfigError
@@ -110,3 +111,53 @@ def check_plan(plan: Mapping[str, Mapping[str, Any]], model: nn.Module, tp_size:
                         f"nn.Embedding: point it at a Linear/Embedding or use another style",
                     )
                 _check_divisible(key, name, module, style, tp_size)
+
+
+def _option(entry: Mapping[str, Any], key: str, default: Any) -> Any:
+    return default if entry.get(key) is None else entry[key]
+
+
+def final_output_layout(entry: Mapping[str, Any]) -> Tuple[Any, bool]:
+    """The layout a style leaves its module's output in, with torch's defaults, and whether it
+    hands on a local tensor (use_local_output) rather than a DTensor."""
+    style = entry["style"]
+    if style == "colwise":
+        return _option(entry, "output_layouts", "shard(-1)"), _option(entry, "use_local_output", True)
+    if style == "rowwise":
+        return _option(entry, "output_layouts", "replicate"), _option(entry, "use_local_output", True)
+    if style == "sequence_parallel":
+        return f"shard({_option(entry, 'sequence_dim', 1)})", _option(entry, "use_local_output", False)
+    if style in ("prepare_module_output", "prepare_module_input_output"):
+        return entry.get("desired_output_layouts"), _option(entry, "use_local_output", True)
+    return None, True
+
+
+def output_module(model: nn.Module) -> Optional[str]:
+    """The module whose forward returns the model's output, from torch.fx's symbolic trace (no
+    tensors, milliseconds); None when the trace fails (data-dependent control flow, say) or the
+    output is computed outside a module."""
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:  # noqa: BLE001 - untraceable models skip the check; their loss shows the layout
+        return None
+    (returned,) = [node for node in graph.nodes if node.op == "output"][0].args
+    return returned.target if isinstance(returned, torch.fx.Node) and returned.op == "call_module" else None
+
+
+def check_output_layout(plan: Mapping[str, Mapping[str, Any]], model: nn.Module, tp_size: int) -> None:
+    """The model's output reaches the loss whole, or as a DTensor sharded on the vocabulary (the
+    loss then runs under torch's loss_parallel). Output left as local shards gives the loss a
+    slice of the logits: a shape error at best, a wrong loss at worst."""
+    if tp_size == 1 or not plan:
+        return
+    output = output_module(model)
+    for pattern, entry in plan.items():
+        if pattern != ROOT and output not in matching_modules(model, pattern):
+            continue
+        layout, local = final_output_layout(entry)
+        if local and isinstance(layout, str) and layout.strip().lower().startswith("shard"):
+            raise ConfigError(f"plan.{pattern}", dict(entry),
+                              f"{entry['style']} leaves the model's output ({output if pattern != ROOT else 'the model'}) "
+                              f"as local shards ({layout}) on each of the {tp_size} TP ranks, so the loss would see "
+                              f"only a slice of it; set output_layouts: replicate, or output_layouts: shard(-1) with "
+                              f"use_local_output: false to compute the loss on the sharded logits (loss_parallel)")

@@ -25,6 +25,7 @@ from framework.parallel.mesh import layout_table
 from framework.parallel.replica_check import check_replicas
 from framework.training.logger import TensorBoardLogger
 from framework.training.run import Run
+from framework.training.watchdog import StallWatchdog
 
 log = logging.getLogger("framework")
 
@@ -159,11 +160,14 @@ def train(run: Run) -> dict:
     window_first = first
     first_step_s = None
     first_step_unix = None
+    watchdog = StallWatchdog(trainer.stall_timeout_s, run.rank, run.out_dir)
     model.train()
     for step in range(first, trainer.max_steps + 1):
+        watchdog.stage(f"step {step}: data, forward and backward")
         inputs, targets = (t.to(device) for t in next(data))
         loss = forward_backward(run, inputs, targets)
         logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
+        watchdog.stage(f"step {step}: gradient norm, optimizer step")
         if trainer.grad_clip is not None:
             grad_norm = clip_grad_norm(model.parameters(), trainer.grad_clip)
         elif logging_step:
@@ -172,11 +176,13 @@ def train(run: Run) -> dict:
         optimizer.step()
         run.scheduler.step()
         if trainer.check_replicas_every and step % trainer.check_replicas_every == 0:
+            watchdog.stage(f"step {step}: replica check")
             check_replicas(model.module, model.dp_group, step)
         pending.append(local_value(loss))
         progress.update(1)
         if trainer.eval_every and step % trainer.eval_every == 0:
             eval_start = time.perf_counter()
+            watchdog.stage(f"step {step}: evaluation")
             val_losses.append([step, evaluate(run, device)])
             if tb:
                 tb.log_scalars(step, {"val_loss": val_losses[-1][1]})
@@ -189,14 +195,18 @@ def train(run: Run) -> dict:
             first_step_s, first_step_unix = now - start, time.time()
         saving = run.checkpointer.due(step)
         if logging_step or saving:  # a checkpoint holds every loss up to its step
+            watchdog.stage(f"step {step}: loss all-reduce")
             losses += mean_over_dp(run, pending)
             pending = []
         if logging_step:
             grad_norms.append(float(grad_norm))
+        watchdog.finished()  # the step, and its evaluation
         if saving:
+            watchdog.stage(f"step {step}: checkpoint save")
             saves.append({"step": step, "blocking_s": None})
             saves[-1]["blocking_s"] = run.checkpointer.save(run, step, position, history)
             step_start = time.perf_counter()
+            watchdog.finished()
             if tb:
                 tb.log_scalars(step, {"checkpoint_blocking_s": saves[-1]["blocking_s"]})
         else:
@@ -214,7 +224,9 @@ def train(run: Run) -> dict:
             scalars["mfu"] = mfu(scalars["tokens_per_s"], flops_per_token, peak * dist.get_world_size())
         if tb:
             tb.log_scalars(step, scalars)
+    watchdog.stage("waiting for the last checkpoint save")
     run.checkpointer.close()  # the last async save finishes before the run ends
+    watchdog.close()  # (a rank that raises exits, and its watchdog thread with it)
     progress.close()
     wall = time.perf_counter() - start  # training time, evaluation excluded
     steady_steps = trainer.max_steps - first  # this attempt's steps after its first

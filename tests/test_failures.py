@@ -1,0 +1,89 @@
+"""No silent hangs, no wrong culprit: a stuck step fails fast with every rank's stage, collective
+and stacks; a rank killed by a signal is the headline, the ranks the agent stopped after it
+never are; and the zygote the ranks fork from relays exits and signals and leaves nothing."""
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from framework.launch.local import RankFailed, spawn_ranks
+from framework.launch.zygote import zygote_socket
+from tests.conftest import ROOT, processes_with_marker, run_cli
+
+ZYGOTE = [sys.executable, "-m", "framework.launch.zygote"]
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_zygote_rank_exits_as_its_client_does_and_dies_with_it():
+    socket_path = zygote_socket()
+    exited = subprocess.run([*ZYGOTE, socket_path, "tests.rank_exits", "exit", "7"], cwd=ROOT, timeout=30)
+    assert exited.returncode == 7
+    for end in ("SIGTERM to the client", "SIGKILL of the client"):
+        client = subprocess.Popen([*ZYGOTE, socket_path, "tests.rank_exits", "sleep"], cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True)
+        rank_pid = int(client.stdout.readline())
+        assert rank_pid != client.pid and not _gone(rank_pid, within_s=0)
+        client.send_signal(signal.SIGTERM if end.startswith("SIGTERM") else signal.SIGKILL)
+        # SIGTERM is relayed, and the client ends as its rank did: by the same signal.
+        assert client.wait(timeout=10) == (-signal.SIGTERM if end.startswith("SIGTERM") else -signal.SIGKILL)
+        assert _gone(rank_pid), f"the rank outlived its client after {end}"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_by_a_signal_is_the_headline_never_the_ranks_stopped_after_it():
+    # The agent stamps failures to the second and used to break ties by rank number, so rank 0,
+    # stopped by the agent's SIGTERM after rank 1 died, was often named instead of rank 1.
+    for attempt in range(3):
+        for victim in (1, 2, 0):
+            with pytest.raises(RankFailed) as failed:
+                spawn_ranks(3, *ZYGOTE, zygote_socket(), "tests.rank_exits", "sigkill", str(victim))
+            others = sorted({0, 1, 2} - {victim})
+            assert str(failed.value) == (
+                f"rank {victim} was killed by signal SIGKILL (exit code -9): from outside the run (kill, the OOM "
+                f"killer) or by a crash, so it left no traceback; ranks {others} failed after it"), attempt
+
+
+@pytest.mark.timeout(120)
+def test_a_stuck_step_fails_fast_naming_each_ranks_stage_and_collective_with_stacks(tmp_path):
+    marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"
+    out = tmp_path / "job"
+    stall_timeout_s = 4
+    start = time.monotonic()
+    result = run_cli(["mesh=2x1", "allowed_targets=[framework,torch.nn,torch.optim,tests]",
+                      "model._target_=tests.workers.BlockOnRank", "+model.rank=1", "+model.at=3",
+                      f"trainer.stall_timeout_s={stall_timeout_s}", "trainer.progress_bar=false",
+                      f"hydra.run.dir={out}"], env={marker: "1"}, timeout=100)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr
+    assert elapsed < stall_timeout_s + 30
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("training failed: stalled: nothing finished for "), last
+    # Rank 0 finished its step-3 backward and waits in DataParallel's gradient all-reduce; rank 1
+    # never left its forward, and is named at the line that blocks.
+    rank0, rank1 = last.split("; rank 0: ")[1].split("; rank 1: ")
+    assert rank0.startswith("step 3: data, forward and backward, collective all_reduce "
+                            "(torch/distributed/distributed_c10d.py:"), rank0
+    assert "called from " in rank0 and "framework/parallel/data_parallel.py" in rank0
+    assert rank1.startswith("step 3: data, forward and backward, not in a collective: at forward "
+                            "(tests/workers.py:"), rank1
+    assert last.endswith("every thread's stack in logs/rank0.log, logs/rank1.log")
+    for rank in (0, 1):
+        log = (out / "logs" / f"rank{rank}.log").read_text()
+        assert "stalled: nothing finished for" in log
+        assert "Thread 0x" in log and "(most recent call first)" in log  # faulthandler's dump
+    assert 'in forward' in (out / "logs" / "rank1.log").read_text().split("stalled:")[1]
+    assert processes_with_marker(marker) == []
+    assert not (out / "summary.json").exists()
