@@ -6,8 +6,10 @@ classes are shared, so both sides train the same thing.
     torchrun --standalone --nproc-per-node 4 bench/handwritten.py --mesh 2 2 --steps 30 --out result.json
 """
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import time
 
 import torch
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # bench/stress_hangs.py asks hung ranks for stacks
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", tuple(args.mesh), mesh_dim_names=("dp", "tp"))

@@ -1,21 +1,29 @@
-"""`python -m framework.inspect comm [overrides]`: the collectives of one training step.
+"""What one training step communicates, from the configured mesh's own ranks.
 
-Composes the config like framework.train (same groups, recipes and overrides; no output dir),
-starts the mesh's ranks, builds the model, runs one step (forward, backward with the gradient
-finalization, optimizer step; no clipping or logging) under torch's CommDebugMode on every
-rank, and prints rank 0's collectives by type. DTensor's own collectives (TP) and the c10d
-ones DataParallel issues (DP gradient averaging) are both counted.
+    python -m framework.inspect comm [overrides]    rank 0's collectives by type, with counts
+    python -m framework.inspect trace [overrides]   per rank, the order of module forward and
+                                                    backward passes with the collectives in each
+
+Both compose the config like framework.train (same groups, recipes and overrides; no output
+dir), start the mesh's ranks, build the model and run one step (forward, backward with the
+gradient finalization, optimizer step; no clipping or logging). DTensor's own collectives (TP)
+and the c10d ones DataParallel issues (DP gradient averaging) are both seen. `trace` is for a
+hang or a mismatch: ranks of one group must issue that group's collectives in the same order,
+and it says where the first pair of ranks differs.
 """
 import math
 import sys
 import tempfile
 import warnings
-from typing import Dict, List
+from typing import Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from framework.training.builder import build_and_run
 from framework.config.schema import STAGES, register_schema
@@ -26,15 +34,20 @@ from framework.train import CONFIG_DIR
 from framework.training.loop import forward_backward
 from framework.config.validate import validate
 
-USAGE = "usage: python -m framework.inspect comm [hydra overrides, e.g. recipe=lm_2d mesh=1x2]"
+USAGE = "usage: python -m framework.inspect {comm|trace} [hydra overrides, e.g. recipe=lm_2d mesh=1x2]"
 
 
-def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]:
-    """Runs in every rank: build up to the optimizer, then one counted step."""
+def build_for_one_step(cfg_container: dict, out_dir: str):
+    """In every rank: the run built up to the optimizer, and its first batch."""
     cfg = OmegaConf.create(cfg_container)
     cfg.pipeline = STAGES[: STAGES.index("optimizer") + 1]
     run = build_and_run(cfg, out_dir)
-    inputs, targets = next(iter(run.dataloader))
+    return run, next(iter(run.dataloader))
+
+
+def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]:
+    """Runs in every rank: one counted step."""
+    run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
     # CommDebugMode's module tracker registers full backward hooks, which warn on the first module.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     with CommDebugMode() as comm:
@@ -45,22 +58,106 @@ def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]
     return counts
 
 
-def count_collectives(overrides: List[str]) -> Dict[str, int]:
+class _CollectiveLog(TorchDispatchMode):
+    """Appends each c10d collective (not the waits) to the current module event, with the mesh
+    dim of its group."""
+
+    def __init__(self, events: List[dict], dim_of_group: Dict[str, str]):
+        super().__init__()
+        self.events, self.dim_of_group = events, dim_of_group
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace in ("_c10d_functional", "c10d") and not any(w in name for w in ("wait", "wrap", "barrier")):
+            self.events[-1]["collectives"].append(f"{name}[{self.dim_of_group.get(self._group(args), '?')}]")
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _group(args) -> Optional[str]:
+        """c10d's in-place collectives pass their group boxed, first; functional ones name it last."""
+        boxed = [arg for arg in args if isinstance(arg, torch.ScriptObject)]
+        if boxed:
+            return dist.ProcessGroup.unbox(boxed[0]).group_name
+        names = [arg for arg in args if isinstance(arg, str)]
+        return names[-1] if names else None
+
+
+def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
+    """Runs in every rank: the order of module forward/backward passes in one step, and the
+    collectives issued inside each (those outside any module under `step`)."""
+    run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
+    dim_of_group = {run.mesh.get_group(dim).group_name: dim for dim in run.mesh.mesh_dim_names}
+    names = {module: name or "(model)" for name, module in run.model.module.named_modules()}
+    events = [{"pass": "step", "module": "start", "collectives": []}]
+
+    def enter(kind: str):
+        def hook(module, *_):
+            if module is not run.model:  # the DataParallel wrapper: its module's events say it all
+                events.append({"pass": kind, "module": names.get(module, type(module).__name__), "collectives": []})
+        return hook
+
+    tracker = ModTracker()
+    tracker.register_user_hooks(pre_fw_hook=enter("forward"), pre_bw_hook=enter("backward"))
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    with tracker, _CollectiveLog(events, dim_of_group):
+        forward_backward(run, inputs, targets)
+        events.append({"pass": "step", "module": "optimizer", "collectives": []})
+        run.optimizer.step()
+    dist.destroy_process_group()
+    return events
+
+
+def on_ranks(function, overrides: List[str]) -> Dict[int, object]:
+    """Compose and validate like framework.train, then run `function` on every rank of the mesh."""
     register_schema()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     validate(cfg)
     with tempfile.TemporaryDirectory(prefix="framework-inspect-") as out_dir:
-        counts = spawn_ranks(math.prod(cfg.mesh.shape), collectives_of_one_step,
-                             rank_config(cfg), out_dir)[0]
-    return dict(sorted(counts.items()))
+        return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir)
+
+
+def count_collectives(overrides: List[str]) -> Dict[str, int]:
+    return dict(sorted(on_ranks(collectives_of_one_step, overrides)[0].items()))
+
+
+def first_difference(traces: Dict[int, List[dict]]) -> Optional[str]:
+    """Where two ranks first issue different collectives on a group they share (mesh dim), or
+    None when every group's ranks agree."""
+    sequences = {rank: [(c, i, e["pass"], e["module"]) for i, e in enumerate(events) for c in e["collectives"]]
+                 for rank, events in traces.items()}
+    dims = {c.rsplit("[", 1)[1] for seq in sequences.values() for c, *_ in seq}
+    for dim in sorted(dims):
+        on_dim = {r: [s for s in seq if s[0].endswith(f"[{dim}")] for r, seq in sequences.items()}
+        ranks = sorted(on_dim)
+        for a, b in zip(ranks, ranks[1:]):
+            for n, (x, y) in enumerate(zip(on_dim[a], on_dim[b])):
+                if x[0] != y[0]:
+                    return (f"{dim} collective #{n + 1}: rank {a} issues {x[0]} in {x[2]} {x[3]}, "
+                            f"rank {b} issues {y[0]} in {y[2]} {y[3]}")
+            if len(on_dim[a]) != len(on_dim[b]):
+                return f"{dim}: rank {a} issues {len(on_dim[a])} collectives, rank {b} {len(on_dim[b])}"
+    return None
+
+
+def print_traces(traces: Dict[int, List[dict]]) -> None:
+    for rank in sorted(traces):
+        print(f"rank {rank}:")
+        for n, event in enumerate(traces[rank]):
+            print(f"  {n:4d} {event['pass']:<9} {event['module']:<32} {' '.join(event['collectives'])}".rstrip())
+    difference = first_difference(traces)
+    print(f"first difference between ranks: {difference}" if difference else
+          "every rank issues its groups' collectives in the same order as the other ranks of each group")
 
 
 def main(argv: List[str]) -> int:
-    if not argv or argv[0] != "comm":
+    if not argv or argv[0] not in ("comm", "trace"):
         print(USAGE, file=sys.stderr)
         return 2
     try:
+        if argv[0] == "trace":
+            print_traces(on_ranks(trace_of_one_step, argv[1:]))
+            return 0
         counts = count_collectives(argv[1:])
     except ConfigError as error:
         print(error, file=sys.stderr)
