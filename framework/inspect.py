@@ -126,9 +126,9 @@ def first_difference(traces: Dict[int, List[dict]]) -> Optional[str]:
     None when every group's ranks agree."""
     sequences = {rank: [(c, i, e["pass"], e["module"]) for i, e in enumerate(events) for c in e["collectives"]]
                  for rank, events in traces.items()}
-    dims = {c.rsplit("[", 1)[1] for seq in sequences.values() for c, *_ in seq}
+    dims = {c.rsplit("[", 1)[1].rstrip("]") for seq in sequences.values() for c, *_ in seq}
     for dim in sorted(dims):
-        on_dim = {r: [s for s in seq if s[0].endswith(f"[{dim}")] for r, seq in sequences.items()}
+        on_dim = {r: [s for s in seq if s[0].endswith(f"[{dim}]")] for r, seq in sequences.items()}
         ranks = sorted(on_dim)
         for a, b in zip(ranks, ranks[1:]):
             for n, (x, y) in enumerate(zip(on_dim[a], on_dim[b])):

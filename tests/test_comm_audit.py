@@ -2,7 +2,7 @@
 the plan, against what `framework.inspect comm` counts under CommDebugMode."""
 import pytest
 
-from framework.inspect import count_collectives
+from framework.inspect import count_collectives, first_difference
 from tests.conftest import run_cli
 
 TINY = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dataset.seq_len=32",
@@ -55,3 +55,42 @@ def test_inspect_cli_prints_counts_and_dp_adds_one_bucketed_all_reduce():
     # DP averaging of all gradients fits one 25 MB bucket: one more allreduce_ than on 1x2.
     assert lines == {"c10d_functional.all_gather_into_tensor": "11", "c10d_functional.reduce_scatter_tensor": "10",
                      "c10d.allreduce_": "2", "total": "23"}
+
+
+@pytest.mark.timeout(180)
+def test_inspect_trace_shows_each_ranks_passes_in_order_with_their_collectives():
+    result = run_cli(["trace", *TINY, "mesh=1x2", "plan=lm_tp_sp"], module="framework.inspect")
+    assert result.returncode == 0, result.stderr
+    traces, rank = {}, None
+    for line in result.stdout.splitlines():
+        if line.startswith("rank "):
+            rank = int(line.split()[1].rstrip(":"))
+            traces[rank] = []
+        elif line.startswith("  "):
+            _, kind, module, *collectives = line.split()
+            traces[rank].append((kind, module, collectives))
+    assert traces[0] == traces[1]  # the two TP ranks: same passes, same collectives, same order
+    passes = lambda kind: [c for k, _, cs in traces[0] if k == kind for c in cs]  # noqa: E731
+    rs, ag = "reduce_scatter_tensor[tp]", "all_gather_into_tensor[tp]"
+    # Forward: embeddings scatter the sequence; per layer gather for attention, scatter after wo,
+    # gather for the MLP, scatter after w2; the output gathers its input and then the logits.
+    assert passes("forward") == [rs] + [ag, rs, ag, rs] * LAYERS + [ag, ag]
+    # Backward reverses each: the output's gather -> scatter; per layer (last first) the w2 scatter
+    # -> gather, the MLP gather -> scatter, and so on; the embeddings' scatter -> gather; then
+    # DataParallel sums the sequence-parallel norms' partial gradients over TP.
+    assert passes("backward") == [rs] + [ag, rs, ag, rs] * LAYERS + [ag, "allreduce_[tp]"]
+    assert [m for k, m, _ in traces[0] if k == "forward"][:3] == ["(model)", "tok_embeddings", "layers.0"]
+    assert result.stdout.strip().endswith("every rank issues its groups' collectives in the same order as the other "
+                                          "ranks of each group")
+
+
+def test_first_difference_names_the_group_the_position_and_both_ranks_passes():
+    def trace(*collectives):
+        return [{"pass": "backward", "module": f"layers.{i}", "collectives": [c]} for i, c in enumerate(collectives)]
+    traces = {0: trace("all_reduce[dp]", "reduce_scatter_tensor[tp]", "all_gather_into_tensor[tp]"),
+              1: trace("all_reduce[dp]", "all_gather_into_tensor[tp]", "reduce_scatter_tensor[tp]")}
+    assert first_difference(traces) == ("tp collective #1: rank 0 issues reduce_scatter_tensor[tp] in backward "
+                                        "layers.1, rank 1 issues all_gather_into_tensor[tp] in backward layers.1")
+    assert first_difference({0: trace("all_reduce[dp]"), 1: trace("all_reduce[dp]", "all_reduce[dp]")}) == \
+        "dp: rank 0 issues 1 collectives, rank 1 2"
+    assert first_difference({0: trace("all_reduce[dp]"), 1: trace("all_reduce[dp]")}) is None
