@@ -58,6 +58,21 @@ def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]
     return counts
 
 
+def is_collective(func) -> bool:
+    """A c10d collective, functional or in-place (not its waits, wrappers or barriers)."""
+    namespace, _, name = func._schema.name.partition("::")
+    return namespace in ("_c10d_functional", "c10d") and not any(w in name for w in ("wait", "wrap", "barrier"))
+
+
+def group_name(args) -> Optional[str]:
+    """The group of a collective: c10d's in-place collectives pass it boxed, first; functional ones name it last."""
+    boxed = [arg for arg in args if isinstance(arg, torch.ScriptObject)]
+    if boxed:
+        return dist.ProcessGroup.unbox(boxed[0]).group_name
+    names = [arg for arg in args if isinstance(arg, str)]
+    return names[-1] if names else None
+
+
 class _CollectiveLog(TorchDispatchMode):
     """Appends each c10d collective (not the waits) to the current module event, with the mesh
     dim of its group."""
@@ -67,19 +82,10 @@ class _CollectiveLog(TorchDispatchMode):
         self.events, self.dim_of_group = events, dim_of_group
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace, _, name = func._schema.name.partition("::")
-        if namespace in ("_c10d_functional", "c10d") and not any(w in name for w in ("wait", "wrap", "barrier")):
-            self.events[-1]["collectives"].append(f"{name}[{self.dim_of_group.get(self._group(args), '?')}]")
+        if is_collective(func):
+            name = func._schema.name.partition("::")[2]
+            self.events[-1]["collectives"].append(f"{name}[{self.dim_of_group.get(group_name(args), '?')}]")
         return func(*args, **(kwargs or {}))
-
-    @staticmethod
-    def _group(args) -> Optional[str]:
-        """c10d's in-place collectives pass their group boxed, first; functional ones name it last."""
-        boxed = [arg for arg in args if isinstance(arg, torch.ScriptObject)]
-        if boxed:
-            return dist.ProcessGroup.unbox(boxed[0]).group_name
-        names = [arg for arg in args if isinstance(arg, str)]
-        return names[-1] if names else None
 
 
 def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:

@@ -1,11 +1,13 @@
 """`python -m framework.train [overrides]`: compose the config with Hydra, validate it, launch.
 
 A bad config exits with status 2 and one `config error: KEY=VALUE: FIX` line; a failed rank
-exits with status 1 and names the rank and its error.
+exits with status 1 and names the rank and its error. In a sweep (-m) a failed job records that
+line and the sweep goes on; the sweep report lists it and the command exits 1.
 """
 import os
 import shutil
 import sys
+import warnings
 from typing import Optional
 
 from framework.launch.zygote import zygote_socket
@@ -15,6 +17,7 @@ if __name__ == "__main__" and "RANK" not in os.environ:  # self-launching (torch
 
 import hydra  # noqa: E402 (after the zygote's start)
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from framework.config.schema import register_schema
@@ -22,14 +25,23 @@ from framework.config.errors import ConfigError
 from framework.config.validate import validate
 from framework.launch.handoff import HYDRA_ONLY, under_torchrun
 from framework.launch.local import RankFailed, launch_local
+from framework.launch.slurm import in_submitit_job
+from framework.report import record_failure
 
 register_schema()
+# conf/hydra/launcher/submitit_*.yaml take the submitit plugin's options as their schema, on purpose.
+warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
 def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
-    """Join torchrun's world when inside one, else validate and start the ranks here."""
+    """Join torchrun's world or a submitit job's when inside one, else validate and start the
+    ranks here."""
+    if in_submitit_job():
+        from framework.launch.slurm import join_job_world  # see below
+
+        return join_job_world(cfg, out_dir)
     if under_torchrun():
         # Rank 0 of torchrun's world runs as a rank itself; a self-launcher never imports
         # the ranks' machinery (DTensor and the rest), which keeps its start-up short.
@@ -42,17 +54,25 @@ def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def hydra_app(cfg: DictConfig) -> None:
+    """A failed job of a sweep (-m) records its error line and returns: sys.exit would end the
+    whole sweep (Hydra's run_job catches Exception, not SystemExit), and an exception would skip
+    the sweep report (Hydra re-raises it before on_multirun_end). The report lists the job and
+    exits 1 (framework/report.py)."""
     out_dir = HydraConfig.get().runtime.output_dir
     try:
         launch(cfg, out_dir)
+        return
     except ConfigError as error:
-        if set(os.listdir(out_dir)) <= HYDRA_ONLY:  # a job refused at validation leaves nothing
-            shutil.rmtree(out_dir)
-        print(error, file=sys.stderr)
-        sys.exit(2)
+        line, status = str(error), 2
     except RankFailed as error:
-        print(f"training failed: {error}", file=sys.stderr)
-        sys.exit(1)
+        line, status = f"training failed: {error}", 1
+    print(line, file=sys.stderr)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        record_failure(out_dir, line)
+        return
+    if status == 2 and set(os.listdir(out_dir)) <= HYDRA_ONLY:  # a job refused at validation leaves nothing
+        shutil.rmtree(out_dir)
+    sys.exit(status)
 
 
 def main() -> None:

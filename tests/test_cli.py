@@ -51,19 +51,6 @@ def test_train_writes_one_job_dir_with_summary_logs_and_tensorboard(tmp_path):
     assert any(meta.plugin_data.plugin_name == "hparams" for meta in hparams.values())
 
 
-@pytest.mark.timeout(300)
-def test_multirun_sweeps_mesh_shapes_each_its_own_world_with_equal_losses(tmp_path):
-    sweep = tmp_path / "sweep"
-    result = run_cli(["-m", "mesh=2x1,1x2", "trainer.max_steps=5", *FAST, f"hydra.sweep.dir={sweep}"])
-    assert result.returncode == 0, result.stderr
-    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(2)]
-    assert [s["mesh_shape"] for s in summaries] == [[2, 1], [1, 2]]
-    for a, b in zip(*(s["losses"] for s in summaries)):
-        assert a == pytest.approx(b, rel=1e-5)
-    for i in range(2):
-        assert list((sweep / str(i) / "tb").iterdir())
-
-
 @pytest.mark.timeout(240)
 def test_seed_mesh_recipe_prints_the_seed_layout_and_stops(tmp_path):
     out = tmp_path / "job"

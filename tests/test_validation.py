@@ -53,6 +53,9 @@ BAD_CONFIGS = [
      r"with use_local_output: false"),
     (["recipe=lm_2d", "plan=lm_tp_sp_loss_parallel", "plan.output.use_local_output=true"],
      r"plan.output=.*: colwise leaves the model's output \(output\) as local shards"),
+    (["launcher.ranks_per_node=3"], r"launcher.ranks_per_node=3: must divide the mesh size 4 \(mesh.shape=\[2, 2\]\)"),
+    (["launcher.ranks_per_node=2", "mesh.ranks_per_host=4"],
+     r"launcher.ranks_per_node=2: differs from mesh.ranks_per_host=4; both say how many ranks share a node"),
     (["trainer.stall_timeout_s=300"],
      r"trainer.stall_timeout_s=300.0: must be > 0 and below trainer.collective_timeout_s=300"),
 ]

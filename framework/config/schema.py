@@ -106,6 +106,7 @@ class CheckpointConfig:
 @dataclass
 class LauncherConfig:
     max_restarts: int = 0
+    ranks_per_node: Optional[int] = None
 
 
 @dataclass
@@ -114,6 +115,12 @@ class VerifyConfig:
     rtol: float = 1e-5
     atol: float = 1e-6
     report: Optional[str] = None
+
+
+@dataclass
+class DryrunConfig:
+    ranks: List[int] = field(default_factory=lambda: [0])
+    device_memory_gb: Optional[float] = None
 
 
 @dataclass
@@ -137,6 +144,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+    dryrun: DryrunConfig = field(default_factory=DryrunConfig)
     pipeline: List[str] = field(default_factory=lambda: list(STAGES))
     allowed_targets: List[str] = field(default_factory=lambda: ["framework", "torch.nn", "torch.optim"])
 

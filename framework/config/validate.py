@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
 from framework.config.schema import STAGES
 from framework.config.errors import ConfigError
+from framework.launch.slurm import job_shape
 from framework.parallel.mesh import submesh_ranks
 from framework.parallel.plan import check_output_layout, check_plan
 
@@ -73,6 +74,14 @@ def check_mesh(cfg: DictConfig) -> None:
             raise ConfigError("mesh.shape", shape,
                               f"dim {name!r} has size {size} but no role; set parallel.dp_dim or "
                               f"parallel.tp_dim to it, or make it size 1")
+
+
+def check_ranks_per_node(cfg: DictConfig) -> None:
+    job_shape(cfg)  # refuses a ranks_per_node that does not divide the mesh
+    per_node, per_host = cfg.launcher.ranks_per_node, cfg.mesh.ranks_per_host
+    if per_node is not None and per_host is not None and per_node != per_host:
+        raise ConfigError("launcher.ranks_per_node", per_node,
+                          f"differs from mesh.ranks_per_host={per_host}; both say how many ranks share a node: set one")
 
 
 def check_tp_placement(cfg: DictConfig, ranks_per_host: int) -> None:
@@ -258,7 +267,8 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         raise ConfigError("mesh.shape", list(cfg.mesh.shape),
                           f"its {mesh_size} positions differ from the launched world size {world_size}; "
                           f"launch {mesh_size} processes or pick a mesh of {world_size}")
-    per_host = cfg.mesh.ranks_per_host or ranks_per_host or mesh_size
+    per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or mesh_size
+    check_ranks_per_node(cfg)
     check_tp_placement(cfg, per_host)
     check_devices(cfg, per_host)
     check_targets(cfg)

@@ -94,6 +94,8 @@ class DataParallel(nn.Module):
         # to_local() is a view, so writing it writes the DTensor gradient's shard.
         local_grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         _in_flat_buckets([*local_grads, used], lambda flat: _average(flat, self.dp_group, self.dp_size))
+        if used.is_meta:  # framework.dryrun: meta tensors hold no flags to read; every parameter counts as used
+            return
         for p, used_somewhere in zip(params, used.tolist()):
             if not used_somewhere:
                 p.grad = None

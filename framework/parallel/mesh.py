@@ -29,6 +29,7 @@ def submesh_ranks(shape: Sequence[int], rank: int, dim: int) -> List[int]:
 
 def layout_table(shape: Sequence[int], dim_names: Sequence[str]) -> str:
     """One line per rank: coordinates on each dim, then the ranks of each named group."""
+    shape = list(shape)  # a plain list: indexing an OmegaConf ListConfig costs seconds over 1024 ranks
     world = math.prod(shape)
     grid = torch.arange(world).reshape(tuple(shape)).tolist()
     header = ["rank", *dim_names, *(f"{name} group" for name in dim_names)]

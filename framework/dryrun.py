@@ -1,0 +1,291 @@
+"""`python -m framework.dryrun [overrides]`: a run of any mesh size, rehearsed in one CPU process.
+
+Composes the config like framework.train (same groups, recipes and overrides) and runs the
+launcher's whole validation for the mesh's world size. Then, for each rank of `dryrun.ranks`,
+it joins torch's fake process group as that rank (collectives return at once and move
+nothing), runs the builder's own stages up to the optimizer with the model built on the meta
+device (shapes, no storage), and one training step on meta tensors: forward, backward with
+DataParallel's gradient finalization, optimizer step (no clipping, as `framework.inspect comm`).
+
+Printed per rank:
+- every parameter's local shape and placement (DTensor placements per mesh dim, or a plain
+  tensor, replicated on every rank);
+- memory: parameters and gradients (the trainable parameters' local sizes); optimizer state
+  (the tensors the configured optimizer holds after its first step: AdamW/Adam 2 per parameter
+  element, SGD with momentum 1, plain SGD 0; step counters torch keeps on the CPU are left out);
+  activations (the tensors autograd saves for backward in the step, counted once per storage,
+  parameters excluded: what stays allocated when backward starts); and their sum as the
+  estimated peak. Temporaries inside an op, DataParallel's flat buckets, the allocator's caching
+  and the CUDA/NCCL context are not counted. On meta, scaled_dot_product_attention takes its math
+  path, which saves the attention weights (batch x heads x seq x seq) that fused kernels
+  recompute, so for attention the estimate errs high. With `dryrun.device_memory_gb` a rank
+  whose peak exceeds the device's memory is refused (exit 1);
+- the step's collectives per type and mesh dim: count and bytes, the bytes being those of the
+  tensors the collective takes in on this rank (every tensor argument but its output buffers).
+"""
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from framework.config.errors import ConfigError
+from framework.config.schema import register_schema
+from framework.config.validate import role_size, validate
+from framework.inspect import group_name, is_collective
+from framework.parallel.mesh import coordinates
+from framework.train import CONFIG_DIR
+from framework.training.builder import STAGE_FUNCTIONS
+from framework.training.loop import forward_backward
+from framework.training.run import Run
+
+# torch internals, all here (DESIGN.md: fail clearly if a future torch moves them).
+try:
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+except ImportError as error:
+    FakeStore = None
+    MISSING_INTERNALS = str(error)
+
+GIB = 2**30
+
+
+@dataclass
+class RankReport:
+    rank: int
+    coordinates: Dict[str, int]
+    parameters: List[Tuple[str, List[int], List[int], str]]  # name, local shape, global shape, placement
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    collectives: Dict[Tuple[str, str], List[int]] = field(default_factory=dict)  # (op, mesh dim) -> [count, bytes]
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def compose_config(overrides: List[str]) -> DictConfig:
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def check_dryrun(cfg: DictConfig) -> None:
+    """The dry run's own keys, and a pipeline that reaches a training step."""
+    world = math.prod(cfg.mesh.shape)
+    ranks = list(cfg.dryrun.ranks)
+    outside = [r for r in ranks if not 0 <= r < world]
+    if outside:
+        raise ConfigError("dryrun.ranks", ranks, f"rank {outside[0]} is not a rank of the mesh {list(cfg.mesh.shape)}; "
+                                                 f"give ranks from 0 to {world - 1}")
+    if not ranks:
+        raise ConfigError("dryrun.ranks", ranks, f"give at least one rank to simulate, from 0 to {world - 1}")
+    memory = cfg.dryrun.device_memory_gb
+    if memory is not None and memory <= 0:
+        raise ConfigError("dryrun.device_memory_gb", memory, "must be > 0 (GiB), or null for no memory check")
+    if "optimizer" not in cfg.pipeline:
+        raise ConfigError("pipeline", list(cfg.pipeline),
+                          "the dry run rehearses a training step, which needs the stages up to optimizer; "
+                          "drop the override (or recipe) that stops the pipeline early")
+
+
+def stage_model_on_meta(run: Run) -> None:
+    """The builder's model stage, with parameters on the meta device: shapes, no storage."""
+    with torch.device("meta"):
+        run.model = instantiate(run.cfg.model)
+
+
+class _CollectiveBytes(TorchDispatchMode):
+    """Counts each collective (as framework.inspect picks them) by op and mesh dim of its group,
+    with the bytes of the tensors it takes in on this rank."""
+
+    def __init__(self, dim_of_group: Dict[str, str]):
+        super().__init__()
+        self.dim_of_group = dim_of_group
+        self.totals: Dict[Tuple[str, str], List[int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if is_collective(func):
+            namespace, _, name = func._schema.name.partition("::")
+            op = f"{namespace.lstrip('_')}.{name}"  # CommDebugMode's name, as framework.inspect comm prints it
+            entry = self.totals.setdefault((op, self.dim_of_group.get(group_name(args), "other")), [0, 0])
+            entry[0] += 1
+            entry[1] += _input_bytes(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+def _input_bytes(func, args, kwargs) -> int:
+    """Every tensor argument but the output buffers (c10d's in-place ops name them output*)."""
+    named = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+    return sum(_nbytes(t) for name, value in named.items() if not name.startswith("output")
+               for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+class _SavedActivations:
+    """Bytes of the tensors autograd saves for backward, once per storage, parameters excluded."""
+
+    def __init__(self, parameters: List[torch.Tensor]):
+        self.seen = {_local(p).untyped_storage()._cdata for p in parameters}
+        self.bytes = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = _local(tensor).untyped_storage()
+        if storage._cdata not in self.seen:
+            self.seen.add(storage._cdata)
+            self.bytes += storage.nbytes()
+        return tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = _local(tensor)
+    return local.numel() * local.element_size()
+
+
+def _placement(param: torch.Tensor) -> str:
+    if not isinstance(param, DTensor):
+        return "replicated plain tensor"
+    return ", ".join(f"{dim}: {p!r}" for dim, p in zip(param.device_mesh.mesh_dim_names, param.placements))
+
+
+def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
+    """Rank `rank` of the mesh, built by the builder's stages and stepped once, on meta tensors."""
+    world = math.prod(cfg.mesh.shape)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        run = Run(cfg=cfg, out_dir="")  # no stage up to the optimizer writes anything
+        stages = {**STAGE_FUNCTIONS, "model": stage_model_on_meta}
+        for name in cfg.pipeline[: list(cfg.pipeline).index("optimizer") + 1]:
+            stages[name](run)
+        inputs, targets = (t.to("meta") for t in next(iter(run.dataloader)))
+        params = list(run.model.module.named_parameters())
+        activations = _SavedActivations([p for _, p in params])
+        collectives = _CollectiveBytes({run.mesh.get_group(dim).group_name: dim for dim in run.mesh.mesh_dim_names})
+        with collectives, torch.autograd.graph.saved_tensors_hooks(activations.pack, lambda tensor: tensor):
+            forward_backward(run, inputs, targets)
+            run.optimizer.step()
+        optimizer_state = [t for state in run.optimizer.state.values() for t in state.values()
+                           if isinstance(t, torch.Tensor) and _local(t).is_meta]
+        return RankReport(
+            rank=rank,
+            coordinates=dict(zip(cfg.mesh.dim_names, coordinates(cfg.mesh.shape, rank))),
+            parameters=[(name, list(_local(p).shape), list(p.shape), _placement(p)) for name, p in params],
+            parameter_bytes=sum(_nbytes(p) for _, p in params),
+            gradient_bytes=sum(_nbytes(p) for _, p in params if p.requires_grad),
+            optimizer_bytes=sum(_nbytes(t) for t in optimizer_state),
+            activation_bytes=activations.bytes,
+            collectives=dict(sorted(collectives.totals.items())),
+        )
+    finally:
+        dist.destroy_process_group()
+        # DTensor caches its sharding decisions by mesh, and meshes of one shape compare equal
+        # whatever their groups: the next rank would reuse this rank's destroyed groups.
+        _clear_sharding_prop_cache()
+
+
+def dry_run(cfg: DictConfig) -> List[RankReport]:
+    """Validate as the launcher does, then simulate each rank asked. The simulated mesh is on
+    cpu whatever mesh.device_type says: shapes and collectives do not depend on the device."""
+    validate(cfg, world_size=math.prod(cfg.mesh.shape))
+    check_dryrun(cfg)
+    simulated = OmegaConf.merge(cfg, {"mesh": {"device_type": "cpu"}})
+    return [simulate_rank(simulated, rank) for rank in cfg.dryrun.ranks]
+
+
+def human(n: float) -> str:
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    power = 0
+    while n >= 1024 and power < len(units) - 1:
+        n, power = n / 1024, power + 1
+    return f"{n:.0f} B" if power == 0 else f"{n:.1f} {units[power]}"
+
+
+def print_report(report: RankReport, cfg: DictConfig) -> None:
+    where = ", ".join(f"{dim} {c}" for dim, c in report.coordinates.items())
+    print(f"\nrank {report.rank} ({where})")
+    rows = [("parameter", "local shape", "global shape", "placement")] + \
+        [(name, str(local), str(full), placement) for name, local, full, placement in report.parameters]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+    optimizer = cfg.optim._target_.rsplit(".", 1)[-1]
+    per_replica = cfg.data.global_batch_size // role_size(cfg, "dp_dim")
+    print("  memory")
+    for label, n, note in (
+            ("parameters", report.parameter_bytes, "local shards"),
+            ("gradients", report.gradient_bytes, "trainable parameters, placed like them"),
+            ("optimizer state", report.optimizer_bytes, f"{optimizer}'s state after its first step"),
+            ("activations", report.activation_bytes, f"saved for backward, {per_replica} samples per replica"),
+            ("estimated peak", report.peak_bytes, _fit(report, cfg))):
+        print(f"    {label:<16} {human(n):>10}   {note}")
+    print(f"  collectives of one step{'':<22}  dim    count  bytes in")
+    for (op, dim), (count, nbytes) in report.collectives.items():
+        print(f"    {op:<42}  {dim:<5}  {count:>5}  {human(nbytes)}")
+    total_count = sum(count for count, _ in report.collectives.values())
+    total_bytes = sum(nbytes for _, nbytes in report.collectives.values())
+    print(f"    {'total':<42}  {'':<5}  {total_count:>5}  {human(total_bytes)}")
+
+
+def _fit(report: RankReport, cfg: DictConfig) -> str:
+    memory = cfg.dryrun.device_memory_gb
+    if memory is None:
+        return "sum of the above (dryrun.device_memory_gb to check a device)"
+    return f"{100 * report.peak_bytes / (memory * GIB):.3g}% of dryrun.device_memory_gb={memory:g}"
+
+
+def too_big(reports: List[RankReport], cfg: DictConfig) -> str | None:
+    """The refusal line when a simulated rank's estimated peak exceeds the device memory."""
+    memory = cfg.dryrun.device_memory_gb
+    over = [r for r in reports if memory is not None and r.peak_bytes > memory * GIB]
+    if not over:
+        return None
+    worst = max(over, key=lambda r: r.peak_bytes)
+    return (f"dry run: does not fit: rank {worst.rank}'s estimated peak {human(worst.peak_bytes)} exceeds "
+            f"dryrun.device_memory_gb={memory:g} ({human(memory * GIB)}; ranks over: "
+            f"{', '.join(str(r.rank) for r in over)}); shard more (a larger TP size), lower "
+            f"data.global_batch_size, or give a larger device")
+
+
+def main(argv: List[str]) -> int:
+    if FakeStore is None:
+        print(f"dry run: this torch ({torch.__version__}) lacks the internals the dry run uses "
+              f"(torch's fake process group): {MISSING_INTERNALS}", file=sys.stderr)
+        return 1
+    try:
+        cfg = compose_config(argv)
+        reports = dry_run(cfg)
+    except (HydraException, OmegaConfBaseException, ConfigError) as error:
+        print(error, file=sys.stderr)
+        return 2
+    shape = ", ".join(f"{n}={s}" for n, s in zip(cfg.mesh.dim_names, cfg.mesh.shape))
+    world = math.prod(cfg.mesh.shape)
+    print(f"dry run: mesh [{shape}] = {world} ranks, simulated in one process (fake process group, "
+          f"parameters on meta); {' '.join(argv) or 'default config'}")
+    per_host = f", mesh.ranks_per_host={cfg.mesh.ranks_per_host}" if cfg.mesh.ranks_per_host else ""
+    print(f"config: valid for {world} ranks{per_host} (framework.train's checks)")
+    for report in reports:
+        print_report(report, cfg)
+    refusal = too_big(reports, cfg)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

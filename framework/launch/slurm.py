@@ -1,0 +1,68 @@
+"""SLURM (and submitit's local executor) through Hydra's submitit launcher.
+
+`-m hydra/launcher=submitit_slurm` submits one SLURM job per sweep point, sized by the
+framework: nodes x tasks per node = the job's mesh size, with `launcher.ranks_per_node` tasks
+on each node (default: all on one node), so a sweep over mesh shapes asks for the right
+allocation per point and nothing is typed twice. Every task runs the Hydra job itself (submitit
+unpickles it on each), joins the job's world from submitit's view of SLURM's variables
+(world_from_job), validates, and runs as that rank. The launcher classes are Hydra plugins, so
+they live in hydra_plugins/framework_launchers/; conf/hydra/launcher/submitit_{slurm,local}.yaml
+point the plugin's launcher names at them.
+"""
+import math
+import os
+import zlib
+from typing import Dict, Optional, Tuple
+
+from omegaconf import DictConfig
+
+from framework.config.errors import ConfigError
+
+INSTALL = "pip install -e '.[slurm]' (hydra-submitit-launcher)"
+
+
+def in_submitit_job() -> bool:
+    return os.environ.get("SUBMITIT_EXECUTOR") in ("slurm", "local")
+
+
+def job_shape(cfg: DictConfig) -> Tuple[int, int]:
+    """(nodes, tasks per node) for a job of this config's mesh."""
+    world = math.prod(cfg.mesh.shape)
+    per_node = cfg.launcher.ranks_per_node or world
+    if per_node < 1 or world % per_node:
+        raise ConfigError("launcher.ranks_per_node", per_node,
+                          f"must divide the mesh size {world} (mesh.shape={list(cfg.mesh.shape)}): each node runs "
+                          f"the same number of ranks")
+    return world // per_node, per_node
+
+
+def master_port(job_id: str) -> int:
+    """A port every task of one job derives alike, different between jobs sharing a node."""
+    return 20000 + zlib.crc32(job_id.encode()) % 20000
+
+
+def world_from_job() -> Dict[str, str]:
+    """torch.distributed's env:// variables for this task, from submitit's JobEnvironment (SLURM's
+    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST..., or the local executor's)."""
+    import submitit
+
+    job = submitit.JobEnvironment()
+    return {"RANK": str(job.global_rank), "WORLD_SIZE": str(job.num_tasks), "LOCAL_RANK": str(job.local_rank),
+            "LOCAL_WORLD_SIZE": str(job.num_tasks // job.num_nodes), "MASTER_ADDR": job.hostnames[0],
+            "MASTER_PORT": str(master_port(job.job_id))}
+
+
+def join_job_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
+    """One task of a submitit job: every task composed the same config, so each validates it
+    (deterministically: a bad config fails every task alike, before any collective) and runs
+    as its rank; rank 0 keeps the resolved config with the job."""
+    from framework.config.validate import validate
+    from framework.launch.handoff import rank_config, write_resolved_config
+    from framework.launch.worker import run_rank
+
+    os.environ.update(world_from_job())
+    validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), ranks_per_host=int(os.environ["LOCAL_WORLD_SIZE"]),
+             out_dir=out_dir)
+    if os.environ["RANK"] == "0":
+        write_resolved_config(cfg, out_dir)
+    return run_rank(rank_config(cfg), out_dir)

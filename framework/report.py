@@ -1,0 +1,164 @@
+"""The sweep report: after every `-m` sweep, one row per job in sweep_report.md / .csv (and on
+stdout), and the loss curves and throughputs in sweep_report.png, all in the sweep dir.
+
+Hydra calls SweepReport.on_multirun_end once every job has returned (conf/config.yaml registers
+it). Rows are read back from the job dirs (.hydra/, summary.json, error.txt), not collected from
+the jobs in memory, so the report is the same whatever launcher ran them. A job of a sweep that
+fails writes its one error line to error.txt and returns (framework/train.py), so the sweep goes
+on; the report lists it and then makes the command exit 1.
+"""
+import csv
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, List
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+ERROR_FILE = "error.txt"
+COLUMNS = ["job", "overrides", "mesh", "plan", "final_loss", "best_val_loss", "samples_per_s", "tokens_per_s",
+           "median_step_s", "bytes_per_rank", "status", "error"]
+HEADERS = ["job", "overrides", "mesh", "plan", "final loss", "best val loss", "samples/s", "tokens/s",
+           "median step (s)", "bytes/rank", "status", "error"]
+FORMATS = {"final_loss": "{:.6g}", "best_val_loss": "{:.6g}", "samples_per_s": "{:.1f}", "tokens_per_s": "{:.0f}",
+           "median_step_s": "{:.4f}", "bytes_per_rank": "{:,}"}
+
+
+def record_failure(job_dir: str, line: str) -> None:
+    """A sweep job's error line, for the report: the job returns instead of ending the sweep."""
+    Path(job_dir, ERROR_FILE).write_text(line + "\n")
+
+
+def number(value: Any) -> Any:
+    """None for a missing value or NaN (a run too short to time), so both show as blank."""
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def saved_config(path: Path) -> dict:
+    """A config Hydra saved in .hydra/, as plain data (interpolations such as ${now:...} unresolved)."""
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+
+
+def job_row(job_dir: Path) -> dict:
+    """One job's row (the COLUMNS, plus its per-step `losses` for the plot), from its dir.
+    A job without summary.json and without error.txt is ok: its pipeline stopped before training."""
+    hydra_cfg = saved_config(job_dir / ".hydra" / "hydra.yaml")["hydra"]
+    job_cfg = saved_config(job_dir / ".hydra" / "config.yaml")
+    summary_file, error_file = job_dir / "summary.json", job_dir / ERROR_FILE
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    error = error_file.read_text().strip() if error_file.exists() else ""
+    step_times = summary.get("step_times_s", [])[1:]  # step 1 compiles and warms caches
+    return {
+        "job": hydra_cfg["job"]["num"],
+        "overrides": hydra_cfg["overrides"]["task"],
+        "mesh": "x".join(map(str, job_cfg["mesh"]["shape"])),
+        "plan": hydra_cfg["runtime"]["choices"]["plan"],
+        "final_loss": summary.get("final_loss"),
+        "best_val_loss": min((loss for _, loss in summary.get("val_losses", [])), default=None),
+        "samples_per_s": number(summary.get("samples_per_s")),
+        "tokens_per_s": number(summary.get("tokens_per_s")),
+        "median_step_s": statistics.median(step_times) if step_times else None,
+        "bytes_per_rank": summary.get("memory"),
+        "status": "failed" if error else "ok",
+        "error": error,
+        "losses": summary.get("losses", []),
+    }
+
+
+def sweep_rows(sweep_dir: Path) -> List[dict]:
+    """Every job dir directly under the sweep dir (Hydra's .hydra/ marks one), by job number."""
+    job_dirs = [path for path in sweep_dir.iterdir() if (path / ".hydra" / "hydra.yaml").is_file()]
+    return sorted((job_row(path) for path in job_dirs), key=lambda row: row["job"])
+
+
+def common_overrides(rows: List[dict]) -> List[str]:
+    """The overrides every job of several shares: said once above the table, so each row shows
+    what it sweeps."""
+    if len(rows) < 2:
+        return []
+    return [o for o in rows[0]["overrides"] if all(o in row["overrides"] for row in rows[1:])]
+
+
+def cell(row: dict, column: str, common: List[str]) -> str:
+    value = row[column]
+    if column == "overrides":
+        value = " ".join(o for o in value if o not in common)
+    elif value is None:
+        value = ""
+    elif column in FORMATS and isinstance(value, (int, float)):
+        value = FORMATS[column].format(value)
+    return str(value).replace("|", "\\|")
+
+
+def markdown_table(rows: List[dict]) -> str:
+    common = common_overrides(rows)
+    failed = sum(row["status"] == "failed" for row in rows)
+    lines = [f"{len(rows)} jobs, {failed} failed; overrides common to every job: {' '.join(common) or '(none)'}", "",
+             "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(cell(row, column, common) for column in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_csv(rows: List[dict], path: Path) -> None:
+    """Every value at full precision (floats round-trip), all of each job's overrides."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({**row, "overrides": " ".join(row["overrides"])} for row in rows)
+
+
+def plot(rows: List[dict], path: Path) -> None:
+    """Left: every job's loss per step on one axis; right: each job's samples/s."""
+    # Imported here: Hydra builds the callback for every run, and most runs never plot.
+    # Agg through Figure, not pyplot: no global state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    common = common_overrides(rows)
+    labels = [f"{row['job']}: {cell(row, 'overrides', common) or row['mesh']}" for row in rows]
+    fig = Figure(figsize=(13, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    loss_ax, speed_ax = fig.subplots(1, 2)
+    for row, label in zip(rows, labels):
+        if row["losses"]:
+            loss_ax.plot(range(1, len(row["losses"]) + 1), row["losses"], label=label)
+    loss_ax.set(xlabel="step", ylabel="loss", title="training loss")
+    loss_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if loss_ax.lines:
+        loss_ax.legend(fontsize="small")
+    speed_ax.bar(range(len(rows)), [row["samples_per_s"] or 0 for row in rows])
+    for i, row in enumerate(rows):
+        if row["status"] == "failed":
+            speed_ax.text(i, 0, "failed", ha="center", va="bottom", color="tab:red")
+    speed_ax.set_xticks(range(len(rows)), labels, rotation=20, ha="right", fontsize="small")
+    speed_ax.set(ylabel="samples/s", title="throughput (step 1 excluded)")
+    fig.savefig(path, dpi=100)
+
+
+def write_report(rows: List[dict], sweep_dir: Path) -> str:
+    """sweep_report.md / .csv / .png in the sweep dir; returns the table for stdout."""
+    table = markdown_table(rows)
+    (sweep_dir / "sweep_report.md").write_text(
+        f"# Sweep report: {sweep_dir}\n\n{table}\n\n![loss and throughput per job](sweep_report.png)\n")
+    write_csv(rows, sweep_dir / "sweep_report.csv")
+    plot(rows, sweep_dir / "sweep_report.png")
+    return f"sweep report ({sweep_dir / 'sweep_report.md'}, .csv, .png):\n{table}"
+
+
+class SweepReport(Callback):
+    """Registered in conf/config.yaml (hydra.callbacks), so every -m sweep ends with its report."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = sweep_rows(sweep_dir)
+        try:
+            print(write_report(rows, sweep_dir))
+        except Exception as error:  # Hydra would turn it into a warning too; a failed job's exit 1 must still come
+            print(f"sweep report not written: {type(error).__name__}: {error}", file=sys.stderr)
+        if any(row["status"] == "failed" for row in rows):
+            # Hydra turns a callback's exceptions into warnings, but lets SystemExit through.
+            sys.exit(1)

@@ -1,0 +1,1 @@
+"""The framework's Hydra plugins: Hydra instantiates launchers only from this namespace."""
