@@ -8,6 +8,9 @@ rank's stage and collective, and its job dir (logs/rank<N>.log hold all threads'
 kept. The hand-written baseline has no watchdog: past its deadline every process of the run
 gets SIGUSR1 (faulthandler writes its stacks to the run's log) and is then killed. Finished
 runs' dirs are deleted; results.jsonl gets one line per run as it ends, summary.json the counts.
+With --debug-collectives every rank runs under TORCH_DISTRIBUTED_DEBUG=DETAIL: torch checks each
+collective's type and shapes against the other ranks of its group before running it, so ranks
+that issue their collectives in different orders fail at once, naming both, instead of hanging.
 """
 import argparse
 import json
@@ -34,12 +37,12 @@ def command(config: str, steps: int, stall_s: int, run_dir: Path) -> list:
             f"trainer.log_every={steps}", f"trainer.stall_timeout_s={stall_s}", f"hydra.run.dir={run_dir}"]
 
 
-def one_run(config: str, steps: int, stall_s: int, deadline_s: float, run_dir: Path) -> dict:
+def one_run(config: str, steps: int, stall_s: int, deadline_s: float, run_dir: Path, env: dict) -> dict:
     run_dir.mkdir(parents=True)
     started = time.monotonic()
     with open(run_dir / "console.log", "w") as log:
         process = subprocess.Popen(command(config, steps, stall_s, run_dir), cwd=ROOT, stdout=log, stderr=log,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                                   env=env, start_new_session=True)
         try:
             code = process.wait(timeout=deadline_s)
             outcome = "ok" if code == 0 else "failed"
@@ -65,12 +68,14 @@ def main() -> None:
     parser.add_argument("--stall-timeout-s", type=int, default=30)
     parser.add_argument("--deadline-s", type=float, default=240, help="per run; past it the run counts as hung")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--debug-collectives", action="store_true", help="TORCH_DISTRIBUTED_DEBUG=DETAIL")
     args = parser.parse_args()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if args.debug_collectives else {})}
     args.out.mkdir(parents=True, exist_ok=True)
     counts = {c: {"runs": 0, "ok": 0, "stalled": 0, "hung past the deadline": 0, "failed": 0} for c in args.configs}
     for i in range(args.runs):
         for config in args.configs:  # interleaved: load on the machine hits every config alike
-            result = one_run(config, args.steps, args.stall_timeout_s, args.deadline_s, args.out / f"{config}-{i:03d}")
+            result = one_run(config, args.steps, args.stall_timeout_s, args.deadline_s, args.out / f"{config}-{i:03d}", env)
             counts[config]["runs"] += 1
             counts[config][result["outcome"]] += 1
             if result["outcome"] == "ok":
