@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 from framework.config.errors import ConfigError
 from framework.config.schema import register_schema
 from framework.config.validate import role_size, validate
-from framework.inspect import group_name, is_collective
+from framework.inspect import collective_name, group_name
 from framework.parallel.mesh import coordinates
 from framework.train import CONFIG_DIR
 from framework.training.builder import STAGE_FUNCTIONS
@@ -117,9 +117,8 @@ class _CollectiveBytes(TorchDispatchMode):
         self.totals: Dict[Tuple[str, str], List[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if is_collective(func):
-            namespace, _, name = func._schema.name.partition("::")
-            op = f"{namespace.lstrip('_')}.{name}"  # CommDebugMode's name, as framework.inspect comm prints it
+        op = collective_name(func)
+        if op:
             entry = self.totals.setdefault((op, self.dim_of_group.get(group_name(args), "other")), [0, 0])
             entry[0] += 1
             entry[1] += _input_bytes(func, args, kwargs or {})

@@ -12,6 +12,7 @@ hang or a mismatch: ranks of one group must issue that group's collectives in th
 and it says where the first pair of ranks differs.
 """
 import math
+from collections import Counter
 import sys
 import tempfile
 import warnings
@@ -22,7 +23,6 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.distributed._tools.mod_tracker import ModTracker
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from framework.training.builder import build_and_run
@@ -45,23 +45,39 @@ def build_for_one_step(cfg_container: dict, out_dir: str):
     return run, next(iter(run.dataloader))
 
 
+class _CollectiveCount(TorchDispatchMode):
+    """Counts each c10d collective by op, named as torch's CommDebugMode names them. (CommDebugMode
+    itself fails on a module run twice in one step: micro-batches, a reused submodule.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = collective_name(func)
+        if name:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]:
     """Runs in every rank: one counted step."""
     run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
-    # CommDebugMode's module tracker registers full backward hooks, which warn on the first module.
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    with CommDebugMode() as comm:
+    with _CollectiveCount() as comm:
         forward_backward(run, inputs, targets)
         run.optimizer.step()
-    counts = {str(op).removeprefix("torch.ops."): n for op, n in comm.get_comm_counts().items()}
     dist.destroy_process_group()
-    return counts
+    return dict(comm.counts)
 
 
-def is_collective(func) -> bool:
-    """A c10d collective, functional or in-place (not its waits, wrappers or barriers)."""
+def collective_name(func) -> Optional[str]:
+    """`namespace.op` of a c10d collective, functional or in-place, as torch's CommDebugMode names
+    it (`c10d_functional.all_reduce`, `c10d.allreduce_`); None for any other op (waits, wrappers
+    and barriers included)."""
     namespace, _, name = func._schema.name.partition("::")
-    return namespace in ("_c10d_functional", "c10d") and not any(w in name for w in ("wait", "wrap", "barrier"))
+    if namespace not in ("_c10d_functional", "c10d") or any(w in name for w in ("wait", "wrap", "barrier")):
+        return None
+    return f"{namespace.lstrip('_')}.{name}"
 
 
 def group_name(args) -> Optional[str]:
@@ -82,9 +98,10 @@ class _CollectiveLog(TorchDispatchMode):
         self.events, self.dim_of_group = events, dim_of_group
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if is_collective(func):
-            name = func._schema.name.partition("::")[2]
-            self.events[-1]["collectives"].append(f"{name}[{self.dim_of_group.get(group_name(args), '?')}]")
+        name = collective_name(func)
+        if name:
+            op = name.split(".")[1]
+            self.events[-1]["collectives"].append(f"{op}[{self.dim_of_group.get(group_name(args), '?')}]")
         return func(*args, **(kwargs or {}))
 
 

@@ -81,6 +81,7 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
     after the optimizer step."""
     cfg = OmegaConf.create(cfg_container)
     cfg.pipeline = STAGES[: STAGES.index("optimizer") + 1]
+    cfg.data.micro_batch_size = None  # one forward per step for the hooks; accumulation sums the same gradients
     run = build_one_process(cfg, out_dir) if one_process else build_and_run(cfg, out_dir)
     model = run.model.module
     inputs_seen: Dict[str, Piece] = {}

@@ -1,5 +1,5 @@
 """The collectives of one step of the tiny LM (2 layers) on a 1x2 mesh, derived by hand from
-the plan, against what `framework.inspect comm` counts under CommDebugMode."""
+the plan, against what `framework.inspect comm` counts on each rank."""
 import pytest
 
 from framework.inspect import count_collectives, first_difference
@@ -94,3 +94,10 @@ def test_first_difference_names_the_group_the_position_and_both_ranks_passes():
     assert first_difference({0: trace("all_reduce[dp]"), 1: trace("all_reduce[dp]", "all_reduce[dp]")}) == \
         "dp: rank 0 issues 1 collectives, rank 1 2"
     assert first_difference({0: trace("all_reduce[dp]"), 1: trace("all_reduce[dp]")}) is None
+
+
+@pytest.mark.timeout(180)
+def test_gradient_accumulation_syncs_dp_once_per_step_not_per_micro_batch():
+    # The seed MLP on 2x1: 12 samples per replica, in 4 micro-batches of 3. DataParallel's one
+    # bucketed all-reduce (gradients and used-flags) runs after the last micro-batch only.
+    assert count_collectives(["mesh=2x1", "data.micro_batch_size=3"]) == {"c10d.allreduce_": 1}

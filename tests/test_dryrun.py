@@ -20,7 +20,7 @@ def counts_per_op(report) -> dict:
 @pytest.mark.timeout(150)
 def test_dry_run_of_2x2_matches_real_ranks_collectives_and_hand_computed_shard_sizes():
     overrides = [*TINY, "mesh=2x2", "plan=lm_tp_sp"]
-    real = on_ranks(collectives_of_one_step, overrides)  # 4 gloo ranks under CommDebugMode
+    real = on_ranks(collectives_of_one_step, overrides)  # 4 gloo ranks, each counting its collectives
     reports = dry_run(compose_config([*overrides, "dryrun.ranks=[0,1,2,3]"]))
     assert [r.rank for r in reports] == [0, 1, 2, 3]
     # lm_tiny (vocab 256, dim 32, 2 layers, hidden 64) under TP=2, fp32, local elements per rank:

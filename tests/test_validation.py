@@ -56,6 +56,8 @@ BAD_CONFIGS = [
     (["launcher.ranks_per_node=3"], r"launcher.ranks_per_node=3: must divide the mesh size 4 \(mesh.shape=\[2, 2\]\)"),
     (["launcher.ranks_per_node=2", "mesh.ranks_per_host=4"],
      r"launcher.ranks_per_node=2: differs from mesh.ranks_per_host=4; both say how many ranks share a node"),
+    (["data.micro_batch_size=5"],
+     r"data.micro_batch_size=5: must divide the per-replica batch 12 \(data.global_batch_size=24 over DP size 2\)"),
     (["trainer.stall_timeout_s=300"],
      r"trainer.stall_timeout_s=300.0: must be > 0 and below trainer.collective_timeout_s=300"),
 ]

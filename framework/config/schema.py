@@ -70,6 +70,7 @@ class SamplerConfig:
 @dataclass
 class DataConfig:
     global_batch_size: int = 24
+    micro_batch_size: Optional[int] = None
     num_workers: int = 0
     dataset: Any = None
     loss: Any = None

@@ -147,6 +147,11 @@ def check_trainer_and_data(cfg: DictConfig) -> None:
     if gbs < 1 or gbs % dp:
         raise ConfigError("data.global_batch_size", gbs,
                           f"must be a positive multiple of the DP size {dp} (each replica takes global/DP)")
+    micro = cfg.data.micro_batch_size
+    if micro is not None and (micro < 1 or (gbs // dp) % micro):
+        raise ConfigError("data.micro_batch_size", micro,
+                          f"must divide the per-replica batch {gbs // dp} (data.global_batch_size={gbs} over DP size "
+                          f"{dp}), or be null for no gradient accumulation")
     for key in ("model", "optim", "data.dataset", "data.loss"):
         if OmegaConf.select(cfg, key) is None or "_target_" not in OmegaConf.select(cfg, key):
             raise ConfigError(key, OmegaConf.select(cfg, key), "give a node with a _target_")

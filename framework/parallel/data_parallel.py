@@ -15,7 +15,8 @@ group, using each DTensor's local shard (after summing the partial gradients TP 
 replicated parameters). Parameters stay ordinary module parameters, so the
 optimizer, grad clipping and state_dict see all of them.
 """
-from typing import Any, Callable, Dict, List, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ class _SyncGradientsAfterBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         wrapper = ctx.wrapper
-        if not wrapper._sync_queued:
+        if wrapper.sync_after_backward and not wrapper._sync_queued:
             wrapper._sync_queued = True
             Variable._execution_engine.queue_callback(wrapper.sync_gradients)
         return None, grad
@@ -55,6 +56,7 @@ class DataParallel(nn.Module):
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         self.dp_size = dp_mesh.size() if dp_mesh is not None else 1
         self._sync_queued = False
+        self.sync_after_backward = True  # False while micro-batches accumulate (no_sync)
         self._broadcast_from_first_replica()
 
     @torch.no_grad()
@@ -75,6 +77,16 @@ class DataParallel(nn.Module):
             lambda t: _SyncGradientsAfterBackward.apply(self, t) if t.requires_grad else t,
             output,
         )
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside add to the gradients without finalizing them (as DDP's
+        no_sync): gradient accumulation syncs once, after the step's last micro-batch."""
+        self.sync_after_backward = False
+        try:
+            yield
+        finally:
+            self.sync_after_backward = True
 
     @torch.no_grad()
     def sync_gradients(self) -> None:

@@ -69,13 +69,24 @@ def compute_loss(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch
 
 
 def forward_backward(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Zero the gradients, forward, loss, backward (gradients come out final): the part of a
-    step the training loop and the comm audit share; clipping and the optimizer step follow."""
+    """Zero the gradients, then forward, loss and backward (gradients come out final): the part
+    of a step the training loop and the comm audit share; clipping and the optimizer step follow.
+    With data.micro_batch_size, per micro-batch: each loss is weighted by its share of the batch
+    so the gradients add up to the whole batch's, and DataParallel finalizes them (TP partials,
+    DP average) once, after the last. Returns the replica batch's loss."""
     run.optimizer.zero_grad(set_to_none=True)
-    loss = compute_loss(run, inputs, targets)
-    with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
-        loss.backward()  # DataParallel finalizes gradients (TP partials, DP average) as it ends
-    return loss
+    chunks = list(zip(inputs.split(run.cfg.data.micro_batch_size or len(inputs)),
+                      targets.split(run.cfg.data.micro_batch_size or len(targets))))
+    total = None
+    for i, (micro_inputs, micro_targets) in enumerate(chunks):
+        loss = compute_loss(run, micro_inputs, micro_targets)
+        if len(chunks) > 1:
+            loss = loss * (len(micro_inputs) / len(inputs))
+        with nullcontext() if i == len(chunks) - 1 else run.model.no_sync():
+            with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
+                loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
 
 
 def local_value(loss: torch.Tensor) -> torch.Tensor:
