@@ -96,11 +96,10 @@ def test_flops_per_token_counts_every_matmul_and_attention():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mesh,plan", [("2x2", "lm_tp_sp_loss_parallel"), ("2x1", "lm_tp")])
-def test_gradient_accumulation_trains_the_unaccumulated_run(mesh, plan, tmp_path):
-    # 4 sequences per replica (2x2) in micro-batches of 1, or 4 per replica (2x1) in 2 of 2: the
-    # weighted micro-batch gradients add up to the whole batch's, synced once per step.
-    micro = 1 if mesh == "2x2" else 2
+def test_gradient_accumulation_trains_the_unaccumulated_run(tmp_path):
+    # 4 sequences per replica in micro-batches of 1, under TP, SP and loss_parallel (the loss is a
+    # DTensor): the weighted micro-batch gradients add up to the whole batch's, synced once per step.
+    mesh, plan, micro = "2x2", "lm_tp_sp_loss_parallel", 1
     cfg = compose_config([*TINY, f"mesh={mesh}", f"plan={plan}", f"trainer.max_steps={STEPS}", "trainer.log_every=5"])
     whole = launch_local(cfg, str(tmp_path / "whole"))
     cfg.data.micro_batch_size = micro
