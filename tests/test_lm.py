@@ -107,3 +107,14 @@ def test_gradient_accumulation_trains_the_unaccumulated_run(tmp_path):
     error = max_relative_error(accumulated["losses"], whole["losses"])
     print(f"gradient accumulation {mesh} {plan} micro-batch {micro}: max relative loss error {error:.2e}")
     assert error < 1e-6
+
+
+@pytest.mark.timeout(240)
+def test_activation_checkpointing_recomputes_blocks_without_changing_the_losses(tmp_path):
+    cfg = compose_config([*TINY, "mesh=2x2", "plan=lm_tp_sp", f"trainer.max_steps={STEPS}", "trainer.log_every=5"])
+    stored = launch_local(cfg, str(tmp_path / "stored"))
+    cfg.model.activation_checkpointing = "full"
+    recomputed = launch_local(cfg, str(tmp_path / "recomputed"))
+    error = max_relative_error(recomputed["losses"], stored["losses"])
+    print(f"activation checkpointing 2x2 lm_tp_sp: max relative loss error {error:.2e}")
+    assert error < 1e-6

@@ -58,6 +58,10 @@ BAD_CONFIGS = [
      r"launcher.ranks_per_node=2: differs from mesh.ranks_per_host=4; both say how many ranks share a node"),
     (["data.micro_batch_size=5"],
      r"data.micro_batch_size=5: must divide the per-replica batch 12 \(data.global_batch_size=24 over DP size 2\)"),
+    (["+model.activation_checkpointing=full"],
+     r"model.activation_checkpointing='full': framework.models.SeedMLP has no blocks to recompute"),
+    (["recipe=lm_2d", "model.activation_checkpointing=some"],
+     r"model.activation_checkpointing='some': use none, or full to recompute every block's activations"),
     (["trainer.stall_timeout_s=300"],
      r"trainer.stall_timeout_s=300.0: must be > 0 and below trainer.collective_timeout_s=300"),
 ]

@@ -171,6 +171,11 @@ class _SkipRandomInit(TorchFunctionMode):
 def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     """Build the model on the meta device (no memory) to check the plan against its modules,
     and the counts the plan splits whole (attention heads; the sequence, under SP); return it."""
+    recompute = cfg.model.get("activation_checkpointing")
+    if recompute is not None and "activation_checkpointing" not in inspect.signature(get_class(cfg.model._target_)).parameters:
+        raise ConfigError("model.activation_checkpointing", recompute,
+                          f"{cfg.model._target_} has no blocks to recompute (it takes no activation_checkpointing); "
+                          f"remove the key, or use a model that does, such as framework.models.Transformer")
     with torch.device("meta"), _SkipRandomInit():
         model = instantiate_checked(cfg.model)
     plan = OmegaConf.to_container(cfg.plan, resolve=True)

@@ -13,6 +13,7 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from framework.config.errors import ConfigError
 
@@ -72,11 +73,15 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, vocab_size: int = 256, dim: int = 64, n_layers: int = 2, n_heads: int = 4,
-                 hidden_dim: int = 128):
+                 hidden_dim: int = 128, activation_checkpointing: str = "none"):
         super().__init__()
         if dim % n_heads:
             raise ConfigError("model.dim", dim, f"must be a multiple of model.n_heads={n_heads} (heads of equal size)")
+        if activation_checkpointing not in ("none", "full"):
+            raise ConfigError("model.activation_checkpointing", activation_checkpointing,
+                              "use none, or full to recompute every block's activations in backward")
         self.n_heads = n_heads
+        self.recompute_blocks = activation_checkpointing == "full"
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleList(TransformerBlock(dim, n_heads, hidden_dim) for _ in range(n_layers))
         self.norm = nn.RMSNorm(dim)
@@ -85,7 +90,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h)
+            # Activation checkpointing keeps only each block's input and recomputes the rest in
+            # backward (its TP collectives included, in the same order on every rank).
+            h = checkpoint(layer, h, use_reentrant=False) if self.recompute_blocks and torch.is_grad_enabled() else layer(h)
         return self.output(self.norm(h))
 
     def tp_sharded_counts(self) -> Dict[str, int]:
