@@ -118,3 +118,19 @@ def test_activation_checkpointing_recomputes_blocks_without_changing_the_losses(
     error = max_relative_error(recomputed["losses"], stored["losses"])
     print(f"activation checkpointing 2x2 lm_tp_sp: max relative loss error {error:.2e}")
     assert error < 1e-6
+
+
+@pytest.mark.timeout(240)
+def test_bf16_autocast_on_a_mesh_agrees_with_one_process_bf16_and_trains(tmp_path):
+    cfg = compose_config([*TINY, "mesh=2x2", "plan=lm_tp_sp", f"trainer.max_steps={STEPS}", "trainer.log_every=5",
+                          "trainer.mixed_precision=bf16"])
+    mesh = launch_local(cfg, str(tmp_path / "mesh"))
+    fp32 = reference_training(compose_config([*TINY, "mesh=1x1", "plan=none", f"trainer.max_steps={STEPS}"]))
+    cfg.mesh.shape, cfg.plan = [1, 1], {}
+    one = launch_local(cfg, str(tmp_path / "one"))
+    error = max_relative_error(mesh["losses"], one["losses"])
+    print(f"bf16 2x2 lm_tp_sp vs 1x1 bf16: max relative loss error {error:.2e}; "
+          f"vs fp32 {max_relative_error(mesh['losses'], fp32['losses']):.2e}")
+    assert error < 2e-2
+    assert max_relative_error(mesh["losses"], fp32["losses"]) > 0  # autocast did change the numbers
+    assert mesh["losses"][-1] < mesh["losses"][0]

@@ -36,6 +36,10 @@ class LRDecay(str, Enum):
     cosine = "cosine"
 
 
+class Precision(str, Enum):
+    bf16 = "bf16"
+
+
 class Backend(str, Enum):
     auto = "auto"
     gloo = "gloo"
@@ -90,6 +94,7 @@ class TrainerConfig:
     progress_bar: bool = True
     collective_timeout_s: int = 300
     stall_timeout_s: Optional[float] = 180
+    mixed_precision: Optional[Precision] = None
     check_replicas_every: Optional[int] = 100
 
 

@@ -60,12 +60,16 @@ def lr_multiplier(step: int, warmup_steps: int, max_steps: int, decay: str) -> f
 
 
 def compute_loss(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Forward and loss; logits the plan leaves sharded on the vocabulary (output_layouts
-    shard(-1), use_local_output false) get torch's loss_parallel instead of a gather."""
-    logits = run.model(inputs)
-    sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
-    with loss_parallel() if sharded else nullcontext():
-        return run.loss_fn(logits, targets)
+    """Forward and loss, under autocast with trainer.mixed_precision=bf16 (fp32 master weights:
+    autocast casts per op, and its fp32 ops, the loss among them, stay fp32); logits the plan
+    leaves sharded on the vocabulary (output_layouts shard(-1), use_local_output false) get
+    torch's loss_parallel instead of a gather."""
+    bf16 = run.cfg.trainer.mixed_precision == "bf16"
+    with torch.autocast(run.cfg.mesh.device_type, dtype=torch.bfloat16) if bf16 else nullcontext():
+        logits = run.model(inputs)
+        sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
+        with loss_parallel() if sharded else nullcontext():
+            return run.loss_fn(logits, targets)
 
 
 def forward_backward(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
