@@ -47,6 +47,7 @@ from framework.parallel.mesh import coordinates
 from framework.train import CONFIG_DIR
 from framework.training.builder import STAGE_FUNCTIONS
 from framework.training.loop import forward_backward
+from framework.training.memory import local_bytes, state_bytes
 from framework.training.run import Run
 
 # torch internals, all here (DESIGN.md: fail clearly if a future torch moves them).
@@ -128,7 +129,7 @@ class _CollectiveBytes(TorchDispatchMode):
 def _input_bytes(func, args, kwargs) -> int:
     """Every tensor argument but the output buffers (c10d's in-place ops name them output*)."""
     named = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
-    return sum(_nbytes(t) for name, value in named.items() if not name.startswith("output")
+    return sum(local_bytes(t) for name, value in named.items() if not name.startswith("output")
                for t in tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
@@ -149,11 +150,6 @@ class _SavedActivations:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    local = _local(tensor)
-    return local.numel() * local.element_size()
 
 
 def _placement(param: torch.Tensor) -> str:
@@ -178,15 +174,14 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
         with collectives, torch.autograd.graph.saved_tensors_hooks(activations.pack, lambda tensor: tensor):
             forward_backward(run, inputs, targets)
             run.optimizer.step()
-        optimizer_state = [t for state in run.optimizer.state.values() for t in state.values()
-                           if isinstance(t, torch.Tensor) and _local(t).is_meta]
+        sizes = state_bytes(run.model.module, run.optimizer)
         return RankReport(
             rank=rank,
             coordinates=dict(zip(cfg.mesh.dim_names, coordinates(cfg.mesh.shape, rank))),
             parameters=[(name, list(_local(p).shape), list(p.shape), _placement(p)) for name, p in params],
-            parameter_bytes=sum(_nbytes(p) for _, p in params),
-            gradient_bytes=sum(_nbytes(p) for _, p in params if p.requires_grad),
-            optimizer_bytes=sum(_nbytes(t) for t in optimizer_state),
+            parameter_bytes=sizes["parameters"],
+            gradient_bytes=sizes["gradients"],
+            optimizer_bytes=sizes["optimizer_state"],
             activation_bytes=activations.bytes,
             collectives=dict(sorted(collectives.totals.items())),
         )

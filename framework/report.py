@@ -61,7 +61,7 @@ def job_row(job_dir: Path) -> dict:
         "samples_per_s": number(summary.get("samples_per_s")),
         "tokens_per_s": number(summary.get("tokens_per_s")),
         "median_step_s": statistics.median(step_times) if step_times else None,
-        "bytes_per_rank": summary.get("memory"),
+        "bytes_per_rank": (summary.get("memory") or {}).get("max_over_ranks", {}).get("total"),
         "status": "failed" if error else "ok",
         "error": error,
         "losses": summary.get("losses", []),

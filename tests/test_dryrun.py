@@ -17,13 +17,8 @@ def counts_per_op(report) -> dict:
     return counts
 
 
-@pytest.mark.timeout(150)
-def test_dry_run_of_2x2_matches_real_ranks_collectives_and_hand_computed_shard_sizes():
-    overrides = [*TINY, "mesh=2x2", "plan=lm_tp_sp"]
-    real = on_ranks(collectives_of_one_step, overrides)  # 4 gloo ranks, each counting its collectives
-    reports = dry_run(compose_config([*overrides, "dryrun.ranks=[0,1,2,3]"]))
-    assert [r.rank for r in reports] == [0, 1, 2, 3]
-    # lm_tiny (vocab 256, dim 32, 2 layers, hidden 64) under TP=2, fp32, local elements per rank:
+def tiny_lm_elements_per_rank_under_tp2() -> int:
+    """lm_tiny (vocab 256, dim 32, 2 layers, hidden 64) under TP=2: local parameter elements."""
     embeddings = 256 // 2 * 32                        # rowwise: half the vocabulary
     per_layer = (32                                   # attention_norm: replicated
                  + 3 * (32 // 2 * 32)                 # wq, wk, wv colwise: half the output rows
@@ -31,7 +26,16 @@ def test_dry_run_of_2x2_matches_real_ranks_collectives_and_hand_computed_shard_s
                  + 32                                 # ffn_norm
                  + 2 * (64 // 2 * 32)                 # w1, w3 colwise
                  + 32 * (64 // 2))                    # w2 rowwise
-    elements = embeddings + 2 * per_layer + 32 + 256 // 2 * 32   # + final norm + output colwise
+    return embeddings + 2 * per_layer + 32 + 256 // 2 * 32   # + final norm + output colwise
+
+
+@pytest.mark.timeout(150)
+def test_dry_run_of_2x2_matches_real_ranks_collectives_and_hand_computed_shard_sizes():
+    overrides = [*TINY, "mesh=2x2", "plan=lm_tp_sp"]
+    real = on_ranks(collectives_of_one_step, overrides)  # 4 gloo ranks, each counting its collectives
+    reports = dry_run(compose_config([*overrides, "dryrun.ranks=[0,1,2,3]"]))
+    assert [r.rank for r in reports] == [0, 1, 2, 3]
+    elements = tiny_lm_elements_per_rank_under_tp2()  # fp32
     n_params = 1 + 2 * 9 + 1 + 1
     for report in reports:
         assert counts_per_op(report) == real[report.rank]

@@ -10,6 +10,7 @@ from framework.launch.local import launch_local, spawn_ranks
 from framework.models.transformer import Transformer
 from framework.config.validate import validate
 from tests.conftest import compose_config
+from tests.test_dryrun import tiny_lm_elements_per_rank_under_tp2
 from tests.reference import max_relative_error, reference_training
 from tests.workers import train_and_report
 
@@ -118,6 +119,11 @@ def test_activation_checkpointing_recomputes_blocks_without_changing_the_losses(
     error = max_relative_error(recomputed["losses"], stored["losses"])
     print(f"activation checkpointing 2x2 lm_tp_sp: max relative loss error {error:.2e}")
     assert error < 1e-6
+    # summary.json's memory: every rank holds half of each TP-sharded weight (hand count), its
+    # gradients, and SGD's one momentum buffer per parameter.
+    shard = 4 * tiny_lm_elements_per_rank_under_tp2()
+    expected = {"parameters": shard, "gradients": shard, "optimizer_state": shard, "total": 3 * shard}
+    assert stored["memory"] == {"rank0": expected, "max_over_ranks": expected}
 
 
 @pytest.mark.timeout(240)

@@ -42,7 +42,8 @@ def test_a_sweep_over_mesh_shapes_ends_with_its_report(tmp_path):
         assert float(row["final_loss"]) == summary["final_loss"]  # full precision, not rounded for show
         assert float(row["samples_per_s"]) == summary["samples_per_s"]
         assert float(row["median_step_s"]) == statistics.median(summary["step_times_s"][1:])
-        assert row["best_val_loss"] == row["tokens_per_s"] == row["bytes_per_rank"] == ""
+        assert row["best_val_loss"] == row["tokens_per_s"] == ""
+        assert int(row["bytes_per_rank"]) == summary["memory"]["max_over_ranks"]["total"]
     assert "| 0 | mesh=2x1 | 2x1 | seed_mlp_tp |" in table(sweep)  # the common overrides are said once
     assert table(sweep) in result.stdout
     assert (sweep / "sweep_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -92,7 +93,7 @@ def fake_job(sweep: Path, name: str, num: int, overrides: list, shape: list, sum
 @pytest.mark.timeout(60)
 def test_rows_come_from_the_job_dirs(tmp_path):
     lm = {"final_loss": 1.25, "losses": [2.0, 1.5, 1.25], "val_losses": [[1, 1.9], [2, 1.4], [3, 1.6]],
-          "step_times_s": [9.0, 0.25, 0.75, 0.5], "samples_per_s": 64.0, "tokens_per_s": 2048.0, "memory": 123456}
+          "step_times_s": [9.0, 0.25, 0.75, 0.5], "samples_per_s": 64.0, "tokens_per_s": 2048.0, "memory": {"max_over_ranks": {"total": 123456}}}
     seed = {"final_loss": 0.5, "losses": [0.5], "val_losses": [], "step_times_s": [9.0], "samples_per_s": math.nan,
             "tokens_per_s": None}
     fake_job(tmp_path, "10", 10, ["model=lm_tiny", "trainer.max_steps=4"], [1, 2], summary=lm)

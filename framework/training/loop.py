@@ -24,6 +24,7 @@ from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
 from framework.parallel.mesh import layout_table
 from framework.parallel.replica_check import check_replicas
 from framework.training.logger import TensorBoardLogger
+from framework.training.memory import state_bytes
 from framework.training.run import Run
 from framework.training.watchdog import StallWatchdog
 
@@ -131,6 +132,15 @@ def mfu(tokens_per_s: float, flops_per_token: int, peak_flops: float) -> float:
     return tokens_per_s * flops_per_token / peak_flops
 
 
+def memory_per_rank(run: Run) -> dict:
+    """This rank's training-state bytes and the largest over all ranks (one all-reduce)."""
+    mine = state_bytes(run.model.module, run.optimizer)
+    largest = torch.tensor(list(mine.values()), dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return {"rank0" if run.rank == 0 else f"rank{run.rank}": mine,
+            "max_over_ranks": dict(zip(mine, (int(v) for v in largest.tolist())))}
+
+
 def write_json_atomically(path: str, data: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -175,6 +185,7 @@ def train(run: Run) -> dict:
     window_first = first
     first_step_s = None
     first_step_unix = None
+    memory = None
     watchdog = StallWatchdog(trainer.stall_timeout_s, run.rank, run.out_dir)
     model.train()
     for step in range(first, trainer.max_steps + 1):
@@ -208,6 +219,9 @@ def train(run: Run) -> dict:
         step_start = now
         if first_step_s is None:
             first_step_s, first_step_unix = now - start, time.time()
+            memory = memory_per_rank(run)  # the optimizer's state exists from its first step on
+            if tb:
+                tb.log_scalars(step, {f"memory/{k}_bytes": v for k, v in memory["max_over_ranks"].items()})
         saving = run.checkpointer.due(step)
         if logging_step or saving:  # a checkpoint holds every loss up to its step
             watchdog.stage(f"step {step}: loss all-reduce")
@@ -265,6 +279,7 @@ def train(run: Run) -> dict:
         "resumed_from": {"path": resumed.path, "step": resumed.step, "load_s": resumed.load_s} if resumed else None,
         "restarts": restart_count(),
         "checkpoints": saves,
+        "memory": memory,  # bytes of parameters, gradients, optimizer state: rank 0's and the max over ranks
     }
     if is_logger:
         log.info("final loss %.6f after %d steps, %.1f samples/s", summary["final_loss"], summary["steps"],
