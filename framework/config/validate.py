@@ -13,7 +13,6 @@ from torch.overrides import TorchFunctionMode
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
 from framework.config.schema import STAGES
 from framework.config.errors import ConfigError
-from framework.launch.slurm import job_shape
 from framework.parallel.mesh import submesh_ranks
 from framework.parallel.plan import check_output_layout, check_plan
 
@@ -77,8 +76,12 @@ def check_mesh(cfg: DictConfig) -> None:
 
 
 def check_ranks_per_node(cfg: DictConfig) -> None:
-    job_shape(cfg)  # refuses a ranks_per_node that does not divide the mesh
-    per_node, per_host = cfg.launcher.ranks_per_node, cfg.mesh.ranks_per_host
+    """Each node of a submitted job runs the same number of ranks (framework.launch.slurm)."""
+    world, per_node, per_host = math.prod(cfg.mesh.shape), cfg.launcher.ranks_per_node, cfg.mesh.ranks_per_host
+    if per_node is not None and (per_node < 1 or world % per_node):
+        raise ConfigError("launcher.ranks_per_node", per_node,
+                          f"must divide the mesh size {world} (mesh.shape={list(cfg.mesh.shape)}): each node runs "
+                          f"the same number of ranks")
     if per_node is not None and per_host is not None and per_node != per_host:
         raise ConfigError("launcher.ranks_per_node", per_node,
                           f"differs from mesh.ranks_per_host={per_host}; both say how many ranks share a node: set one")

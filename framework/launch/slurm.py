@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 
 from omegaconf import DictConfig
 
-from framework.config.errors import ConfigError
+from framework.config.validate import check_ranks_per_node, validate
 
 INSTALL = "pip install -e '.[slurm]' (hydra-submitit-launcher)"
 
@@ -27,12 +27,9 @@ def in_submitit_job() -> bool:
 
 def job_shape(cfg: DictConfig) -> Tuple[int, int]:
     """(nodes, tasks per node) for a job of this config's mesh."""
+    check_ranks_per_node(cfg)
     world = math.prod(cfg.mesh.shape)
     per_node = cfg.launcher.ranks_per_node or world
-    if per_node < 1 or world % per_node:
-        raise ConfigError("launcher.ranks_per_node", per_node,
-                          f"must divide the mesh size {world} (mesh.shape={list(cfg.mesh.shape)}): each node runs "
-                          f"the same number of ranks")
     return world // per_node, per_node
 
 
@@ -56,7 +53,8 @@ def join_job_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     """One task of a submitit job: every task composed the same config, so each validates it
     (deterministically: a bad config fails every task alike, before any collective) and runs
     as its rank; rank 0 keeps the resolved config with the job."""
-    from framework.config.validate import validate
+    # Imported here: the submitting process imports this module, and must not pay for the
+    # ranks' machinery (DTensor and the rest).
     from framework.launch.handoff import rank_config, write_resolved_config
     from framework.launch.worker import run_rank
 
