@@ -175,7 +175,7 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     """Build the model on the meta device (no memory) to check the plan against its modules,
     and the counts the plan splits whole (attention heads; the sequence, under SP); return it."""
     recompute = cfg.model.get("activation_checkpointing")
-    if recompute is not None and "activation_checkpointing" not in inspect.signature(get_class(cfg.model._target_)).parameters:
+    if recompute is not None and not _accepts(get_class(cfg.model._target_), activation_checkpointing=recompute):
         raise ConfigError("model.activation_checkpointing", recompute,
                           f"{cfg.model._target_} has no blocks to recompute (it takes no activation_checkpointing); "
                           f"remove the key, or use a model that does, such as framework.models.Transformer")
@@ -195,6 +195,14 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
             raise ConfigError(key, count, f"the TP plan splits it across {tp} ranks; make it a multiple of {tp} "
                                           f"or pick a TP size that divides it")
     return model
+
+
+def _accepts(callable_: Any, **options: Any) -> bool:
+    try:
+        inspect.signature(callable_).bind_partial(**options)
+        return True
+    except TypeError:
+        return False
 
 
 def instantiate_checked(node: Any, **kwargs: Any) -> Any:
