@@ -137,7 +137,7 @@ def memory_per_rank(run: Run) -> dict:
     mine = state_bytes(run.model.module, run.optimizer)
     largest = torch.tensor(list(mine.values()), dtype=torch.float64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return {"rank0" if run.rank == 0 else f"rank{run.rank}": mine,
+    return {f"rank{run.rank}": mine,
             "max_over_ranks": dict(zip(mine, (int(v) for v in largest.tolist())))}
 
 
