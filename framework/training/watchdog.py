@@ -27,14 +27,12 @@ log = logging.getLogger("framework")
 REPORT_GRACE_S = 5.0
 _DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 _LAUNCHER = _DISTRIBUTED + "elastic" + os.sep  # the agent's wrapper around every rank's main
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 def _in_collective(frame: FrameType) -> bool:
     path = frame.f_code.co_filename
     return _DISTRIBUTED in path and _LAUNCHER not in path
-
-
-_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 def _where(frame: FrameType) -> str:
