@@ -30,7 +30,6 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -40,11 +39,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from framework.config.errors import ConfigError
-from framework.config.schema import register_schema
 from framework.config.validate import role_size, validate
 from framework.inspect import collective_name, group_name
 from framework.parallel.mesh import coordinates
-from framework.train import CONFIG_DIR
+from framework.train import compose_config
 from framework.training.builder import STAGE_FUNCTIONS
 from framework.training.loop import forward_backward
 from framework.training.memory import local_bytes, state_bytes
@@ -75,12 +73,6 @@ class RankReport:
     @property
     def peak_bytes(self) -> int:
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
-
-
-def compose_config(overrides: List[str]) -> DictConfig:
-    register_schema()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
 
 
 def check_dryrun(cfg: DictConfig) -> None:

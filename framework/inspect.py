@@ -20,17 +20,15 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from framework.training.builder import build_and_run
-from framework.config.schema import STAGES, register_schema
-from framework.config.errors import ConfigError
+from framework.config.schema import STAGES
 from framework.launch.handoff import rank_config
-from framework.launch.local import RankFailed, spawn_ranks
-from framework.train import CONFIG_DIR
+from framework.launch.local import spawn_ranks
+from framework.train import command_status, compose_config
 from framework.training.loop import forward_backward
 from framework.config.validate import validate
 
@@ -132,9 +130,7 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
 
 def on_ranks(function, overrides: List[str]) -> Dict[int, object]:
     """Compose and validate like framework.train, then run `function` on every rank of the mesh."""
-    register_schema()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_config(overrides)
     validate(cfg)
     with tempfile.TemporaryDirectory(prefix="framework-inspect-") as out_dir:
         return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir)
@@ -177,18 +173,13 @@ def main(argv: List[str]) -> int:
     if not argv or argv[0] not in ("comm", "trace"):
         print(USAGE, file=sys.stderr)
         return 2
-    try:
-        if argv[0] == "trace":
-            print_traces(on_ranks(trace_of_one_step, argv[1:]))
-            return 0
-        counts = count_collectives(argv[1:])
-    except ConfigError as error:
-        print(error, file=sys.stderr)
-        return 2
-    except RankFailed as error:
-        print(f"inspection failed: {error}", file=sys.stderr)
-        return 1
-    print(f"collectives in one training step (rank 0), {' '.join(argv[1:]) or 'default config'}:")
+    if argv[0] == "trace":
+        return command_status(lambda: print_traces(on_ranks(trace_of_one_step, argv[1:])) or 0, "inspection failed")
+    return command_status(lambda: print_counts(count_collectives(argv[1:]), argv[1:]), "inspection failed")
+
+
+def print_counts(counts: Dict[str, int], overrides: List[str]) -> int:
+    print(f"collectives in one training step (rank 0), {' '.join(overrides) or 'default config'}:")
     width = max([len(op) for op in counts] + [10])
     for op, n in counts.items():
         print(f"  {op.ljust(width)}  {n}")

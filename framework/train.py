@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import warnings
-from typing import Optional
+from typing import Callable, List, Optional
 
 from framework.launch.zygote import zygote_socket
 
@@ -16,6 +16,7 @@ if __name__ == "__main__" and "RANK" not in os.environ:  # self-launching (torch
     zygote_socket()  # start the ranks' zygote first, so its imports overlap Hydra's and validation's
 
 import hydra  # noqa: E402 (after the zygote's start)
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -33,6 +34,26 @@ register_schema()
 warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose_config(overrides: List[str]) -> DictConfig:
+    """The config framework.train would run for these overrides, for the other commands
+    (verify, inspect, dryrun), which have no job dir."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def command_status(body: Callable[[], int], failed: str) -> int:
+    """A command's exit status: its body's, or 2 with the one `config error:` line, or 1 with
+    `FAILED: <the failed rank and its error>`."""
+    try:
+        return body()
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    except RankFailed as error:
+        print(f"{failed}: {error}", file=sys.stderr)
+        return 1
 
 
 def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:

@@ -20,20 +20,19 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement
 
 from framework.checkpoint.manager import DataPosition
 from framework.config.errors import ConfigError
-from framework.config.schema import STAGES, register_schema
+from framework.config.schema import STAGES
 from framework.config.validate import check_model_and_plan, validate
 from framework.launch.handoff import rank_config
-from framework.launch.local import RankFailed, spawn_ranks
+from framework.launch.local import spawn_ranks
 from framework.parallel.grad_norm import clip_grad_norm
 from framework.parallel.plan import matching_modules
-from framework.train import CONFIG_DIR
+from framework.train import command_status, compose_config
 from framework.training.builder import STAGE_FUNCTIONS, build_and_run
 from framework.training.run import Run
 from framework.training.loop import batches, forward_backward, local_value, mean_over_dp
@@ -211,12 +210,6 @@ def table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def compose_config(overrides: List[str]) -> DictConfig:
-    register_schema()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
 def verify(cfg: DictConfig) -> Tuple[bool, str, List[dict]]:
     """Both runs, the comparison table's rows and the verdict line; writes verify.report."""
     validate(cfg)
@@ -244,17 +237,13 @@ def verify(cfg: DictConfig) -> Tuple[bool, str, List[dict]]:
 
 
 def main(argv: List[str]) -> int:
-    try:
+    def report() -> int:
         ok, verdict, rows = verify(compose_config(argv))
-    except ConfigError as error:
-        print(error, file=sys.stderr)
-        return 2
-    except RankFailed as error:
-        print(f"verify failed to run: {error}", file=sys.stderr)
-        return 1
-    print(table(rows))
-    print(verdict)
-    return 0 if ok else 1
+        print(table(rows))
+        print(verdict)
+        return 0 if ok else 1
+
+    return command_status(report, "verify failed to run")
 
 
 if __name__ == "__main__":
