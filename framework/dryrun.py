@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from framework.config.errors import ConfigError
-from framework.config.validate import role_size, validate
+from framework.config.validate import dp_size, validate
 from framework.inspect import collective_name, group_name
 from framework.parallel.mesh import coordinates
 from framework.train import compose_config
@@ -160,13 +160,13 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
         for name in cfg.pipeline[: list(cfg.pipeline).index("optimizer") + 1]:
             stages[name](run)
         inputs, targets = (t.to("meta") for t in next(iter(run.dataloader)))
-        params = list(run.model.module.named_parameters())
+        params = list(run.module.named_parameters())
         activations = _SavedActivations([p for _, p in params])
         collectives = _CollectiveBytes({run.mesh.get_group(dim).group_name: dim for dim in run.mesh.mesh_dim_names})
         with collectives, torch.autograd.graph.saved_tensors_hooks(activations.pack, lambda tensor: tensor):
             forward_backward(run, inputs, targets)
             run.optimizer.step()
-        sizes = state_bytes(run.model.module, run.optimizer)
+        sizes = state_bytes(run.module, run.optimizer)
         return RankReport(
             rank=rank,
             coordinates=dict(zip(cfg.mesh.dim_names, coordinates(cfg.mesh.shape, rank))),
@@ -210,7 +210,7 @@ def print_report(report: RankReport, cfg: DictConfig) -> None:
     for row in rows:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
     optimizer = cfg.optim._target_.rsplit(".", 1)[-1]
-    per_replica = cfg.data.global_batch_size // role_size(cfg, "dp_dim")
+    per_replica = cfg.data.global_batch_size // dp_size(cfg)
     print("  memory")
     for label, n, note in (
             ("parameters", report.parameter_bytes, "local shards"),

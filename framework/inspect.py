@@ -108,7 +108,7 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
     collectives issued inside each (those outside any module under `step`)."""
     run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
     dim_of_group = {run.mesh.get_group(dim).group_name: dim for dim in run.mesh.mesh_dim_names}
-    names = {module: name or "(model)" for name, module in run.model.module.named_modules()}
+    names = {module: name or "(model)" for name, module in run.module.named_modules()}
     events = [{"pass": "step", "module": "start", "collectives": []}]
 
     def enter(kind: str):

@@ -32,7 +32,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def train_and_report(cfg_container: dict, out_dir: str) -> dict:
     """Run the whole pipeline, then report what the tests compare across ranks."""
     run = build_and_run(OmegaConf.create(cfg_container), out_dir)
-    module = run.model.module
+    module = run.module
     report = {
         "rank": dist.get_rank(),
         "dp_rank": run.dp["rank"],

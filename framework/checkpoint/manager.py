@@ -129,7 +129,7 @@ class Checkpointer:
 
     @staticmethod
     def _state_dict(run) -> Dict[str, Any]:
-        model_state, optim_state = get_state_dict(run.model.module, run.optimizer)
+        model_state, optim_state = get_state_dict(run.module, run.optimizer)
         return {"model": model_state, "optim": optim_state, f"rng.rank{run.rank}": torch.get_rng_state()}
 
     def _meta(self, run, step: int, position: DataPosition, history: Dict[str, Any]) -> dict:
@@ -172,14 +172,14 @@ class Checkpointer:
         too when the world is the same (another world's ranks are other processes)."""
         start = time.perf_counter()
         meta = read_meta(path)
-        model_state, optim_state = get_state_dict(run.model.module, run.optimizer)
+        model_state, optim_state = get_state_dict(run.module, run.optimizer)
         state = {"model": model_state, "optim": optim_state}
         same_world = meta["world_size"] == dist.get_world_size() and meta["mesh"]["shape"] == list(self.cfg.mesh.shape)
         rng_key = f"rng.rank{run.rank}"
         if same_world:
             state[rng_key] = torch.get_rng_state()
         self._dcp_load(state, path)
-        set_state_dict(run.model.module, run.optimizer, model_state_dict=state["model"],
+        set_state_dict(run.module, run.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         if same_world:
             torch.set_rng_state(state[rng_key])
@@ -194,9 +194,9 @@ class Checkpointer:
     def load_model_only(self, run, path: str) -> None:
         """checkpoint.init_from: the weights start a new run (step 0, fresh optimizer and data)."""
         read_meta(path)
-        state = {"model": run.model.module.state_dict()}
+        state = {"model": run.module.state_dict()}
         self._dcp_load(state, path)
-        set_model_state_dict(run.model.module, state["model"])
+        set_model_state_dict(run.module, state["model"])
 
     @staticmethod
     def _dcp_load(state: Dict[str, Any], path: str) -> None:

@@ -18,6 +18,7 @@ STAGES = [
     "model",
     "data_parallel",
     "tensor_parallel",
+    "fully_shard",
     "sampler",
     "dataloader",
     "optimizer",
@@ -40,6 +41,12 @@ class Precision(str, Enum):
     bf16 = "bf16"
 
 
+class DPStrategy(str, Enum):
+    replicate = "replicate"  # DataParallel: a full copy per DP rank, gradients all-reduced
+    fsdp = "fsdp"            # FSDP2 fully_shard over every DP rank
+    hsdp = "hsdp"            # FSDP2 over (dp_replicate, dp): sharded within dp, replicated across
+
+
 class Backend(str, Enum):
     auto = "auto"
     gloo = "gloo"
@@ -59,6 +66,8 @@ class MeshConfig:
 @dataclass
 class ParallelConfig:
     dp_dim: Optional[str] = "dp"
+    dp_replicate_dim: str = "dp_replicate"
+    dp_strategy: DPStrategy = DPStrategy.replicate
     tp_dim: Optional[str] = "tp"
     enforce_tp_innermost: bool = True
     allow_tp_across_hosts: bool = False

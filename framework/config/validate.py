@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
 from framework.config.schema import STAGES
 from framework.config.errors import ConfigError
-from framework.parallel.mesh import submesh_ranks
+from framework.parallel.mesh import dp_dim_names, submesh_ranks
 from framework.parallel.plan import check_output_layout, check_plan
 
 
@@ -62,17 +62,38 @@ def check_mesh(cfg: DictConfig) -> None:
         raise ConfigError("mesh.ranks_per_host", cfg.mesh.ranks_per_host, "must be >= 1, or null for all ranks on one host")
     if cfg.mesh.device_type == "cpu" and cfg.mesh.backend == "nccl":
         raise ConfigError("mesh.backend", "nccl", "nccl needs mesh.device_type=cuda; use gloo (or auto) on cpu")
-    dp, tp = cfg.parallel.dp_dim, cfg.parallel.tp_dim
+    dp, tp, replicate = cfg.parallel.dp_dim, cfg.parallel.tp_dim, cfg.parallel.dp_replicate_dim
     for key, name in (("parallel.dp_dim", dp), ("parallel.tp_dim", tp)):
         if name is not None and name not in names:
             raise ConfigError(key, name, f"name one of the mesh dims {names}, or null for no such parallelism")
     if dp is not None and dp == tp:
         raise ConfigError("parallel.tp_dim", tp, "DP and TP need different mesh dims")
+    if replicate in (dp, tp):
+        raise ConfigError("parallel.dp_replicate_dim", replicate, "must differ from parallel.dp_dim and parallel.tp_dim")
+    if replicate in names and (dp is None or names.index(replicate) > names.index(dp)):
+        raise ConfigError("mesh.dim_names", names,
+                          f"the DP replica dim {replicate!r} (parallel.dp_replicate_dim) needs the DP dim "
+                          f"parallel.dp_dim={dp!r} inside it, as in conf/mesh/2x2x1.yaml: [dp_replicate, dp, tp]")
     for name, size in zip(names, shape):
-        if name not in (dp, tp) and size > 1:
+        if name not in (dp, tp, replicate) and size > 1:
             raise ConfigError("mesh.shape", shape,
                               f"dim {name!r} has size {size} but no role; set parallel.dp_dim or "
                               f"parallel.tp_dim to it, or make it size 1")
+    check_dp_strategy(cfg)
+
+
+def check_dp_strategy(cfg: DictConfig) -> None:
+    strategy, names = cfg.parallel.dp_strategy, list(cfg.mesh.dim_names)
+    dp_dims = dp_dim_names(names, cfg.parallel.dp_dim, cfg.parallel.dp_replicate_dim)
+    if strategy == "fsdp" and not dp_dims:
+        raise ConfigError("parallel.dp_strategy", "fsdp",
+                          "shards over the DP ranks, and parallel.dp_dim is null; name a DP mesh dim "
+                          "(mesh=4x1 or 2x2), or use dp_strategy=replicate")
+    if strategy == "hsdp" and len(dp_dims) != 2:
+        raise ConfigError("parallel.dp_strategy", "hsdp",
+                          f"needs two DP dims, parallel.dp_replicate_dim={cfg.parallel.dp_replicate_dim!r} (replicas) "
+                          f"outside parallel.dp_dim={cfg.parallel.dp_dim!r} (shards), and mesh.dim_names={names} has "
+                          f"{dp_dims}; use mesh=2x2x1 or mesh=2x1x2, or dp_strategy=fsdp")
 
 
 def check_ranks_per_node(cfg: DictConfig) -> None:
@@ -116,6 +137,12 @@ def check_pipeline(cfg: DictConfig) -> None:
     stages = list(cfg.pipeline)
     if stages == STAGES[: len(stages)] and stages:
         return
+    if "tensor_parallel" in stages and "fully_shard" in stages and \
+            stages.index("fully_shard") < stages.index("tensor_parallel"):
+        raise ConfigError("pipeline", stages,
+                          "fully_shard must come after tensor_parallel: torch's fully_shard shards the DTensor "
+                          "parameters TP made (over the DP dims, on the same mesh); it cannot be handed to TP "
+                          f"afterwards. Use {STAGES} or a prefix of it")
     if "tensor_parallel" in stages and "data_parallel" in stages and \
             stages.index("tensor_parallel") < stages.index("data_parallel"):
         raise ConfigError("pipeline", stages,
@@ -125,9 +152,16 @@ def check_pipeline(cfg: DictConfig) -> None:
     raise ConfigError("pipeline", stages, f"the stages run in the fixed order {STAGES}; give that list or a prefix of it")
 
 
-def role_size(cfg: DictConfig, role: str) -> int:
-    name = cfg.parallel[role]
+def tp_size(cfg: DictConfig) -> int:
+    name = cfg.parallel.tp_dim
     return 1 if name is None else list(cfg.mesh.shape)[list(cfg.mesh.dim_names).index(name)]
+
+
+def dp_size(cfg: DictConfig) -> int:
+    """DP ranks: the product of the DP dims (dp_replicate x dp when the mesh has both)."""
+    names = list(cfg.mesh.dim_names)
+    dims = dp_dim_names(names, cfg.parallel.dp_dim, cfg.parallel.dp_replicate_dim)
+    return math.prod(list(cfg.mesh.shape)[names.index(name)] for name in dims)
 
 
 def check_trainer_and_data(cfg: DictConfig) -> None:
@@ -145,7 +179,7 @@ def check_trainer_and_data(cfg: DictConfig) -> None:
                           f"(else the collective timeout fires first, with no stacks), or null for no watchdog")
     if cfg.trainer.grad_clip is not None and cfg.trainer.grad_clip <= 0:
         raise ConfigError("trainer.grad_clip", cfg.trainer.grad_clip, "must be > 0, or null for no clipping")
-    dp = role_size(cfg, "dp_dim")
+    dp = dp_size(cfg)
     gbs = cfg.data.global_batch_size
     if gbs < 1 or gbs % dp:
         raise ConfigError("data.global_batch_size", gbs,
@@ -182,7 +216,7 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     with torch.device("meta"), _SkipRandomInit():
         model = instantiate_checked(cfg.model)
     plan = OmegaConf.to_container(cfg.plan, resolve=True)
-    tp = role_size(cfg, "tp_dim")
+    tp = tp_size(cfg)
     check_plan(plan, model, tp)
     check_output_layout(plan, model, tp)
     if not plan or tp == 1:

@@ -2,11 +2,12 @@
 
 torch.nn.utils.clip_grad_norm_ stacks per-parameter norms and fails when a model mixes
 DTensor and plain parameters (a plan that leaves some layers unsharded). Here each shard
-contributes its local sum of squares; sums of Shard-placed gradients are all-reduced once
-per TP mesh, Replicate-placed ones are counted once. Gradients are final by then: placed like
-their parameters and equal across DP (framework.parallel.data_parallel).
+contributes its local sum of squares; sums of sharded gradients are all-reduced over each mesh
+dim they are sharded on (TP's, and FSDP's DP dims), once per mesh and set of dims; replicated
+ones are counted once. Gradients are final by then: placed like their parameters and averaged
+over DP (framework.parallel.data_parallel, FSDP2's reduce-scatter).
 """
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,22 +18,25 @@ from torch.distributed.tensor import DTensor
 @torch.no_grad()
 def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     replicated = torch.zeros((), dtype=torch.float32)
-    sharded: Dict[DeviceMesh, torch.Tensor] = {}
+    sharded: Dict[Tuple[DeviceMesh, Tuple[int, ...]], torch.Tensor] = {}
     for param in params:
         grad = param.grad
         if grad is None:
             continue
         if isinstance(grad, DTensor):
             squares = grad.to_local().float().pow(2).sum().cpu()
-            if any(p.is_shard() for p in grad.placements):
-                sharded[grad.device_mesh] = sharded.get(grad.device_mesh, 0) + squares
+            dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+            if dims:
+                key = (grad.device_mesh, dims)
+                sharded[key] = sharded.get(key, 0) + squares
                 continue
         else:
             squares = grad.float().pow(2).sum().cpu()
         replicated += squares
-    for mesh, squares in sharded.items():
+    for (mesh, dims), squares in sharded.items():
         squares = squares.to(mesh.device_type)
-        dist.all_reduce(squares, group=mesh.get_group())
+        for dim in dims:  # summed over each dim the gradient is sharded on: over all its shards
+            dist.all_reduce(squares, group=mesh.get_group(dim))
         replicated += squares.cpu()
     return replicated.sqrt()
 

@@ -5,7 +5,7 @@ its coordinates and the ranks of each named submesh it belongs to. It is compute
 shape alone, so the launcher and tests can use it without a process group.
 """
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -47,8 +47,26 @@ def build_mesh(device_type: str, shape: Sequence[int], dim_names: Sequence[str])
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(dim_names))
 
 
-def role_coordinates(mesh: DeviceMesh, dim_name: str | None) -> Dict[str, int]:
-    """Size of a role's submesh and this rank's coordinate on it; a missing role is size 1."""
-    if dim_name is None:
+def dp_dim_names(dim_names: Sequence[str], dp_dim: Optional[str], dp_replicate_dim: str) -> List[str]:
+    """The mesh dims data parallelism spans, outer first: parallel.dp_replicate_dim when the mesh
+    has a dim of that name, then parallel.dp_dim."""
+    names = [dp_replicate_dim] if dp_replicate_dim in dim_names else []
+    return names + ([dp_dim] if dp_dim is not None else [])
+
+
+def flat_submesh(mesh: DeviceMesh, names: Sequence[str]) -> Optional[DeviceMesh]:
+    """The ranks of `names` dims as one 1-D mesh (None for no dims). Two dims are flattened
+    row-major, so the coordinate is outer x inner: DP's replica index under any strategy.
+    DeviceMesh._flatten is private in torch 2.13; torchtitan flattens its DP dims the same way."""
+    if not names:
+        return None
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[tuple(names)]._flatten()
+
+
+def coordinates_on(submesh: Optional[DeviceMesh]) -> Dict[str, int]:
+    """Size of a role's 1-D submesh and this rank's coordinate on it; no submesh is size 1."""
+    if submesh is None:
         return {"size": 1, "rank": 0}
-    return {"size": mesh.size(mesh.mesh_dim_names.index(dim_name)), "rank": mesh.get_local_rank(dim_name)}
+    return {"size": submesh.size(), "rank": submesh.get_local_rank()}

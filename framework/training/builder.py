@@ -17,8 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from framework.checkpoint.manager import Checkpointer
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
-from framework.parallel.mesh import build_mesh, layout_table, role_coordinates
+from framework.parallel.mesh import build_mesh, coordinates_on, dp_dim_names, flat_submesh, layout_table
 from framework.parallel.data_parallel import apply_dp
+from framework.parallel.fully_shard import apply_fsdp
 from framework.parallel.tensor_parallel import apply_tp
 from framework.training.loop import lr_multiplier, train
 from framework.training.run import Run
@@ -63,10 +64,21 @@ def stage_distributed(run: Run) -> None:
 def stage_mesh(run: Run) -> None:
     cfg = run.cfg
     run.mesh = build_mesh(cfg.mesh.device_type, cfg.mesh.shape, cfg.mesh.dim_names)
-    run.dp = role_coordinates(run.mesh, cfg.parallel.dp_dim)
-    run.tp = role_coordinates(run.mesh, cfg.parallel.tp_dim)
+    run.dp_mesh = flat_submesh(run.mesh, _dp_dims(run))
+    run.dp = coordinates_on(run.dp_mesh)
+    run.tp = coordinates_on(_tp_mesh(run))
     if run.rank == 0:
         log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names))
+
+
+def _dp_dims(run: Run):
+    p = run.cfg.parallel
+    return dp_dim_names(list(run.cfg.mesh.dim_names), p.dp_dim, p.dp_replicate_dim)
+
+
+def _tp_mesh(run: Run):
+    name = run.cfg.parallel.tp_dim
+    return None if name is None else run.mesh[name]
 
 
 def stage_model(run: Run) -> None:
@@ -76,20 +88,25 @@ def stage_model(run: Run) -> None:
         run.model = instantiate(run.cfg.model)
 
 
-def _submesh(run: Run, role: str):
-    name = run.cfg.parallel[role]
-    return None if name is None else run.mesh[name]
-
-
 def stage_data_parallel(run: Run) -> None:
-    run.model = apply_dp(run.model, _submesh(run, "dp_dim"))
+    """replicate: the outer DataParallel wrapper, before TP shards its .module."""
+    if run.cfg.parallel.dp_strategy == "replicate":
+        run.model = apply_dp(run.model, run.dp_mesh)
 
 
 def stage_tensor_parallel(run: Run) -> None:
-    tp_mesh = _submesh(run, "tp_dim")
+    tp_mesh = _tp_mesh(run)
     if tp_mesh is not None:
         plan = OmegaConf.to_container(run.cfg.plan, resolve=True)
-        run.model.module = apply_tp(run.model.module, tp_mesh, plan)
+        run.module = apply_tp(run.module, tp_mesh, plan)
+
+
+def stage_fully_shard(run: Run) -> None:
+    """fsdp / hsdp: FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh)."""
+    strategy = run.cfg.parallel.dp_strategy
+    if strategy != "replicate":
+        mesh = run.mesh[tuple(_dp_dims(run))] if strategy == "hsdp" else run.dp_mesh
+        run.model = apply_fsdp(run.model, mesh, run.cfg.trainer.mixed_precision)
 
 
 def stage_sampler(run: Run) -> None:
@@ -147,6 +164,7 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
     "model": stage_model,
     "data_parallel": stage_data_parallel,
     "tensor_parallel": stage_tensor_parallel,
+    "fully_shard": stage_fully_shard,
     "sampler": stage_sampler,
     "dataloader": stage_dataloader,
     "optimizer": stage_optimizer,

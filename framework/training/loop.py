@@ -20,6 +20,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from tqdm import tqdm
 
 from framework.checkpoint.manager import DataPosition, restart_count
+from framework.parallel.data_parallel import DataParallel
+from framework.parallel.fully_shard import no_gradient_sync
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
 from framework.parallel.mesh import layout_table
 from framework.parallel.replica_check import check_replicas
@@ -65,7 +67,8 @@ def compute_loss(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch
     autocast casts per op, and its fp32 ops, the loss among them, stay fp32); logits the plan
     leaves sharded on the vocabulary (output_layouts shard(-1), use_local_output false) get
     torch's loss_parallel instead of a gather."""
-    bf16 = run.cfg.trainer.mixed_precision == "bf16"
+    # fsdp / hsdp: FSDP2's MixedPrecisionPolicy casts instead (framework.parallel.fully_shard)
+    bf16 = run.cfg.trainer.mixed_precision == "bf16" and run.cfg.parallel.dp_strategy == "replicate"
     with torch.autocast(run.cfg.mesh.device_type, dtype=torch.bfloat16) if bf16 else nullcontext():
         logits = run.model(inputs)
         sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
@@ -87,11 +90,16 @@ def forward_backward(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> t
         loss = compute_loss(run, micro_inputs, micro_targets)
         if len(chunks) > 1:
             loss = loss * (len(micro_inputs) / len(inputs))
-        with nullcontext() if i == len(chunks) - 1 else run.model.no_sync():
+        with nullcontext() if i == len(chunks) - 1 else paused_gradient_sync(run.model):
             with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
                 loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
+
+
+def paused_gradient_sync(model):
+    """Micro-batches before the last add up their gradients without syncing them over DP."""
+    return model.no_sync() if isinstance(model, DataParallel) else no_gradient_sync(model)
 
 
 def local_value(loss: torch.Tensor) -> torch.Tensor:
@@ -102,7 +110,7 @@ def mean_over_dp(run: Run, values: List[torch.Tensor]) -> List[float]:
     """Mean over DP replicas of each per-replica value: the global-batch value."""
     stacked = torch.stack(values)
     if run.dp["size"] > 1:
-        dist.all_reduce(stacked, group=run.model.dp_group)
+        dist.all_reduce(stacked, group=run.dp_group)
         stacked /= run.dp["size"]
     return stacked.cpu().tolist()
 
@@ -134,7 +142,7 @@ def mfu(tokens_per_s: float, flops_per_token: int, peak_flops: float) -> float:
 
 def memory_per_rank(run: Run) -> dict:
     """This rank's training-state bytes and the largest over all ranks (one all-reduce)."""
-    mine = state_bytes(run.model.module, run.optimizer)
+    mine = state_bytes(run.module, run.optimizer)
     largest = torch.tensor(list(mine.values()), dtype=torch.float64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return {f"rank{run.rank}": mine,
@@ -168,7 +176,7 @@ def train(run: Run) -> dict:
                     disable=not (is_logger and trainer.progress_bar))
     global_batch = cfg.data.global_batch_size
     seq_len = getattr(run.dataset, "seq_len", None)  # token datasets: also report tokens/s
-    flops_per_token = model.module.flops_per_token(seq_len) if seq_len and hasattr(model.module, "flops_per_token") else None
+    flops_per_token = run.module.flops_per_token(seq_len) if seq_len and hasattr(run.module, "flops_per_token") else None
     peak = peak_flops(cfg)
 
     history = resumed.history if resumed else {"losses": [], "grad_norms": [], "val_losses": [],
@@ -187,6 +195,8 @@ def train(run: Run) -> dict:
     first_step_unix = None
     memory = None
     watchdog = StallWatchdog(trainer.stall_timeout_s, run.rank, run.out_dir)
+    # fsdp / hsdp hold one shard per DP rank: no copies of ours to compare (FSDP2 keeps its own)
+    replicas = trainer.check_replicas_every and cfg.parallel.dp_strategy == "replicate"
     model.train()
     for step in range(first, trainer.max_steps + 1):
         watchdog.stage(f"step {step}: data, forward and backward")
@@ -201,9 +211,9 @@ def train(run: Run) -> dict:
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         run.scheduler.step()
-        if trainer.check_replicas_every and step % trainer.check_replicas_every == 0:
+        if replicas and step % trainer.check_replicas_every == 0:
             watchdog.stage(f"step {step}: replica check")
-            check_replicas(model.module, model.dp_group, step)
+            check_replicas(run.module, run.dp_group, step)
         pending.append(local_value(loss))
         progress.update(1)
         if trainer.eval_every and step % trainer.eval_every == 0:

@@ -4,6 +4,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig
+from torch import nn
+
+from framework.parallel.data_parallel import DataParallel
 
 
 @dataclass
@@ -12,9 +15,10 @@ class Run:
     out_dir: str
     rank: int = 0
     mesh: Any = None
-    dp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} of the DP role
+    dp_mesh: Any = None  # the DP ranks as one 1-D mesh (two DP dims flattened); None without DP
+    dp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on dp_mesh
     tp: Dict[str, int] = field(default_factory=dict)
-    model: Any = None
+    model: Any = None  # what the loop calls: DataParallel's wrapper (replicate) or the model (fsdp, hsdp)
     dataset: Any = None
     sampler: Any = None
     dataloader: Any = None
@@ -25,3 +29,20 @@ class Run:
     checkpointer: Any = None  # framework.checkpoint.manager.Checkpointer
     resumed: Any = None  # framework.checkpoint.manager.Resumed, when the run continues a checkpoint
     summary: Optional[dict] = None
+
+    @property
+    def module(self) -> nn.Module:
+        """The model itself, whose parameters (DTensor shards included) the optimizer, grad
+        clipping and checkpoints see: DataParallel's `.module`, or the fully_shard-ed model."""
+        return self.model.module if isinstance(self.model, DataParallel) else self.model
+
+    @module.setter
+    def module(self, module: nn.Module) -> None:
+        if isinstance(self.model, DataParallel):
+            self.model.module = module
+        else:
+            self.model = module
+
+    @property
+    def dp_group(self):
+        return None if self.dp_mesh is None else self.dp_mesh.get_group()

@@ -1,0 +1,54 @@
+"""Sharded data parallelism with torch's FSDP2 (`fully_shard`), after TP on the same mesh.
+
+`parallel.dp_strategy: fsdp` shards parameters, gradients and optimizer state over every DP
+rank; `hsdp` shards along `dp` and replicates along `dp_replicate` (a 2-D DP mesh, for which
+torch reduce-scatters within a shard group and all-reduces across replicas). torch's
+fully_shard takes parameters TP has already made DTensors and gives them one more mesh dim, so
+this runs after `tensor_parallel` (the `fully_shard` stage); the other order is refused by
+framework.config.validate. Gradients come out of backward averaged over DP and placed like their
+parameters (FSDP2 also sums the partial gradients TP leaves on replicated parameters).
+"""
+from contextlib import contextmanager
+from typing import Iterator, List, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def fsdp_units(model: nn.Module) -> List[nn.Module]:
+    """What is all-gathered and resharded as one piece, before the root: each transformer block
+    (a model's `layers` ModuleList, as in torchtitan), else each top-level child with parameters."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def mixed_precision_policy(mixed_precision: Optional[str], root: bool) -> MixedPrecisionPolicy:
+    """bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32 into fp32
+    shards (the optimizer's master weights); the root's output back in fp32 for the loss."""
+    if mixed_precision != "bf16":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[str]) -> nn.Module:
+    """fully_shard each unit, then the root (which holds what no unit does), over `dp_mesh`:
+    1-D for fsdp, (dp_replicate, dp) for hsdp."""
+    for unit in fsdp_units(model):
+        fully_shard(unit, mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision, root=False))
+    return fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision, root=True))
+
+
+@contextmanager
+def no_gradient_sync(model: FSDPModule) -> Iterator[None]:
+    """Backward passes inside add to the (unsharded) gradients without reduce-scattering them
+    (every unit: recurse): gradient accumulation syncs once, after the step's last micro-batch."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
