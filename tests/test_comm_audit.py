@@ -101,3 +101,27 @@ def test_gradient_accumulation_syncs_dp_once_per_step_not_per_micro_batch():
     # The seed MLP on 2x1: 12 samples per replica, in 4 micro-batches of 3. DataParallel's one
     # bucketed all-reduce (gradients and used-flags) runs after the last micro-batch only.
     assert count_collectives(["mesh=2x1", "data.micro_batch_size=3"]) == {"c10d.allreduce_": 1}
+
+
+# FSDP2 under parallel.dp_strategy=fsdp, units = each block and the root (framework.parallel.fully_shard):
+#   forward: every unit's parameters all-gathered                         1 + L _allgather_base_
+#   backward: the blocks' again (resharded after forward; the root keeps
+#   its own until the step ends)                                          L _allgather_base_
+#   gradients reduce-scattered per unit (averaged over DP, once per step)  1 + L _reduce_scatter_base_
+FSDP_UNITS = {"c10d._allgather_base_": (1 + LAYERS) + LAYERS, "c10d._reduce_scatter_base_": 1 + LAYERS}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mesh,micro_batches", [("2x1", 1), ("2x2", 1), ("2x1", 4)])
+def test_fsdp_step_gathers_per_unit_and_reduce_scatters_once_per_step_beside_tp(mesh, micro_batches):
+    # On 2x2 TP adds what it does on 1x2 under lm_tp (test_lm_tp_step_collectives_match_the_plan);
+    # DataParallel's all-reduce is gone (FSDP's reduce-scatter replaces it). With 4 micro-batches
+    # (of 1 sequence) each gathers again; the gradients are reduce-scattered after the last only.
+    tp = {"c10d_functional.all_reduce": 1 + 2 * LAYERS + 5 * LAYERS + 1,
+          "c10d_functional.all_gather_into_tensor": 1} if mesh == "2x2" else {}
+    fsdp = {"c10d._allgather_base_": micro_batches * FSDP_UNITS["c10d._allgather_base_"],
+            "c10d._reduce_scatter_base_": FSDP_UNITS["c10d._reduce_scatter_base_"]}
+    per_replica = 8 // 2  # TINY's global batch over DP 2
+    counts = count_collectives([*TINY, f"mesh={mesh}", "plan=lm_tp", "parallel.dp_strategy=fsdp",
+                                f"data.micro_batch_size={per_replica // micro_batches}"])
+    assert counts == {**fsdp, **tp}

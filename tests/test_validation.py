@@ -62,6 +62,18 @@ BAD_CONFIGS = [
      r"model.activation_checkpointing='full': framework.models.SeedMLP has no blocks to recompute"),
     (["recipe=lm_2d", "model.activation_checkpointing=some"],
      r"model.activation_checkpointing='some': use none, or full to recompute every block's activations"),
+    (["parallel.dp_strategy=hsdp"],
+     r"parallel.dp_strategy='hsdp': needs two DP dims, parallel.dp_replicate_dim='dp_replicate' \(replicas\) outside "
+     r"parallel.dp_dim='dp' \(shards\), and mesh.dim_names=\['dp', 'tp'\] has \['dp'\]; use mesh=2x2x1 or mesh=2x1x2"),
+    (["mesh=1x2", "parallel.dp_dim=null", "parallel.dp_strategy=fsdp"],
+     r"parallel.dp_strategy='fsdp': shards over the DP ranks, and parallel.dp_dim is null; name a DP mesh dim"),
+    (["pipeline=[distributed,mesh,model,data_parallel,fully_shard,tensor_parallel]"],
+     r"pipeline=.*: fully_shard must come after tensor_parallel: torch's fully_shard shards the DTensor parameters "
+     r"TP made"),
+    (["mesh=2x2x1", "mesh.dim_names=[dp,dp_replicate,tp]"],
+     r"mesh.dim_names=\['dp', 'dp_replicate', 'tp'\]: the DP replica dim 'dp_replicate' .* needs the DP dim "
+     r"parallel.dp_dim='dp' inside it"),
+    (["mesh=2x2x1", "data.global_batch_size=6"], r"data.global_batch_size=6: must be a positive multiple of the DP size 4"),
     (["trainer.stall_timeout_s=300"],
      r"trainer.stall_timeout_s=300.0: must be > 0 and below trainer.collective_timeout_s=300"),
 ]
@@ -87,6 +99,10 @@ def test_cuda_without_a_gpu_is_refused_before_any_rank_starts():
     ["mesh.ranks_per_host=2"],
     ["mesh.dim_names=[col,row]", "parallel.dp_dim=col", "parallel.tp_dim=row"],
     ["allowed_targets=[framework,torch.nn,torch.optim,tests]", "model._target_=tests.workers.FailOnRank"],
+    ["mesh=2x2x1", "parallel.dp_strategy=hsdp"],
+    ["mesh=2x1x2", "parallel.dp_strategy=hsdp"],
+    ["mesh=2x2x1", "parallel.dp_strategy=fsdp"],
+    ["mesh=2x2x1"],
 ])
 def test_explicit_opt_outs_and_renamed_roles_are_accepted(overrides):
     validate(compose_config(overrides))

@@ -97,6 +97,9 @@ def _run_rank(conn: socket.socket, stdio: list, request: dict) -> None:
     sys.argv = [request["module"], *request["args"]]
     code = 0
     try:
+        # The preload imported the module itself; runpy runs a fresh copy as __main__ (its imports
+        # stay cached) and warns when the imported one is still registered.
+        sys.modules.pop(request["module"], None)
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as exit_:
         if isinstance(exit_.code, str):

@@ -8,6 +8,7 @@ this runs after `tensor_parallel` (the `fully_shard` stage); the other order is 
 framework.config.validate. Gradients come out of backward averaged over DP and placed like their
 parameters (FSDP2 also sums the partial gradients TP leaves on replicated parameters).
 """
+import warnings
 from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
@@ -15,6 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# FSDP2 warns that an in-place op on a unit's output (a view) would skip its gradient hook; the
+# loss reads the model's output out of place, and the blocks' residual adds are out of place.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
 
 
 def fsdp_units(model: nn.Module) -> List[nn.Module]:

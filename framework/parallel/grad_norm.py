@@ -25,7 +25,9 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
             continue
         if isinstance(grad, DTensor):
             squares = grad.to_local().float().pow(2).sum().cpu()
-            dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+            # not is_shard(): FSDP2 places a dim-0 TP shard it shards again as _StridedShard,
+            # which torch 2.13's is_shard() does not count. A final gradient is never Partial.
+            dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
             if dims:
                 key = (grad.device_mesh, dims)
                 sharded[key] = sharded.get(key, 0) + squares

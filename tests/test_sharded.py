@@ -1,0 +1,101 @@
+"""Sharded data parallelism (parallel.dp_strategy fsdp, hsdp): every mesh trains the
+one-process model, each rank holds its shard of the bytes, and accumulation, activation
+checkpointing and bf16 behave under sharding as they do without it."""
+import math
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from framework.launch.local import launch_local
+from framework.models.transformer import Transformer
+from tests.conftest import compose_config
+from tests.reference import max_relative_error, reference_training
+from tests.test_lm import TINY, shape_under_tp2
+
+QUIET = ["trainer.progress_bar=false", "logger.tensorboard=false"]
+STEPS = 20
+SEED_BYTES = 4 * (48 * 12 + 48 + 48 * 48 + 48 + 12 * 48 + 12)  # the seed MLP's fp32 parameters, on 1x1
+
+
+def fsdp_rank0_bytes(shapes, dp: int) -> int:
+    """fp32 bytes of rank 0's FSDP shards: the first dim-0 chunk of each parameter, ceil(rows / dp)
+    rows (torch.chunk's split, which FSDP2 pads to on the other ranks)."""
+    return 4 * sum(math.ceil(shape[0] / dp) * math.prod(shape[1:]) for shape in shapes)
+
+
+def tiny_lm_shapes(tp: int) -> list:
+    model = Transformer(**{k: v for k, v in compose_config(TINY).model.items() if k != "_target_"})
+    return [shape_under_tp2(name, p.shape) if tp == 2 else list(p.shape) for name, p in model.named_parameters()]
+
+
+# The seed MLP under seed_mlp_tp on 2 TP ranks (by hand): net1 colwise [24, 12] + bias 24, net2
+# rowwise [48, 24] + its replicated bias 48, net3 colwise [6, 48] + bias 6.
+SEED_TP2_SHAPES = [[24, 12], [24], [48, 24], [48], [6, 48], [6]]
+
+CASES = [
+    # model, mesh, strategy, plan, rank 0's parameter bytes (hand count)
+    ("seed", "4x1", "fsdp", "seed_mlp_tp", SEED_BYTES // 4),
+    ("seed", "2x2", "fsdp", "seed_mlp_tp", fsdp_rank0_bytes(SEED_TP2_SHAPES, 2)),
+    ("seed", "2x2x1", "hsdp", "seed_mlp_tp", SEED_BYTES // 2),
+    ("lm", "2x2", "fsdp", "lm_tp_sp", fsdp_rank0_bytes(tiny_lm_shapes(tp=2), 2)),  # TP halves, 2 FSDP shards
+    ("lm", "2x1x2", "hsdp", "lm_tp", fsdp_rank0_bytes(tiny_lm_shapes(tp=2), 1)),   # TP halves, 1 shard, 2 replicas
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model,mesh,strategy,plan,param_bytes", CASES, ids=[f"{c[2]} {c[1]} {c[0]} {c[3]}" for c in CASES])
+def test_sharded_strategies_train_the_one_process_model_on_a_shard_of_the_bytes(model, mesh, strategy, plan,
+                                                                                   param_bytes, tmp_path):
+    common = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=5"]
+    # Clipping below the gradients' norm, so a wrong global norm would change the losses too.
+    clip = 0.05 if model == "seed" else 0.5
+    common += [f"trainer.grad_clip={clip}"] if model == "seed" else [*TINY, f"trainer.grad_clip={clip}"]
+    reference = reference_training(compose_config([*common, "mesh=1x1", "plan=none"]))
+    summary = launch_local(compose_config([*common, f"mesh={mesh}", f"plan={plan}",
+                                           f"parallel.dp_strategy={strategy}"]), str(tmp_path))
+    loss_error = max_relative_error(summary["losses"], reference["losses"])
+    norm_error = max_relative_error(summary["grad_norms"], reference["grad_norms"][4::5])
+    print(f"{strategy} {mesh} {model} {plan}: max relative loss error vs 1x1 {loss_error:.2e}, "
+          f"grad norm {norm_error:.2e}; bytes per rank {summary['memory']['max_over_ranks']}")
+    tolerance = 1e-5 if model == "seed" else 1e-4
+    assert loss_error < tolerance and norm_error < tolerance
+    assert sum(norm > clip for norm in reference["grad_norms"]) > STEPS // 2  # clipping acted on most steps
+    rank0 = summary["memory"]["rank0"]
+    assert rank0["parameters"] == rank0["gradients"] == rank0["optimizer_state"] == param_bytes
+    assert summary["memory"]["max_over_ranks"]["parameters"] <= param_bytes
+
+
+@pytest.mark.timeout(240)
+def test_accumulation_and_activation_checkpointing_leave_fsdp_losses_unchanged(tmp_path):
+    cfg = compose_config([*TINY, *QUIET, "mesh=2x2", "plan=lm_tp_sp", "parallel.dp_strategy=fsdp",
+                          "trainer.max_steps=10", "trainer.log_every=5"])
+    plain = launch_local(cfg, str(tmp_path / "plain"))
+    cfg.data.micro_batch_size = 1  # 4 micro-batches per replica, reduce-scattered once per step
+    cfg.model.activation_checkpointing = "full"
+    both = launch_local(cfg, str(tmp_path / "both"))
+    error = max_relative_error(both["losses"], plain["losses"])
+    print(f"fsdp 2x2 lm_tp_sp, micro-batches of 1 with every block recomputed: max relative loss error {error:.2e}")
+    assert error < 1e-6
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_bf16_agrees_with_one_process_bf16_and_keeps_fp32_master_weights(tmp_path):
+    common = [*TINY, *QUIET, "trainer.max_steps=10", "trainer.log_every=5", "trainer.mixed_precision=bf16"]
+    sharded = launch_local(compose_config([*common, "mesh=2x2", "plan=lm_tp_sp", "parallel.dp_strategy=fsdp"]),
+                           str(tmp_path / "fsdp"))
+    one = launch_local(compose_config([*common, "mesh=1x1", "plan=none"]), str(tmp_path / "one"))
+    fp32 = reference_training(compose_config([*TINY, "mesh=1x1", "plan=none", "trainer.max_steps=10"]))
+    error = max_relative_error(sharded["losses"], one["losses"])
+    print(f"bf16 fsdp 2x2 lm_tp_sp (MixedPrecisionPolicy) vs 1x1 bf16 (autocast): max relative loss error "
+          f"{error:.2e}; vs fp32 {max_relative_error(sharded['losses'], fp32['losses']):.2e}; losses {sharded['losses']}")
+    assert error < 2e-2
+    assert max_relative_error(sharded["losses"], fp32["losses"]) > 0  # bf16 compute did change the numbers
+    assert sharded["losses"][-1] < sharded["losses"][0]
+    assert sharded["memory"]["rank0"]["parameters"] == fsdp_rank0_bytes(tiny_lm_shapes(tp=2), 2)  # fp32 shards
+
+
+def test_an_unknown_strategy_is_refused_at_compose_naming_the_choices():
+    with pytest.raises(ConfigCompositionException) as error:
+        compose_config(["parallel.dp_strategy=zero"])
+    assert "Invalid value 'zero', expected one of [replicate, fsdp, hsdp]" in str(error.value.__cause__)
+    assert "full_key: parallel.dp_strategy" in str(error.value.__cause__)
