@@ -1,7 +1,10 @@
 """The same training as `framework.train recipe=lm_2d` (bench settings), written by hand with
-plain PyTorch: init_process_group, DeviceMesh, parallelize_module, gradient averaging over DP
-after backward, a plain loop. No Hydra, no framework machinery: only the model and dataset
-classes are shared, so both sides train the same thing.
+plain PyTorch: init_process_group, DeviceMesh, parallelize_module, DP, a plain loop. No Hydra,
+no framework machinery: only the model and dataset classes are shared, so both sides train the
+same thing. DP (--dp) is one of:
+  after-backward  gradients averaged over DP after backward, one flat all-reduce (the default)
+  ddp             torch's DistributedDataParallel (pure DP only: DDP cannot take TP's DTensors)
+  replicate       torch's replicate_with_fsdp (torchtitan's DDP since 2026-03): per block and root
 
     torchrun --standalone --nproc-per-node 4 bench/handwritten.py --mesh 2 2 --steps 30 --out result.json
 """
@@ -14,6 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -74,6 +78,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--dp", choices=["after-backward", "ddp", "replicate"], default="after-backward")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # bench/stress_hangs.py asks hung ranks for stacks
 
@@ -84,6 +89,12 @@ def main() -> None:
     model = Transformer(vocab_size=256, dim=128, n_layers=4, n_heads=8, hidden_dim=352)  # conf/model/lm_small.yaml
     if tp_size > 1:
         model = parallelize_module(model, mesh["tp"], tp_sp_plan(4))
+    if args.dp == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+    elif args.dp == "replicate":
+        for block in model.layers:
+            replicate(block, mesh=mesh["dp"])
+        replicate(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.1, betas=(0.9, 0.95))
     dataset = ByteCorpus(seq_len=args.seq_len)
     sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=mesh.get_local_rank("dp"), seed=0, drop_last=True)
@@ -98,7 +109,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(inputs), targets)
         loss.backward()
-        average_gradients(model, mesh["tp"].get_group(), mesh["dp"].get_group(), dp_size)
+        if args.dp == "after-backward":
+            average_gradients(model, mesh["tp"].get_group(), mesh["dp"].get_group(), dp_size)
         optimizer.step()
         now = time.perf_counter()
         step_times.append(now - step_start)

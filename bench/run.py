@@ -3,7 +3,8 @@
 Alternates framework (a) and hand-written (b) runs, each a fresh launch from this driver, and
 prints median step time and time to first step (launch to the end of step 1, as the user waits
 for it) for both, with the ratios a / b. Then tokens/s of the framework per mesh shape, then
-the cost of checkpointing (none, sync and async every 10 steps): mean step time with the saves'
+DataParallel's overlapped gradient sync against waiting for backward and against torch's DDP and
+replicate_with_fsdp, then the cost of checkpointing (none, sync and async every 10 steps): mean step time with the saves'
 blocking inside, seconds per save (blocking and until written), and seconds to load one.
 Absolute times on a shared CPU are noisy; the ratios come from interleaved runs.
 """
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import List
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -38,10 +40,10 @@ def timed_launch(cmd, result_path: Path) -> dict:
             "final_loss": result["final_loss"], "tokens_per_s": result.get("tokens_per_s")}
 
 
-def run_framework(mesh: str, steps: int, work: Path) -> dict:
+def run_framework(mesh: str, steps: int, work: Path, *overrides: str) -> dict:
     out = work / f"fw-{mesh}-{time.time_ns()}"
     cmd = [PYTHON, "-m", "framework.train", *FRAMEWORK_SETTINGS, f"mesh={mesh}", f"trainer.max_steps={steps}",
-           f"trainer.log_every={steps}", f"hydra.run.dir={out}"]
+           f"trainer.log_every={steps}", f"hydra.run.dir={out}", *overrides]
     return timed_launch(cmd, out / "summary.json")
 
 
@@ -92,12 +94,41 @@ def checkpoint_costs(mesh: str, steps: int, repeats: int, work: Path) -> None:
               f"{median['blocking_s']:.3f} | {median['total_s']:.3f} | {median['load_s']:.3f} |", flush=True)
 
 
-def run_handwritten(mesh: str, steps: int, work: Path) -> dict:
+def run_handwritten(mesh: str, steps: int, work: Path, dp_mode: str = "after-backward") -> dict:
     dp, tp = mesh.split("x")
     out = work / f"hw-{mesh}-{time.time_ns()}.json"
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(int(dp) * int(tp)), "bench/handwritten.py",
-           "--mesh", dp, tp, "--steps", str(steps), "--out", str(out)]
+           "--mesh", dp, tp, "--steps", str(steps), "--out", str(out), "--dp", dp_mode]
     return timed_launch(cmd, out)
+
+
+def dp_sync_costs(meshes: List[str], steps: int, repeats: int, work: Path) -> None:
+    """DataParallel's all-reduce overlapped with backward against waiting for backward to end
+    (parallel.overlap_dp_sync), and torch's own DP for the same job: DDP (pure DP only) and
+    replicate_with_fsdp; median step time of interleaved launches."""
+    for mesh in meshes:
+        sides = {"framework, overlapped": lambda: run_framework(mesh, steps, work),
+                 "framework, after backward": lambda: run_framework(mesh, steps, work, "parallel.overlap_dp_sync=false"),
+                 "torch DDP": lambda: run_handwritten(mesh, steps, work, "ddp"),
+                 "torch replicate_with_fsdp": lambda: run_handwritten(mesh, steps, work, "replicate")}
+        if not mesh.endswith("x1"):
+            del sides["torch DDP"]  # DDP cannot take TP's DTensor parameters
+        runs = {side: [] for side in sides}
+        for i in range(repeats):
+            for side, launch in sides.items():
+                runs[side].append(launch())
+            print(f"DP sync {mesh} repeat {i + 1}/{repeats}: " +
+                  ", ".join(f"{side} {r[-1]['median_step_s']:.4f}" for side, r in runs.items()), flush=True)
+            losses = {round(r[-1]["final_loss"], 5) for r in runs.values()}
+            if len(losses) > 1:
+                sys.exit(f"the DP variants trained differently on {mesh}: final losses {losses}")
+        base = statistics.median(r["median_step_s"] for r in runs["framework, overlapped"])
+        print(f"\nlm_small, lm_tp_sp, mesh {mesh}, {steps} steps, {repeats} interleaved repeats (medians)")
+        print("| DP | step time (s) | vs framework, overlapped |")
+        print("|---|---|---|")
+        for side, results in runs.items():
+            median = statistics.median(r["median_step_s"] for r in results)
+            print(f"| {side} | {median:.4f} | {median / base:.3f} |", flush=True)
 
 
 def main() -> None:
@@ -108,10 +139,15 @@ def main() -> None:
     parser.add_argument("--throughput-meshes", default="1x1,2x1,1x2,2x2")
     parser.add_argument("--checkpoint-steps", type=int, default=40, help="0: skip the checkpoint costs")
     parser.add_argument("--only-checkpoints", action="store_true", help="just the checkpoint costs")
+    parser.add_argument("--dp-sync-meshes", default="2x1,2x2", help="empty: skip the DP sync comparison")
+    parser.add_argument("--only-dp-sync", action="store_true", help="just the DP sync comparison")
     args = parser.parse_args()
-    if args.only_checkpoints:
+    if args.only_checkpoints or args.only_dp_sync:
         with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
-            checkpoint_costs(args.mesh, args.checkpoint_steps, args.repeats, Path(tmp))
+            if args.only_checkpoints:
+                checkpoint_costs(args.mesh, args.checkpoint_steps, args.repeats, Path(tmp))
+            else:
+                dp_sync_costs(args.dp_sync_meshes.split(","), args.steps, args.repeats, Path(tmp))
         return
     with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
         work = Path(tmp)
@@ -138,6 +174,8 @@ def main() -> None:
         print("|---|---|")
         for mesh in args.throughput_meshes.split(","):
             print(f"| {mesh} | {run_framework(mesh, args.steps, work)['tokens_per_s']:.0f} |", flush=True)
+        if args.dp_sync_meshes:
+            dp_sync_costs(args.dp_sync_meshes.split(","), args.steps, args.repeats, work)
         if args.checkpoint_steps:
             checkpoint_costs(args.mesh, args.checkpoint_steps, args.repeats, work)
 

@@ -88,6 +88,11 @@ def check_dryrun(cfg: DictConfig) -> None:
     memory = cfg.dryrun.device_memory_gb
     if memory is not None and memory <= 0:
         raise ConfigError("dryrun.device_memory_gb", memory, "must be > 0 (GiB), or null for no memory check")
+    if cfg.parallel.dp_strategy != "replicate":
+        raise ConfigError("parallel.dp_strategy", cfg.parallel.dp_strategy,
+                          "the dry run steps on meta tensors, and FSDP2 refuses parameters on meta before it "
+                          "all-gathers; dry-run the mesh with dp_strategy=replicate (same TP shards and "
+                          "collectives; FSDP then divides parameters, gradients and optimizer state by the DP size)")
     if "optimizer" not in cfg.pipeline:
         raise ConfigError("pipeline", list(cfg.pipeline),
                           "the dry run rehearses a training step, which needs the stages up to optimizer; "

@@ -113,8 +113,8 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
 
     def enter(kind: str):
         def hook(module, *_):
-            if module is not run.model:  # the DataParallel wrapper: its module's events say it all
-                events.append({"pass": kind, "module": names.get(module, type(module).__name__), "collectives": []})
+            if module in names:  # not DataParallel's wrapper: its module's events say it all
+                events.append({"pass": kind, "module": names[module], "collectives": []})
         return hook
 
     tracker = ModTracker()

@@ -65,8 +65,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def build_one_process(cfg: DictConfig, out_dir: str) -> Run:
     """The reference run in this process, with no process group: no DP or TP roles, so the DP
-    wrapper syncs nothing and the plan is not applied; the same seeded model, data and optimizer."""
+    wrapper syncs nothing, the plan is not applied and nothing is sharded; the same seeded model,
+    data and optimizer."""
     cfg.parallel.dp_dim = cfg.parallel.tp_dim = None
+    cfg.parallel.dp_strategy = "replicate"
     run = Run(cfg=cfg, out_dir=out_dir, dp={"size": 1, "rank": 0}, tp={"size": 1, "rank": 0})
     for stage in STAGES[STAGES.index("model"): STAGES.index("optimizer") + 1]:
         STAGE_FUNCTIONS[stage](run)

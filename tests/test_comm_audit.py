@@ -2,7 +2,7 @@
 the plan, against what `framework.inspect comm` counts on each rank."""
 import pytest
 
-from framework.inspect import count_collectives, first_difference
+from framework.inspect import count_collectives, first_difference, on_ranks, trace_of_one_step
 from tests.conftest import run_cli
 
 TINY = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dataset.seq_len=32",
@@ -125,3 +125,22 @@ def test_fsdp_step_gathers_per_unit_and_reduce_scatters_once_per_step_beside_tp(
     counts = count_collectives([*TINY, f"mesh={mesh}", "plan=lm_tp", "parallel.dp_strategy=fsdp",
                                 f"data.micro_batch_size={per_replica // micro_batches}"])
     assert counts == {**fsdp, **tp}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_data_parallel_all_reduces_a_bucket_while_backward_still_runs(overlap):
+    # lm_small's gradients (3.5 MB) fill two buckets: the first capped at 1 MiB as DDP's (the
+    # output layer, the final norm, the last blocks: the first gradients backward produces), the
+    # rest. Overlapped, the first bucket's all-reduce starts inside the blocks' backward, before the
+    # embeddings' (the last module backward reaches); otherwise both start after it.
+    trace = on_ranks(trace_of_one_step, ["recipe=lm_2d", "mesh=2x1", "plan=none",
+                                         f"parallel.overlap_dp_sync={overlap}"])[0]
+    backward = [e["module"] for e in trace if e["pass"] == "backward"]
+    dp_all_reduces = [(e["pass"], e["module"]) for e in trace for c in e["collectives"] if c == "allreduce_[dp]"]
+    assert len(dp_all_reduces) == 2
+    assert dp_all_reduces[1] == ("backward", backward[-1]) == ("backward", "tok_embeddings")
+    if overlap:
+        assert dp_all_reduces[0][1].startswith("layers.") and backward.index(dp_all_reduces[0][1]) < len(backward) - 1
+    else:
+        assert dp_all_reduces[0] == ("backward", "tok_embeddings")

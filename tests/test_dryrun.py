@@ -80,6 +80,14 @@ def test_a_rank_outside_the_mesh_is_refused(capsys):
 
 
 @pytest.mark.timeout(60)
+def test_a_sharded_strategy_is_refused_with_the_way_to_dry_run_its_mesh(capsys):
+    assert main(["mesh=4x1", "parallel.dp_strategy=fsdp"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "config error: parallel.dp_strategy='fsdp': the dry run steps on meta tensors, and FSDP2 refuses parameters "
+        "on meta before it all-gathers; dry-run the mesh with dp_strategy=replicate")
+
+
+@pytest.mark.timeout(60)
 def test_a_device_too_small_is_refused_and_plain_parameters_are_named(capsys):
     assert main([*TINY, "mesh=1x2", "plan=lm_tp", "dryrun.device_memory_gb=0.0001"]) == 1
     out, err = capsys.readouterr()

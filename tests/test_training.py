@@ -9,7 +9,7 @@ from framework.launch.local import RankFailed, launch_local, spawn_ranks
 from framework.data import SyntheticRegression
 from tests.conftest import compose_config
 from tests.reference import max_relative_error, reference_training
-from tests.workers import seed_literal_ddp_then_tp, train_and_report
+from tests.workers import data_parallel_gradients, seed_literal_ddp_then_tp, train_and_report
 
 QUIET = ["trainer.progress_bar=false", "logger.tensorboard=false"]
 PARITY_STEPS = 20
@@ -137,3 +137,25 @@ def test_the_replica_check_fails_the_run_naming_a_parameter_that_drifted_on_one_
     with pytest.raises(RankFailed, match=r"RuntimeError: replica check at step 5: parameter scale differs across "
                                          r"all ranks \(it must be identical there\)"):
         launch_local(cfg, str(tmp_path))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bucketed_sync_averages_what_each_rank_produced_and_drops_what_none_did(overlap):
+    # Several buckets (launched during backward with overlap, after it without); parameter c only
+    # rank 0 uses (its bucket waits for the end of backward), d none: c gets half rank 0's
+    # gradient (rank 1 counts zeros), d keeps none, as in one process over both ranks' data.
+    reports = spawn_ranks(2, data_parallel_gradients, overlap)
+    assert reports[0]["buckets"] >= 4
+    for name, grad in reports[0]["own"].items():
+        other = reports[1]["own"][name]
+        if grad is None and other is None:
+            expected = None
+        else:
+            expected = ((grad if grad is not None else 0) + (other if other is not None else 0)) / 2
+        for rank in (0, 1):
+            synced = reports[rank]["synced"][name]
+            if expected is None:
+                assert synced is None, name
+            else:
+                torch.testing.assert_close(synced, expected, rtol=1e-6, atol=1e-7, msg=name)

@@ -34,7 +34,7 @@ BAD_CONFIGS = [
     (["model._target_=os.system"], r"model._target_='os.system': only targets under .* may be instantiated"),
     (["optim._target_=subprocess.call"], r"optim._target_='subprocess.call'"),
     (["pipeline=[distributed,mesh,model,tensor_parallel,data_parallel]"],
-     r"pipeline=.*: data_parallel must come before tensor_parallel: DP is the outer wrapper"),
+     r"pipeline=.*: tensor_parallel must come after data_parallel: DP is the outer wrapper"),
     (["pipeline=[mesh,distributed]"], r"pipeline=.*: the stages run in the fixed order"),
     (["+optim.betas=[0.9,0.95]"], r"optim=.*: SGD cannot be built: got an unexpected keyword argument 'betas'"),
     (["trainer.eval_every=5"], r"trainer.eval_every=5: framework.data.SyntheticRegression has no `split` argument"),

@@ -17,7 +17,8 @@ LM = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dat
 @pytest.mark.parametrize("overrides", [
     ["mesh=2x2", "plan=seed_mlp_tp"],
     [*LM, "mesh=1x2", "plan=lm_tp_sp"],
-], ids=lambda o: " ".join(x for x in o if x.startswith(("mesh", "plan"))))
+    ["mesh=2x2", "plan=seed_mlp_tp", "parallel.dp_strategy=fsdp"],
+], ids=lambda o: " ".join(x for x in o if x.startswith(("mesh", "plan", "parallel"))))
 def test_shipped_plans_verify_ok(overrides):
     ok, verdict, rows = verify(compose_config(overrides))
     print(verdict)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from framework.config.schema import STAGES
@@ -193,3 +194,37 @@ class BlockOnRank(SeedMLP):
         if self.calls == self.at and os.environ["RANK"] == str(self.block_rank):
             threading.Event().wait()
         return super().forward(x)
+
+
+class ThreeLayers(nn.Module):
+    """a feeds b on every rank; c only on rank 0; d on no rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))
+        return h + self.c(h) if dist.get_rank() == 0 else h
+
+
+def data_parallel_gradients(overlap: bool) -> dict:
+    """Two ranks, other inputs each, DataParallel with buckets of one parameter or so (the first
+    of 200 bytes, the rest 400): each rank's own gradients and the synced ones."""
+    from framework.parallel import data_parallel
+    from framework.parallel.data_parallel import DataParallel
+
+    data_parallel.FIRST_BUCKET_BYTES, data_parallel.BUCKET_BYTES = 200, 400
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = ThreeLayers()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).square().sum().backward()
+    own = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    wrapped = DataParallel(model, init_device_mesh("cpu", (2,)), overlap=overlap)
+    wrapped(x).square().sum().backward()
+    synced = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
+    buckets = len(wrapped._buckets)
+    dist.destroy_process_group()
+    return {"own": own, "synced": synced, "buckets": buckets}

@@ -133,22 +133,25 @@ def check_tp_placement(cfg: DictConfig, ranks_per_host: int) -> None:
                               f"parallel.allow_tp_across_hosts=true")
 
 
+# (stage, stage it must come after, why): the orders torch needs, named when a pipeline breaks them
+STAGE_ORDER_REASONS = [
+    ("tensor_parallel", "data_parallel",
+     "DP is the outer wrapper and the TP plan applies to its .module (TP first leaves DTensors that DDP cannot "
+     "broadcast)"),
+    ("fully_shard", "tensor_parallel",
+     "torch's fully_shard shards the DTensor parameters TP made (over the DP dims, on the same mesh); it cannot "
+     "be handed to TP afterwards"),
+]
+
+
 def check_pipeline(cfg: DictConfig) -> None:
     stages = list(cfg.pipeline)
     if stages == STAGES[: len(stages)] and stages:
         return
-    if "tensor_parallel" in stages and "fully_shard" in stages and \
-            stages.index("fully_shard") < stages.index("tensor_parallel"):
-        raise ConfigError("pipeline", stages,
-                          "fully_shard must come after tensor_parallel: torch's fully_shard shards the DTensor "
-                          "parameters TP made (over the DP dims, on the same mesh); it cannot be handed to TP "
-                          f"afterwards. Use {STAGES} or a prefix of it")
-    if "tensor_parallel" in stages and "data_parallel" in stages and \
-            stages.index("tensor_parallel") < stages.index("data_parallel"):
-        raise ConfigError("pipeline", stages,
-                          "data_parallel must come before tensor_parallel: DP is the outer wrapper and the "
-                          "TP plan applies to its .module (TP first leaves DTensors that DDP cannot "
-                          f"broadcast); use {STAGES} or a prefix of it")
+    for later, earlier, why in STAGE_ORDER_REASONS:
+        if later in stages and earlier in stages and stages.index(later) < stages.index(earlier):
+            raise ConfigError("pipeline", stages,
+                              f"{later} must come after {earlier}: {why}; use {STAGES} or a prefix of it")
     raise ConfigError("pipeline", stages, f"the stages run in the fixed order {STAGES}; give that list or a prefix of it")
 
 

@@ -9,11 +9,12 @@ either: plain DDP cannot broadcast DTensors, and DDP(device_mesh=...) leaves
 `model.parameters()` empty after the first forward.
 
 `DataParallel` keeps the seed's shape (an outer wrapper whose `.module` is the model, so TP is
-applied to `.module` after it) but binds nothing at construction: when backward finishes it
-averages the gradients of whatever parameters `.module` holds at that moment, over the DP
-group, using each DTensor's local shard (after summing the partial gradients TP leaves on
-replicated parameters). Parameters stay ordinary module parameters, so the
-optimizer, grad clipping and state_dict see all of them.
+applied to `.module` after it) but binds nothing at construction: at the first forward it hooks
+whatever parameters `.module` holds then, and during backward all-reduces their gradients'
+local shards over the DP group in buckets, each as soon as its gradients exist (as DDP
+overlaps communication with backward); at the end of backward it waits, averages, and sums the
+partial gradients TP leaves on replicated parameters. Parameters stay ordinary module
+parameters, so the optimizer, grad clipping and state_dict see all of them.
 """
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -27,11 +28,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket cap
+FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's cap for the first bucket, so communication starts early
 
 
 class _SyncGradientsAfterBackward(torch.autograd.Function):
-    """Identity on the model's outputs whose backward queues the DP gradient sync to run
-    once autograd has produced every gradient (the same hook point DDP uses)."""
+    """Identity on the model's outputs whose backward queues the end of the DP gradient sync
+    to run once autograd has produced every gradient (the same hook point DDP uses)."""
 
     @staticmethod
     def forward(ctx, wrapper: "DataParallel", output: torch.Tensor) -> torch.Tensor:
@@ -47,16 +49,40 @@ class _SyncGradientsAfterBackward(torch.autograd.Function):
         return None, grad
 
 
-class DataParallel(nn.Module):
-    """Replicates `module` across the DP submesh; finalizes gradients after each backward."""
+class _Bucket:
+    """Parameters whose gradients are all-reduced together, and the all-reduce in flight."""
 
-    def __init__(self, module: nn.Module, dp_mesh: Optional[DeviceMesh]):
+    def __init__(self, params: List[nn.Parameter]):
+        self.params = params
+        self.waiting = len(params)  # gradients not yet produced in this backward
+        self.produced: List[float] = []  # per parameter: 1.0 where this rank produced its gradient
+        self.flat: Optional[torch.Tensor] = None
+        self.grads: List[torch.Tensor] = []
+        self.work = None
+
+
+class DataParallel(nn.Module):
+    """Replicates `module` across the DP submesh; all-reduces gradients during backward.
+
+    Bound at the first forward, not at construction: by then TP has replaced the parameters,
+    and those are the ones hooked and bucketed (re-bound if `.module`'s parameters change). With
+    `overlap` a bucket's all-reduce starts (async) as soon as backward has produced all its
+    gradients, buckets in a fixed order on every rank (reverse parameter order, as DDP's, so they
+    fill in about the order backward produces them); one wait at the end of backward."""
+
+    def __init__(self, module: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True):
         super().__init__()
         self.module = module
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         self.dp_size = dp_mesh.size() if dp_mesh is not None else 1
+        self.overlap = overlap
         self._sync_queued = False
         self.sync_after_backward = True  # False while micro-batches accumulate (no_sync)
+        self._bound: List[nn.Parameter] = []
+        self._buckets: List[_Bucket] = []
+        self._bucket_of: Dict[nn.Parameter, _Bucket] = {}
+        self._hooks: list = []
+        self._launched = 0  # buckets launched in this backward, in order
         self._broadcast_from_first_replica()
 
     @torch.no_grad()
@@ -68,10 +94,23 @@ class DataParallel(nn.Module):
         tensors = [t.data for t in [*self.module.parameters(), *self.module.buffers()]]
         _in_flat_buckets(tensors, lambda flat: dist.broadcast(flat, src=src, group=self.dp_group))
 
+    def _bind(self) -> None:
+        """Hook and bucket the trainable parameters `.module` holds now."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.dp_size == 1 or params == self._bound:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        self._bound = params
+        self._buckets = [_Bucket(bucket) for bucket in _buckets(params[::-1], FIRST_BUCKET_BYTES)]
+        self._bucket_of = {p: bucket for bucket in self._buckets for p in bucket.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in params]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
-            return output
+            return self.module(*args, **kwargs)
+        self._bind()
+        output = self.module(*args, **kwargs)
         return tree_map_only(
             torch.Tensor,
             lambda t: _SyncGradientsAfterBackward.apply(self, t) if t.requires_grad else t,
@@ -88,27 +127,57 @@ class DataParallel(nn.Module):
         finally:
             self.sync_after_backward = True
 
-    @torch.no_grad()
-    def sync_gradients(self) -> None:
-        """Make every trainable parameter's gradient final: placed like its parameter (TP) and
-        averaged over DP. A parameter no replica used keeps no gradient (the optimizer skips it,
-        as it would in one process); one only some replicas used gets their average, the
-        others counting zeros. Every replica runs the same collectives either way."""
-        self._sync_queued = False
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        _reduce_partial_grads([p for p in params if p.grad is not None])
-        if self.dp_size == 1 or not params:
+    def _gradient_ready(self, param: nn.Parameter) -> None:
+        if not (self.overlap and self.sync_after_backward):
             return
-        used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-        for p in params:
+        self._bucket_of[param].waiting -= 1
+        while self._launched < len(self._buckets) and self._buckets[self._launched].waiting == 0:
+            self._launch(self._buckets[self._launched])
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Start the bucket's all-reduce on the local shards of its gradients (a gradient this rank
+        did not produce counts as zeros). The last bucket also carries, per parameter, whether this
+        rank produced its gradient, so a parameter no replica used can keep no gradient."""
+        bucket.produced = [float(p.grad is not None) for p in bucket.params]
+        for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         # to_local() is a view, so writing it writes the DTensor gradient's shard.
-        local_grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        _in_flat_buckets([*local_grads, used], lambda flat: _average(flat, self.dp_group, self.dp_size))
-        if used.is_meta:  # framework.dryrun: meta tensors hold no flags to read; every parameter counts as used
+        bucket.grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in bucket.params]
+        if bucket is self._buckets[-1]:  # every bucket has recorded its flags by now
+            flags = [flag for b in self._buckets for flag in b.produced]
+            bucket.grads.append(torch.tensor(flags, dtype=bucket.grads[0].dtype, device=bucket.grads[0].device))
+        bucket.flat = torch._utils._flatten_dense_tensors(bucket.grads)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.dp_group, async_op=True)
+        self._launched += 1
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Make every trainable parameter's gradient final: averaged over DP and placed like its
+        parameter (TP's partial sums added). A parameter no replica used keeps no gradient (the
+        optimizer skips it, as it would in one process); one only some replicas used gets their
+        average, the others counting zeros. Every replica runs the same collectives either way."""
+        self._sync_queued = False
+        if self.dp_size > 1 and self._buckets:
+            self._finish_all_reduces()
+        _reduce_partial_grads([p for p in self.module.parameters() if p.requires_grad and p.grad is not None])
+
+    def _finish_all_reduces(self) -> None:
+        """Launch what backward left (buckets with a gradient this rank did not produce, or all of
+        them without overlap), in order; wait for each and average."""
+        while self._launched < len(self._buckets):
+            self._launch(self._buckets[self._launched])
+        used = self._buckets[-1].grads[-1]  # the flags, summed over replicas once copied back
+        for bucket in self._buckets:
+            bucket.work.wait()
+            bucket.flat.div_(self.dp_size)
+            for grad, result in zip(bucket.grads, torch._utils._unflatten_dense_tensors(bucket.flat, bucket.grads)):
+                grad.copy_(result)
+            bucket.flat, bucket.grads, bucket.work, bucket.waiting = None, [], None, len(bucket.params)
+        self._launched = 0
+        if used.is_meta:  # framework.dryrun: meta tensors hold no flags; every parameter counts as used
             return
-        for p, used_somewhere in zip(params, used.tolist()):
+        for p, used_somewhere in zip([p for b in self._buckets for p in b.params], used.tolist()):
             if not used_somewhere:
                 p.grad = None
 
@@ -131,11 +200,6 @@ def _reduce_partial_grads(params: List[torch.Tensor]) -> None:
             p.grad = DTensor.from_local(summed, mesh, p.placements, run_check=False)
 
 
-def _average(flat: torch.Tensor, group, size: int) -> None:
-    dist.all_reduce(flat, group=group)
-    flat.div_(size)
-
-
 def _in_flat_buckets(tensors: List[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:
     """Run `collective` in place on each bucket of `tensors` flattened into one tensor (one
     collective per bucket instead of one per tensor), then copy the results back."""
@@ -146,13 +210,15 @@ def _in_flat_buckets(tensors: List[torch.Tensor], collective: Callable[[torch.Te
             tensor.copy_(result)
 
 
-def _buckets(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
-    """Group same-dtype tensors into buckets of at most BUCKET_BYTES, keeping order."""
+def _buckets(tensors: List[torch.Tensor], first_bucket_bytes: int = BUCKET_BYTES) -> List[List[torch.Tensor]]:
+    """Group same-dtype tensors into buckets of at most BUCKET_BYTES (the first: first_bucket_bytes),
+    keeping order. A DTensor counts its global size: the same on every rank, and at least its shard's."""
     buckets: List[List[torch.Tensor]] = []
     size = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
-        if not buckets or buckets[-1][0].dtype != t.dtype or size + nbytes > BUCKET_BYTES:
+        cap = first_bucket_bytes if len(buckets) == 1 else BUCKET_BYTES
+        if not buckets or buckets[-1][0].dtype != t.dtype or size + nbytes > cap:
             buckets.append([])
             size = 0
         buckets[-1].append(t)
@@ -160,6 +226,6 @@ def _buckets(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
     return buckets
 
 
-def apply_dp(model: nn.Module, dp_mesh: Optional[DeviceMesh]) -> DataParallel:
+def apply_dp(model: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True) -> DataParallel:
     """Wrap `model`; with no DP dim (dp_mesh None) the wrapper only keeps the `.module` shape."""
-    return DataParallel(model, dp_mesh)
+    return DataParallel(model, dp_mesh, overlap)
