@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--mesh", default="2x2")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--throughput-meshes", default="1x1,2x1,1x2,2x2")
+    parser.add_argument("--throughput-meshes", default="1x1,2x1,1x2,2x2", help="empty: skip the tokens/s table")
     parser.add_argument("--checkpoint-steps", type=int, default=40, help="0: skip the checkpoint costs")
     parser.add_argument("--only-checkpoints", action="store_true", help="just the checkpoint costs")
     parser.add_argument("--dp-sync-meshes", default="2x1,2x2", help="empty: skip the DP sync comparison")
@@ -170,10 +170,11 @@ def main() -> None:
               f"{a['median_step_s'] / b['median_step_s']:.3f} |")
         print(f"| time to first step (s) | {a['first_step_s']:.2f} | {b['first_step_s']:.2f} | "
               f"{a['first_step_s'] / b['first_step_s']:.3f} |")
-        print("\n| mesh | tokens/s (framework) |")
-        print("|---|---|")
-        for mesh in args.throughput_meshes.split(","):
-            print(f"| {mesh} | {run_framework(mesh, args.steps, work)['tokens_per_s']:.0f} |", flush=True)
+        if args.throughput_meshes:
+            print("\n| mesh | tokens/s (framework) |")
+            print("|---|---|")
+            for mesh in args.throughput_meshes.split(","):
+                print(f"| {mesh} | {run_framework(mesh, args.steps, work)['tokens_per_s']:.0f} |", flush=True)
         if args.dp_sync_meshes:
             dp_sync_costs(args.dp_sync_meshes.split(","), args.steps, args.repeats, work)
         if args.checkpoint_steps:
