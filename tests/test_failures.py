@@ -71,12 +71,13 @@ def test_a_stuck_step_fails_fast_naming_each_ranks_stage_and_collective_with_sta
     assert elapsed < stall_timeout_s + 30
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("training failed: stalled: nothing finished for "), last
-    # Rank 0 finished its step-3 backward and waits in DataParallel's gradient all-reduce; rank 1
-    # never left its forward, and is named at the line that blocks.
+    # Rank 0 finished its step-3 backward and waits for DataParallel's gradient all-reduce (started
+    # during backward, waited for at its end); rank 1 never left its forward, and is named at the
+    # line that blocks.
     rank0, rank1 = last.split("; rank 0: ")[1].split("; rank 1: ")
-    assert rank0.startswith("step 3: data, forward and backward, collective all_reduce "
-                            "(torch/distributed/distributed_c10d.py:"), rank0
-    assert "called from " in rank0 and "framework/parallel/data_parallel.py" in rank0
+    assert rank0.startswith("step 3: data, forward and backward, collective wait_for_all_reduce "
+                            "(framework/parallel/data_parallel.py:"), rank0
+    assert "called from _finish_all_reduces (framework/parallel/data_parallel.py:" in rank0
     assert rank1.startswith("step 3: data, forward and backward, not in a collective: at forward "
                             "(tests/workers.py:"), rank1
     assert last.endswith("every thread's stack in logs/rank0.log, logs/rank1.log")

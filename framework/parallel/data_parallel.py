@@ -142,6 +142,7 @@ class DataParallel(nn.Module):
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            _place_like_parameter(p)
         # to_local() is a view, so writing it writes the DTensor gradient's shard.
         bucket.grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in bucket.params]
         if bucket is self._buckets[-1]:  # every bucket has recorded its flags by now
@@ -169,7 +170,7 @@ class DataParallel(nn.Module):
             self._launch(self._buckets[self._launched])
         used = self._buckets[-1].grads[-1]  # the flags, summed over replicas once copied back
         for bucket in self._buckets:
-            bucket.work.wait()
+            wait_for_all_reduce(bucket.work)
             bucket.flat.div_(self.dp_size)
             for grad, result in zip(bucket.grads, torch._utils._unflatten_dense_tensors(bucket.flat, bucket.grads)):
                 grad.copy_(result)
@@ -188,16 +189,33 @@ def _reduce_partial_grads(params: List[torch.Tensor]) -> None:
     gradients together, rather than one redistribute per parameter."""
     partial: Dict[DeviceMesh, List[torch.Tensor]] = {}
     for p in params:
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-            if all(g.is_partial() and q.is_replicate() for g, q in zip(p.grad.placements, p.placements)):
-                partial.setdefault(p.grad.device_mesh, []).append(p)
-            else:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        _place_like_parameter(p)
+        if _partial_sums(p):
+            partial.setdefault(p.grad.device_mesh, []).append(p)
     for mesh, group_params in partial.items():
         local_grads = [p.grad.to_local() for p in group_params]
         _in_flat_buckets(local_grads, lambda flat: dist.all_reduce(flat, group=mesh.get_group()))
         for p, summed in zip(group_params, local_grads):
             p.grad = DTensor.from_local(summed, mesh, p.placements, run_check=False)
+
+
+def _partial_sums(p: torch.Tensor) -> bool:
+    """Whether TP left `p`'s gradient as per-rank partial sums of a replicated parameter."""
+    return isinstance(p.grad, DTensor) and p.grad.placements != p.placements and \
+        all(g.is_partial() and q.is_replicate() for g, q in zip(p.grad.placements, p.placements))
+
+
+def _place_like_parameter(p: torch.Tensor) -> None:
+    """Redistribute a gradient placed otherwise than its parameter (TP's partial sums excepted, summed
+    later in one all-reduce), so its local shard is the parameter's: what DP averages."""
+    if isinstance(p.grad, DTensor) and p.grad.placements != p.placements and not _partial_sums(p):
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+def wait_for_all_reduce(work) -> None:
+    """Where a rank waits for DP's all-reduces; the stall watchdog reports it as a collective
+    (an async op's wait has no torch.distributed Python frame of its own)."""
+    work.wait()
 
 
 def _in_flat_buckets(tensors: List[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:
@@ -212,11 +230,13 @@ def _in_flat_buckets(tensors: List[torch.Tensor], collective: Callable[[torch.Te
 
 def _buckets(tensors: List[torch.Tensor], first_bucket_bytes: int = BUCKET_BYTES) -> List[List[torch.Tensor]]:
     """Group same-dtype tensors into buckets of at most BUCKET_BYTES (the first: first_bucket_bytes),
-    keeping order. A DTensor counts its global size: the same on every rank, and at least its shard's."""
+    keeping order. A DTensor counts its local shard, the same on every rank of a DP group (they
+    share their TP coordinate)."""
     buckets: List[List[torch.Tensor]] = []
     size = 0
     for t in tensors:
-        nbytes = t.numel() * t.element_size()
+        local = t.to_local() if isinstance(t, DTensor) else t
+        nbytes = local.numel() * local.element_size()
         cap = first_bucket_bytes if len(buckets) == 1 else BUCKET_BYTES
         if not buckets or buckets[-1][0].dtype != t.dtype or size + nbytes > cap:
             buckets.append([])

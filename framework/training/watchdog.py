@@ -19,6 +19,8 @@ import time
 from types import FrameType
 from typing import Optional
 
+from framework.parallel.data_parallel import wait_for_all_reduce
+
 log = logging.getLogger("framework")
 
 # How long a rank that reported waits for the others before it exits: stuck ranks stopped
@@ -32,7 +34,7 @@ _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 def _in_collective(frame: FrameType) -> bool:
     path = frame.f_code.co_filename
-    return _DISTRIBUTED in path and _LAUNCHER not in path
+    return (_DISTRIBUTED in path and _LAUNCHER not in path) or frame.f_code is wait_for_all_reduce.__code__
 
 
 def _where(frame: FrameType) -> str:
@@ -57,7 +59,7 @@ def blocked_in(frame: Optional[FrameType]) -> str:
     if collective is None:
         own = next((f for f in stack if not f.f_code.co_filename.startswith(_STDLIB)), stack[0])
         return f"not in a collective: at {_where(own)}"
-    caller = next((f for f in stack[stack.index(collective):] if os.sep + "torch" + os.sep not in f.f_code.co_filename),
+    caller = next((f for f in stack[stack.index(collective) + 1:] if os.sep + "torch" + os.sep not in f.f_code.co_filename),
                   None)
     return f"collective {_where(collective)}" + (f", called from {_where(caller)}" if caller else "")
 
