@@ -125,14 +125,12 @@ def test_lm_run_logs_tokens_per_second_and_validation_loss(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_bench_runs_both_sides_and_they_train_the_same_model():
-    """A short `make bench`: the driver exits non-zero if the framework's final loss differs
-    from the hand-written script's (same model, data, optimizer, mesh), or, on 2x1, if DataParallel
-    overlapped, DataParallel after backward, torch's DDP and torch's replicate_with_fsdp differ."""
-    result = run_cli(["--mesh", "1x2", "--steps", "3", "--repeats", "1", "--throughput-meshes", "",
-                      "--dp-sync-meshes", "2x1", "--checkpoint-steps", "0"],
+def test_bench_runs_every_dp_variant_and_they_train_the_same_model():
+    """A short `make bench` (its DP sync part): the driver exits non-zero if DataParallel overlapped,
+    DataParallel after backward, torch's DDP and torch's replicate_with_fsdp reach different final
+    losses on 2x1 (same model, data, optimizer)."""
+    result = run_cli(["--only-dp-sync", "--dp-sync-meshes", "2x1", "--steps", "3", "--repeats", "1"],
                      module="bench.run", timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| step time (s) |" in result.stdout
     for side in ("framework, overlapped", "framework, after backward", "torch DDP", "torch replicate_with_fsdp"):
         assert f"| {side} |" in result.stdout

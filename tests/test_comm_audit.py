@@ -128,19 +128,14 @@ def test_fsdp_step_gathers_per_unit_and_reduce_scatters_once_per_step_beside_tp(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("overlap", [True, False])
-def test_data_parallel_all_reduces_a_bucket_while_backward_still_runs(overlap):
+def test_data_parallel_all_reduces_a_bucket_while_backward_still_runs():
     # lm_small's gradients (3.5 MB) fill two buckets: the first capped at 1 MiB as DDP's (the
     # output layer, the final norm, the last blocks: the first gradients backward produces), the
-    # rest. Overlapped, the first bucket's all-reduce starts inside the blocks' backward, before the
-    # embeddings' (the last module backward reaches); otherwise both start after it.
-    trace = on_ranks(trace_of_one_step, ["recipe=lm_2d", "mesh=2x1", "plan=none",
-                                         f"parallel.overlap_dp_sync={overlap}"])[0]
+    # rest. The first bucket's all-reduce starts inside the blocks' backward, before the
+    # embeddings' (the last module backward reaches); the second once the embeddings' gradient exists.
+    trace = on_ranks(trace_of_one_step, ["recipe=lm_2d", "mesh=2x1", "plan=none"])[0]
     backward = [e["module"] for e in trace if e["pass"] == "backward"]
     dp_all_reduces = [(e["pass"], e["module"]) for e in trace for c in e["collectives"] if c == "allreduce_[dp]"]
     assert len(dp_all_reduces) == 2
+    assert dp_all_reduces[0][0] == "backward" and dp_all_reduces[0][1].startswith("layers.")
     assert dp_all_reduces[1] == ("backward", backward[-1]) == ("backward", "tok_embeddings")
-    if overlap:
-        assert dp_all_reduces[0][1].startswith("layers.") and backward.index(dp_all_reduces[0][1]) < len(backward) - 1
-    else:
-        assert dp_all_reduces[0] == ("backward", "tok_embeddings")

@@ -23,7 +23,7 @@ STEPS = 10
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mesh,plan", [("2x2", "lm_tp"), ("2x2", "lm_tp_sp"), ("1x2", "lm_tp"), ("2x1", "lm_tp"),
+@pytest.mark.parametrize("mesh,plan", [("2x2", "lm_tp"), ("2x2", "lm_tp_sp"), ("2x1", "lm_tp"),
                                        ("1x2", "lm_tp_sp_loss_parallel")])
 def test_lm_loss_equals_single_process_training(mesh, plan, tmp_path):
     cfg = compose_config([*TINY, f"mesh={mesh}", f"plan={plan}", f"trainer.max_steps={STEPS}", "trainer.log_every=5"])
@@ -102,33 +102,26 @@ def test_flops_per_token_counts_every_matmul_and_attention():
 
 
 @pytest.mark.timeout(240)
-def test_gradient_accumulation_trains_the_unaccumulated_run(tmp_path):
-    # 4 sequences per replica in micro-batches of 1, under TP, SP and loss_parallel (the loss is a
-    # DTensor): the weighted micro-batch gradients add up to the whole batch's, synced once per step.
-    mesh, plan, micro = "2x2", "lm_tp_sp_loss_parallel", 1
-    cfg = compose_config([*TINY, f"mesh={mesh}", f"plan={plan}", f"trainer.max_steps={STEPS}", "trainer.log_every=5"])
+@pytest.mark.parametrize("strategy,plan", [("replicate", "lm_tp_sp_loss_parallel"), ("fsdp", "lm_tp_sp")])
+def test_accumulation_and_activation_checkpointing_train_the_plain_run(strategy, plan, tmp_path):
+    # 4 sequences per replica in micro-batches of 1 (under loss_parallel the loss is a DTensor),
+    # every block recomputed in backward: the weighted micro-batch gradients add up to the whole
+    # batch's, synced once per step (DataParallel's all-reduce, FSDP's reduce-scatter).
+    cfg = compose_config([*TINY, "mesh=2x2", f"plan={plan}", f"parallel.dp_strategy={strategy}",
+                          f"trainer.max_steps={STEPS}", "trainer.log_every=5"])
     whole = launch_local(cfg, str(tmp_path / "whole"))
-    cfg.data.micro_batch_size = micro
-    accumulated = launch_local(cfg, str(tmp_path / "accumulated"))
-    error = max_relative_error(accumulated["losses"], whole["losses"])
-    print(f"gradient accumulation {mesh} {plan} micro-batch {micro}: max relative loss error {error:.2e}")
-    assert error < 1e-6
-
-
-@pytest.mark.timeout(240)
-def test_activation_checkpointing_recomputes_blocks_without_changing_the_losses(tmp_path):
-    cfg = compose_config([*TINY, "mesh=2x2", "plan=lm_tp_sp", f"trainer.max_steps={STEPS}", "trainer.log_every=5"])
-    stored = launch_local(cfg, str(tmp_path / "stored"))
+    cfg.data.micro_batch_size = 1
     cfg.model.activation_checkpointing = "full"
-    recomputed = launch_local(cfg, str(tmp_path / "recomputed"))
-    error = max_relative_error(recomputed["losses"], stored["losses"])
-    print(f"activation checkpointing 2x2 lm_tp_sp: max relative loss error {error:.2e}")
+    both = launch_local(cfg, str(tmp_path / "both"))
+    error = max_relative_error(both["losses"], whole["losses"])
+    print(f"{strategy} 2x2 {plan}, micro-batches of 1, every block recomputed: max relative loss error {error:.2e}")
     assert error < 1e-6
-    # summary.json's memory: every rank holds half of each TP-sharded weight (hand count), its
-    # gradients, and SGD's one momentum buffer per parameter.
-    shard = 4 * tiny_lm_elements_per_rank_under_tp2()
+    # summary.json's memory: every rank holds half of each TP-sharded weight (hand count), fsdp
+    # half of that again (2 DP shards; every dim 0 is even), its gradients, and SGD's one momentum
+    # buffer per parameter.
+    shard = 4 * tiny_lm_elements_per_rank_under_tp2() // (2 if strategy == "fsdp" else 1)
     expected = {"parameters": shard, "gradients": shard, "optimizer_state": shard, "total": 3 * shard}
-    assert stored["memory"] == {"rank0": expected, "max_over_ranks": expected}
+    assert whole["memory"] == {"rank0": expected, "max_over_ranks": expected}
 
 
 @pytest.mark.timeout(240)
