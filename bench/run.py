@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List
+from functools import partial
+from typing import Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -74,15 +75,24 @@ def run_checkpointing(mode: str, mesh: str, steps: int, work: Path) -> dict:
     return result
 
 
-def checkpoint_costs(mesh: str, steps: int, repeats: int, work: Path) -> None:
-    runs = {mode: [] for mode in ("none", "sync", "async")}
+def interleaved(sides: Dict[str, Callable[[], dict]], repeats: int, label: str,
+                digits: Optional[int] = None) -> Dict[str, List[dict]]:
+    """Each side launched once per repeat, in turn (so machine noise hits them alike); stops if
+    their final losses differ (to `digits` decimals; None: exactly): all must train one model."""
+    runs: Dict[str, List[dict]] = {side: [] for side in sides}
     for i in range(repeats):
-        for mode in runs:
-            runs[mode].append(run_checkpointing(mode, mesh, steps, work))
-        print(f"checkpoint repeat {i + 1}/{repeats}: " + ", ".join(f"{m} {r[-1]}" for m, r in runs.items()), flush=True)
-        losses = {r[-1]["final_loss"] for r in runs.values()}
+        for side, launch in sides.items():
+            runs[side].append(launch())
+        print(f"{label} repeat {i + 1}/{repeats}: " + ", ".join(f"{side} {r[-1]}" for side, r in runs.items()), flush=True)
+        losses = {r[-1]["final_loss"] if digits is None else round(r[-1]["final_loss"], digits) for r in runs.values()}
         if len(losses) > 1:
-            sys.exit(f"checkpointing changed the training: final losses {losses}")
+            sys.exit(f"{label}: the variants trained differently: final losses {losses}")
+    return runs
+
+
+def checkpoint_costs(mesh: str, steps: int, repeats: int, work: Path) -> None:
+    runs = interleaved({mode: partial(run_checkpointing, mode, mesh, steps, work) for mode in ("none", "sync", "async")},
+                       repeats, "checkpointing")
     base = statistics.median(r["mean_step_s"] for r in runs["none"])
     print(f"\nlm_small, lm_tp_sp, mesh {mesh}, {steps} steps, checkpoint every 10, {repeats} interleaved repeats (medians)")
     print("| checkpoints | mean step time (s) | overhead | blocking s / save | total s / save | load s |")
@@ -107,21 +117,13 @@ def dp_sync_costs(meshes: List[str], steps: int, repeats: int, work: Path) -> No
     (parallel.overlap_dp_sync), and torch's own DP for the same job: DDP (pure DP only) and
     replicate_with_fsdp; median step time of interleaved launches."""
     for mesh in meshes:
-        sides = {"framework, overlapped": lambda: run_framework(mesh, steps, work),
-                 "framework, after backward": lambda: run_framework(mesh, steps, work, "parallel.overlap_dp_sync=false"),
-                 "torch DDP": lambda: run_handwritten(mesh, steps, work, "ddp"),
-                 "torch replicate_with_fsdp": lambda: run_handwritten(mesh, steps, work, "replicate")}
+        sides = {"framework, overlapped": partial(run_framework, mesh, steps, work),
+                 "framework, after backward": partial(run_framework, mesh, steps, work, "parallel.overlap_dp_sync=false"),
+                 "torch DDP": partial(run_handwritten, mesh, steps, work, "ddp"),
+                 "torch replicate_with_fsdp": partial(run_handwritten, mesh, steps, work, "replicate")}
         if not mesh.endswith("x1"):
             del sides["torch DDP"]  # DDP cannot take TP's DTensor parameters
-        runs = {side: [] for side in sides}
-        for i in range(repeats):
-            for side, launch in sides.items():
-                runs[side].append(launch())
-            print(f"DP sync {mesh} repeat {i + 1}/{repeats}: " +
-                  ", ".join(f"{side} {r[-1]['median_step_s']:.4f}" for side, r in runs.items()), flush=True)
-            losses = {round(r[-1]["final_loss"], 5) for r in runs.values()}
-            if len(losses) > 1:
-                sys.exit(f"the DP variants trained differently on {mesh}: final losses {losses}")
+        runs = interleaved(sides, repeats, f"DP sync {mesh}", digits=5)
         base = statistics.median(r["median_step_s"] for r in runs["framework, overlapped"])
         print(f"\nlm_small, lm_tp_sp, mesh {mesh}, {steps} steps, {repeats} interleaved repeats (medians)")
         print("| DP | step time (s) | vs framework, overlapped |")
