@@ -10,6 +10,7 @@ Absolute times on a shared CPU are noisy; the ratios come from interleaved runs.
 """
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -19,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 from functools import partial
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -76,16 +77,16 @@ def run_checkpointing(mode: str, mesh: str, steps: int, work: Path) -> dict:
 
 
 def interleaved(sides: Dict[str, Callable[[], dict]], repeats: int, label: str,
-                digits: Optional[int] = None) -> Dict[str, List[dict]]:
+                rel_tol: float = 0.0) -> Dict[str, List[dict]]:
     """Each side launched once per repeat, in turn (so machine noise hits them alike); stops if
-    their final losses differ (to `digits` decimals; None: exactly): all must train one model."""
+    their final losses differ (beyond `rel_tol`; 0: at all): all must train one model."""
     runs: Dict[str, List[dict]] = {side: [] for side in sides}
     for i in range(repeats):
         for side, launch in sides.items():
             runs[side].append(launch())
         print(f"{label} repeat {i + 1}/{repeats}: " + ", ".join(f"{side} {r[-1]}" for side, r in runs.items()), flush=True)
-        losses = {r[-1]["final_loss"] if digits is None else round(r[-1]["final_loss"], digits) for r in runs.values()}
-        if len(losses) > 1:
+        losses = [r[-1]["final_loss"] for r in runs.values()]
+        if not all(math.isclose(loss, losses[0], rel_tol=rel_tol) for loss in losses):
             sys.exit(f"{label}: the variants trained differently: final losses {losses}")
     return runs
 
@@ -123,7 +124,7 @@ def dp_sync_costs(meshes: List[str], steps: int, repeats: int, work: Path) -> No
                  "torch replicate_with_fsdp": partial(run_handwritten, mesh, steps, work, "replicate")}
         if not mesh.endswith("x1"):
             del sides["torch DDP"]  # DDP cannot take TP's DTensor parameters
-        runs = interleaved(sides, repeats, f"DP sync {mesh}", digits=5)
+        runs = interleaved(sides, repeats, f"DP sync {mesh}", rel_tol=1e-5)
         base = statistics.median(r["median_step_s"] for r in runs["framework, overlapped"])
         print(f"\nlm_small, lm_tp_sp, mesh {mesh}, {steps} steps, {repeats} interleaved repeats (medians)")
         print("| DP | step time (s) | vs framework, overlapped |")

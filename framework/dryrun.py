@@ -167,7 +167,7 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
         inputs, targets = (t.to("meta") for t in next(iter(run.dataloader)))
         params = list(run.module.named_parameters())
         activations = _SavedActivations([p for _, p in params])
-        collectives = _CollectiveBytes({run.mesh.get_group(dim).group_name: dim for dim in run.mesh.mesh_dim_names})
+        collectives = _CollectiveBytes(run.group_labels())
         with collectives, torch.autograd.graph.saved_tensors_hooks(activations.pack, lambda tensor: tensor):
             forward_backward(run, inputs, targets)
             run.optimizer.step()

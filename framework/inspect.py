@@ -107,7 +107,7 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
     """Runs in every rank: the order of module forward/backward passes in one step, and the
     collectives issued inside each (those outside any module under `step`)."""
     run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
-    dim_of_group = {run.mesh.get_group(dim).group_name: dim for dim in run.mesh.mesh_dim_names}
+    dim_of_group = run.group_labels()
     names = {module: name or "(model)" for name, module in run.module.named_modules()}
     events = [{"pass": "step", "module": "start", "collectives": []}]
 

@@ -217,6 +217,11 @@ def verify(cfg: DictConfig) -> Tuple[bool, str, List[dict]]:
     validate(cfg)
     if cfg.verify.steps < 1:
         raise ConfigError("verify.steps", cfg.verify.steps, "must be >= 1")
+    if cfg.trainer.mixed_precision is not None and cfg.parallel.dp_strategy != "replicate":
+        raise ConfigError("trainer.mixed_precision", cfg.trainer.mixed_precision,
+                          "verify's one-process reference casts with torch.autocast, and parallel.dp_strategy "
+                          "fsdp / hsdp with FSDP2's MixedPrecisionPolicy (every op in bf16), so their modules "
+                          "would differ with no bug behind it; verify the plan with trainer.mixed_precision=null")
     with tempfile.TemporaryDirectory(prefix="framework-verify-") as out_dir:
         mesh_records = spawn_ranks(math.prod(cfg.mesh.shape), record_steps, rank_config(cfg), out_dir)
         reference = record_steps(rank_config(cfg), out_dir, one_process=True)

@@ -70,7 +70,7 @@ def test_fsdp_bf16_agrees_with_one_process_bf16_and_keeps_fp32_master_weights(tm
     print(f"bf16 fsdp 2x2 lm_tp_sp (MixedPrecisionPolicy) vs 1x1 bf16 (autocast): max relative loss error "
           f"{error:.2e}; vs fp32 {max_relative_error(sharded['losses'], fp32['losses']):.2e}; losses {sharded['losses']}")
     assert error < 2e-2
-    assert max_relative_error(sharded["losses"], fp32["losses"]) > 0  # bf16 compute did change the numbers
+    assert max_relative_error(sharded["losses"], fp32["losses"]) > 1e-5  # bf16 compute changed the numbers beyond fp32 noise
     assert sharded["losses"][-1] < sharded["losses"][0]
     assert sharded["memory"]["rank0"]["parameters"] == fsdp_rank0_bytes(tiny_lm_shapes(tp=2), 2)  # fp32 shards
 

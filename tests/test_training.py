@@ -142,20 +142,26 @@ def test_the_replica_check_fails_the_run_naming_a_parameter_that_drifted_on_one_
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overlap", [True, False])
 def test_bucketed_sync_averages_what_each_rank_produced_and_drops_what_none_did(overlap):
-    # Several buckets (launched during backward with overlap, after it without); parameter c only
-    # rank 0 uses (its bucket waits for the end of backward), d none: c gets half rank 0's
-    # gradient (rank 1 counts zeros), d keeps none, as in one process over both ranks' data.
+    # Several buckets; parameter c only rank 0 uses, d none. Overlapped, rank 0 starts the buckets
+    # of b, a and c during backward and rank 1 only b's and a's (c's waits for the end of
+    # backward there), yet they pair up in order. Step 2 adds a micro-batch under no_sync. Each
+    # step's gradients are the average of the two ranks' own (c: half rank 0's, rank 1 counting
+    # zeros), d keeps none: as one process over both ranks' data.
     reports = spawn_ranks(2, data_parallel_gradients, overlap)
-    assert reports[0]["buckets"] >= 4
-    for name, grad in reports[0]["own"].items():
-        other = reports[1]["own"][name]
-        if grad is None and other is None:
-            expected = None
-        else:
-            expected = ((grad if grad is not None else 0) + (other if other is not None else 0)) / 2
-        for rank in (0, 1):
-            synced = reports[rank]["synced"][name]
-            if expected is None:
-                assert synced is None, name
-            else:
-                torch.testing.assert_close(synced, expected, rtol=1e-6, atol=1e-7, msg=name)
+    assert reports[0]["buckets"] == [["b.bias"], ["b.weight", "a.bias"], ["a.weight", "c.bias"],
+                                     ["c.weight", "d.bias"], ["d.weight"]]
+    if overlap:
+        assert reports[0]["started_in_backward"] == [3, 3] and reports[1]["started_in_backward"] == [2, 2]
+    else:
+        assert reports[0]["started_in_backward"] == reports[1]["started_in_backward"] == [0, 0]
+    for step in (0, 1):
+        for name, grad in reports[0]["own"][step].items():
+            other = reports[1]["own"][step][name]
+            expected = None if grad is None and other is None else \
+                ((grad if grad is not None else 0) + (other if other is not None else 0)) / 2
+            for rank in (0, 1):
+                synced = reports[rank]["synced"][step][name]
+                if expected is None:
+                    assert synced is None, name
+                else:
+                    torch.testing.assert_close(synced, expected, rtol=1e-6, atol=1e-7, msg=f"step {step + 1} {name}")

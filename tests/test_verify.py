@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from framework.config.errors import ConfigError
 from framework.verify import compose_config, verify
 from tests.conftest import run_cli
 
@@ -64,3 +65,9 @@ def test_a_correct_custom_replicated_parameter_passes():
                                                "model._target_=tests.workers.ScaledSeedMLP"]))
     assert ok, verdict
     assert any(row["name"] == "scale" and row["what"] == "grad step 1" for row in rows)
+
+
+def test_bf16_under_a_sharded_strategy_is_refused_naming_the_casts():
+    with pytest.raises(ConfigError, match=r"trainer.mixed_precision='bf16': verify's one-process reference casts "
+                                          r"with torch.autocast, and parallel.dp_strategy fsdp / hsdp with FSDP2's MixedPrecisionPolicy"):
+        verify(compose_config(["mesh=4x1", "parallel.dp_strategy=fsdp", "trainer.mixed_precision=bf16"]))

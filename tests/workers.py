@@ -197,11 +197,12 @@ class BlockOnRank(SeedMLP):
 
 
 class ThreeLayers(nn.Module):
-    """a feeds b on every rank; c only on rank 0; d on no rank."""
+    """a feeds b on every rank; c only on rank 0; d on no rank. Registered d, c, a, b so that
+    DataParallel's buckets (reverse order) take b's and a's gradients first, then c's, then d's."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+        self.d, self.c, self.a, self.b = (nn.Linear(8, 8) for _ in range(4))
 
     def forward(self, x):
         h = self.b(torch.relu(self.a(x)))
@@ -209,8 +210,10 @@ class ThreeLayers(nn.Module):
 
 
 def data_parallel_gradients(overlap: bool) -> dict:
-    """Two ranks, other inputs each, DataParallel with buckets of one parameter or so (the first
-    of 200 bytes, the rest 400): each rank's own gradients and the synced ones."""
+    """Two ranks, other inputs each, DataParallel with buckets of about one parameter (the first
+    of 200 bytes, the rest 400), two steps, the second in two micro-batches (the first under
+    no_sync): each rank's own gradients per step (one process, its data), the synced ones, and
+    how many buckets each sync had started during backward."""
     from framework.parallel import data_parallel
     from framework.parallel.data_parallel import DataParallel
 
@@ -218,13 +221,29 @@ def data_parallel_gradients(overlap: bool) -> dict:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = ThreeLayers()
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
-    model(x).square().sum().backward()
-    own = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+    data = torch.Generator().manual_seed(dist.get_rank())
+    x1, x2 = torch.randn(4, 8, generator=data), torch.randn(4, 8, generator=data)
+
+    def gradients() -> dict:
+        grads = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    model(x1).square().sum().backward()
+    own = [gradients()]
+    (model(x1).square().sum() + model(x2).square().sum()).backward()
+    own.append(gradients())
     wrapped = DataParallel(model, init_device_mesh("cpu", (2,)), overlap=overlap)
-    wrapped(x).square().sum().backward()
-    synced = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
-    buckets = len(wrapped._buckets)
+    started_in_backward = []
+    finish = wrapped._finish_all_reduces
+    wrapped._finish_all_reduces = lambda: (started_in_backward.append(wrapped._launched), finish())[1]
+    wrapped(x1).square().sum().backward()
+    synced = [gradients()]
+    with wrapped.no_sync():
+        wrapped(x1).square().sum().backward()
+    wrapped(x2).square().sum().backward()
+    synced.append(gradients())
+    buckets = [[name for p in bucket.params for name, q in model.named_parameters() if q is p]
+               for bucket in wrapped._buckets]
     dist.destroy_process_group()
-    return {"own": own, "synced": synced, "buckets": buckets}
+    return {"own": own, "synced": synced, "buckets": buckets, "started_in_backward": started_in_backward}

@@ -67,8 +67,11 @@ class DataParallel(nn.Module):
     Bound at the first forward, not at construction: by then TP has replaced the parameters,
     and those are the ones hooked and bucketed (re-bound if `.module`'s parameters change). With
     `overlap` a bucket's all-reduce starts (async) as soon as backward has produced all its
-    gradients, buckets in a fixed order on every rank (reverse parameter order, as DDP's, so they
-    fill in about the order backward produces them); one wait at the end of backward."""
+    gradients and every earlier bucket has started: buckets in a fixed order on every rank
+    (reverse parameter order, as DDP's, so they fill in about the order backward produces them).
+    A parameter this rank does not use holds its bucket, and the later ones, until the end of
+    backward, when what is left starts; one wait then. Each bucket's flat copy of its gradients
+    lives until that wait, as DDP's bucket buffers do."""
 
     def __init__(self, module: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True):
         super().__init__()
@@ -97,7 +100,7 @@ class DataParallel(nn.Module):
     def _bind(self) -> None:
         """Hook and bucket the trainable parameters `.module` holds now."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        if self.dp_size == 1 or params == self._bound:
+        if self.dp_size == 1 or (len(params) == len(self._bound) and all(p is q for p, q in zip(params, self._bound))):
             return
         for hook in self._hooks:
             hook.remove()

@@ -195,7 +195,7 @@ def train(run: Run) -> dict:
     first_step_unix = None
     memory = None
     watchdog = StallWatchdog(trainer.stall_timeout_s, run.rank, run.out_dir)
-    # fsdp / hsdp hold one shard per DP rank: no copies of ours to compare (FSDP2 keeps its own)
+    # replicate only: fsdp holds one shard per DP rank; hsdp's replicas of a shard are not compared yet
     replicas = trainer.check_replicas_every and cfg.parallel.dp_strategy == "replicate"
     model.train()
     for step in range(first, trainer.max_steps + 1):

@@ -46,3 +46,9 @@ class Run:
     @property
     def dp_group(self):
         return None if self.dp_mesh is None else self.dp_mesh.get_group()
+
+    def group_labels(self) -> Dict[str, str]:
+        """Process-group name -> what reports call it: each mesh dim's name, and the DP group
+        flattened from two dims by its flattened name (`dp_replicate_dp`)."""
+        meshes = [self.mesh[dim] for dim in self.mesh.mesh_dim_names] + ([self.dp_mesh] if self.dp_mesh is not None else [])
+        return {mesh.get_group().group_name: mesh.mesh_dim_names[0] for mesh in meshes}
