@@ -124,6 +124,7 @@ def test_lm_run_logs_tokens_per_second_and_validation_loss(tmp_path):
     assert "mfu" not in events.Tags()["scalars"]  # CPU: no peak FLOPs to compare against
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(300)
 def test_bench_runs_every_dp_variant_and_they_train_the_same_model():
     """A short `make bench` (its DP sync part): the driver exits non-zero if DataParallel overlapped,
