@@ -65,7 +65,7 @@ class DataParallel(nn.Module):
     """Replicates `module` across the DP submesh; all-reduces gradients during backward.
 
     Bound at the first forward, not at construction: by then TP has replaced the parameters,
-    and those are the ones hooked and bucketed (re-bound if `.module`'s parameters change). With
+    and those are the ones hooked and bucketed. With
     `overlap` a bucket's all-reduce starts (async) as soon as backward has produced all its
     gradients and every earlier bucket has started: buckets in a fixed order on every rank
     (reverse parameter order, as DDP's, so they fill in about the order backward produces them).
@@ -81,10 +81,8 @@ class DataParallel(nn.Module):
         self.overlap = overlap
         self._sync_queued = False
         self.sync_after_backward = True  # False while micro-batches accumulate (no_sync)
-        self._bound: List[nn.Parameter] = []
         self._buckets: List[_Bucket] = []
         self._bucket_of: Dict[nn.Parameter, _Bucket] = {}
-        self._hooks: list = []
         self._launched = 0  # buckets launched in this backward, in order
         self._broadcast_from_first_replica()
 
@@ -98,16 +96,14 @@ class DataParallel(nn.Module):
         _in_flat_buckets(tensors, lambda flat: dist.broadcast(flat, src=src, group=self.dp_group))
 
     def _bind(self) -> None:
-        """Hook and bucket the trainable parameters `.module` holds now."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if self.dp_size == 1 or (len(params) == len(self._bound) and all(p is q for p, q in zip(params, self._bound))):
+        """Hook and bucket the trainable parameters `.module` holds now (once: the first forward)."""
+        if self._buckets or self.dp_size == 1:
             return
-        for hook in self._hooks:
-            hook.remove()
-        self._bound = params
+        params = [p for p in self.module.parameters() if p.requires_grad]
         self._buckets = [_Bucket(bucket) for bucket in _buckets(params[::-1], FIRST_BUCKET_BYTES)]
         self._bucket_of = {p: bucket for bucket in self._buckets for p in bucket.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in params]
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
