@@ -30,10 +30,8 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -42,7 +40,7 @@ from framework.config.errors import ConfigError
 from framework.config.validate import dp_size, validate
 from framework.inspect import collective_name, group_name
 from framework.parallel.mesh import coordinates
-from framework.train import compose_config
+from framework.cli import command_status, compose_config
 from framework.training.builder import STAGE_FUNCTIONS
 from framework.training.loop import forward_backward
 from framework.training.memory import local_bytes, state_bytes
@@ -252,17 +250,22 @@ def too_big(reports: List[RankReport], cfg: DictConfig) -> str | None:
             f"data.global_batch_size, or give a larger device")
 
 
+USAGE = ("usage: python -m framework.dryrun [hydra overrides, e.g. recipe=lm_2d mesh.shape=[128,8] "
+         "dryrun.ranks=[0,1023]]\nexit 0: valid and fits; 1: a rank does not fit dryrun.device_memory_gb; "
+         "2: a config error")
+
+
 def main(argv: List[str]) -> int:
     if FakeStore is None:
         print(f"dry run: this torch ({torch.__version__}) lacks the internals the dry run uses "
               f"(torch's fake process group): {MISSING_INTERNALS}", file=sys.stderr)
         return 1
-    try:
-        cfg = compose_config(argv)
-        reports = dry_run(cfg)
-    except (HydraException, OmegaConfBaseException, ConfigError) as error:
-        print(error, file=sys.stderr)
-        return 2
+    return command_status(lambda: rehearse(argv), "dry run failed", argv, USAGE)
+
+
+def rehearse(argv: List[str]) -> int:
+    cfg = compose_config(argv)
+    reports = dry_run(cfg)
     shape = ", ".join(f"{n}={s}" for n, s in zip(cfg.mesh.dim_names, cfg.mesh.shape))
     world = math.prod(cfg.mesh.shape)
     print(f"dry run: mesh [{shape}] = {world} ranks, simulated in one process (fake process group, "

@@ -47,6 +47,9 @@ def export(checkpoint: str, out_path: str) -> str:
 
 
 def main(argv: List[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(USAGE)
+        return 0
     if len(argv) != 2:
         print(USAGE, file=sys.stderr)
         return 2

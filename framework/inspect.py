@@ -25,10 +25,10 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from framework.training.builder import build_and_run
+from framework.cli import command_status, compose_config
 from framework.config.schema import STAGES
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
-from framework.train import command_status, compose_config
 from framework.training.loop import forward_backward
 from framework.config.validate import validate
 
@@ -170,12 +170,17 @@ def print_traces(traces: Dict[int, List[dict]]) -> None:
 
 
 def main(argv: List[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
     if not argv or argv[0] not in ("comm", "trace"):
         print(USAGE, file=sys.stderr)
         return 2
     if argv[0] == "trace":
-        return command_status(lambda: print_traces(on_ranks(trace_of_one_step, argv[1:])) or 0, "inspection failed")
-    return command_status(lambda: print_counts(count_collectives(argv[1:]), argv[1:]), "inspection failed")
+        return command_status(lambda: print_traces(on_ranks(trace_of_one_step, argv[1:])) or 0, "inspection failed",
+                              argv, USAGE)
+    return command_status(lambda: print_counts(count_collectives(argv[1:]), argv[1:]), "inspection failed", argv,
+                          USAGE)
 
 
 def print_counts(counts: Dict[str, int], overrides: List[str]) -> int:

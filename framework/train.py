@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import warnings
-from typing import Callable, List, Optional
+from typing import Optional
 
 from framework.launch.zygote import zygote_socket
 
@@ -16,11 +16,14 @@ if __name__ == "__main__" and "RANK" not in os.environ:  # self-launching (torch
     zygote_socket()  # start the ranks' zygote first, so its imports overlap Hydra's and validation's
 
 import hydra  # noqa: E402 (after the zygote's start)
-from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
+from framework.checkpoint.compat import checkpoint_dir, nothing_to_train
+from framework.cli import CONFIG_DIR
 from framework.config.schema import register_schema
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
@@ -32,29 +35,6 @@ from framework.report import record_failure
 register_schema()
 # conf/hydra/launcher/submitit_*.yaml take the submitit plugin's options as their schema, on purpose.
 warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
-
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
-
-def compose_config(overrides: List[str]) -> DictConfig:
-    """The config framework.train would run for these overrides, for the other commands
-    (verify, inspect, dryrun), which have no job dir."""
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
-def command_status(body: Callable[[], int], failed: str) -> int:
-    """A command's exit status: its body's, or 2 with the one `config error:` line, or 1 with
-    `FAILED: <the failed rank and its error>`."""
-    try:
-        return body()
-    except ConfigError as error:
-        print(error, file=sys.stderr)
-        return 2
-    except RankFailed as error:
-        print(f"{failed}: {error}", file=sys.stderr)
-        return 1
-
 
 def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     """Join torchrun's world or a submitit job's when inside one, else validate and start the
@@ -70,6 +50,10 @@ def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
 
         return launch_in_torchrun_world(cfg, out_dir)
     validate(cfg, out_dir=out_dir)
+    finished = nothing_to_train(cfg, checkpoint_dir(cfg, out_dir))
+    if finished:
+        print(finished)
+        return None
     return launch_local(cfg, out_dir)
 
 
@@ -101,7 +85,14 @@ def main() -> None:
         from framework.launch.torchrun import follow_rank0  # see launch()
 
         sys.exit(follow_rank0())
-    hydra_app()
+    try:
+        hydra_app()
+    except SystemExit as exit_:
+        # Hydra prints its own errors (an override it cannot apply, a recipe that does not exist)
+        # and exits 1 while handling them; those are config errors: exit 2, as the README says.
+        if exit_.code == 1 and isinstance(exit_.__context__, (HydraException, OmegaConfBaseException)):
+            sys.exit(2)
+        raise
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement
 
 from framework.checkpoint.manager import DataPosition
+from framework.cli import command_status, compose_config
 from framework.config.errors import ConfigError
 from framework.config.schema import STAGES
 from framework.config.validate import check_model_and_plan, validate
@@ -32,11 +33,12 @@ from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
 from framework.parallel.grad_norm import clip_grad_norm
 from framework.parallel.plan import matching_modules
-from framework.train import command_status, compose_config
 from framework.training.builder import STAGE_FUNCTIONS, build_and_run
 from framework.training.run import Run
 from framework.training.loop import batches, forward_backward, local_value, mean_over_dp
 
+USAGE = ("usage: python -m framework.verify [hydra overrides, e.g. recipe=lm_2d model=lm_tiny mesh=1x2]\n"
+         "exit 0: the configured run matches one process; 1: it does not; 2: a config error")
 Piece = Tuple[torch.Tensor, Optional[Placement]]  # a rank's local tensor and its DTensor placement, if any
 
 
@@ -250,7 +252,7 @@ def main(argv: List[str]) -> int:
         print(verdict)
         return 0 if ok else 1
 
-    return command_status(report, "verify failed to run")
+    return command_status(report, "verify failed to run", argv, USAGE)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 process, automatic restart after kill -9, a kill during a save, async == sync, bad input,
 export."""
 import json
+import os
 import re
 import shutil
 import uuid
@@ -121,6 +122,11 @@ def test_kill_9_of_a_rank_restarts_every_rank_from_the_newest_checkpoint(straigh
                       "model._target_=tests.workers.KillAtForward", "+model.rank=1", "+model.at=13",
                       f"hydra.run.dir={out}"], timeout=240)
     assert result.returncode == 0, result.stderr
+    # One console line per event, each rank's traceback in its log only.
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.strip() == "rank 1 was killed by signal SIGKILL; restarting every rank (1 of 1)"
+    restarted = f"restart 1 of 1: resumed from {out / 'checkpoints' / 'step_10'} (step 10)"
+    assert restarted in result.stdout and restarted in (out / "logs" / "rank0.log").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["losses"] == straight["summary"]["losses"]  # same mesh: bitwise, all 20 steps
     assert summary["grad_norms"][4::5] == straight["summary"]["grad_norms"][1::2]  # steps 10 and 20
@@ -193,10 +199,12 @@ def test_export_and_init_from_give_the_model_the_sharded_one_computes(straight, 
     model = SeedMLP()
     model.load_state_dict(torch.load(tmp_path / "model.pt"))  # plain keys, no distributed set-up
     inputs = torch.randn(5, 12, generator=torch.Generator().manual_seed(7))
-    # The same weights as init_from of a TP-sharded 1x2 run (fine-tuning's start).
+    # The same weights as init_from of a TP-sharded 1x2 run (fine-tuning's start). The sharded
+    # model sums a rowwise layer's partial products in another order (all-reduced halves), so
+    # the outputs agree to float32 rounding, not bitwise: the suite's tolerance for that.
     cfg = compose_config([*SEED, "mesh=1x2", "checkpoint.resume=null", f"checkpoint.init_from={straight['dir']}"])
     sharded = spawn_ranks(2, output_after_loading, rank_config(cfg), str(tmp_path / "ranks"), inputs)[0]
-    torch.testing.assert_close(model(inputs).detach(), sharded, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(model(inputs).detach(), sharded, rtol=1e-5, atol=1e-6)
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -301,6 +309,14 @@ def _fake_checkpoint(directory: Path, name: str, complete: bool = True) -> Path:
     return path
 
 
+def test_auto_picks_the_checkpoint_completed_last_not_the_highest_step(tmp_path):
+    # A run with checkpoint.resume=null in a dir that held step_25 saved step_5 after it.
+    old, new = _fake_checkpoint(tmp_path, "step_25"), _fake_checkpoint(tmp_path, "step_5")
+    os.utime(old / "framework.json", (1_000_000, 1_000_000))
+    assert resolve("auto", str(tmp_path)) == str(new)
+    assert keep_newest(str(tmp_path), 1) == [str(old)]
+
+
 def test_auto_picks_the_newest_complete_checkpoint_and_partial_ones_are_removed(tmp_path):
     for step in (5, 10, 100):
         _fake_checkpoint(tmp_path, f"step_{step}")
@@ -313,3 +329,24 @@ def test_auto_picks_the_newest_complete_checkpoint_and_partial_ones_are_removed(
     assert remove_partial(str(tmp_path)) == [str(tmp_path / ".partial_step_300")]
     assert keep_newest(str(tmp_path), 2) == [str(tmp_path / "step_5")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_100", "step_200"]
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_at_or_past_max_steps_leaves_nothing_to_train(tmp_path):
+    job = ["mesh=2x1", "trainer.log_every=2", "checkpoint.every=2", *QUIET, f"hydra.run.dir={tmp_path}"]
+    first = run_cli([*job, "trainer.max_steps=4"])
+    assert first.returncode == 0, first.stderr
+    summary = (tmp_path / "summary.json").read_text()
+    for steps in (4, 2):  # at max_steps, past it: no rank starts, summary.json stays as it was
+        again = run_cli([*job, f"trainer.max_steps={steps}"])
+        assert again.returncode == 0, again.stderr
+        assert f"nothing to train: {tmp_path / 'checkpoints' / 'step_4'} is at step 4 and trainer.max_steps={steps}; " \
+               f"raise trainer.max_steps to train on" in again.stdout
+        assert "[rank0]" not in again.stdout and (tmp_path / "summary.json").read_text() == summary
+    # One step after the resumed checkpoint: a first step only, which is not timed: null, not NaN.
+    one = run_cli([*job, "trainer.max_steps=5"])
+    assert one.returncode == 0, one.stderr
+    assert "samples/s not measured (only a first step)" in one.stdout
+    resumed = json.loads((tmp_path / "summary.json").read_text(), parse_constant=pytest.fail)
+    assert resumed["resumed_from"]["step"] == 4 and len(resumed["losses"]) == 5
+    assert resumed["samples_per_s"] is None

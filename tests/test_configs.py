@@ -3,11 +3,14 @@ import shutil
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
 
+from framework.cli import hydra_error_line
 from framework.config.schema import register_schema
 
 from framework.config.validate import validate
+from framework.launch.handoff import rank_config
 from tests.conftest import CONF, ROOT, compose_config
 
 GROUPS = ["mesh", "model", "plan", "sampler", "data", "optim", "trainer", "logger"]
@@ -45,6 +48,20 @@ def test_seed_tp_recipe_also_runs_the_sequential_example():
     cfg = compose_config(["recipe=seed_tp", "model=seed_sequential", "plan=seed_sequential_rowwise_colwise"])
     validate(cfg)
     assert list(cfg.plan) == ["0", "2"]
+
+
+def test_a_recipe_that_does_not_exist_fails_at_compose_time_naming_the_recipes():
+    with pytest.raises(MissingConfigException) as info:
+        compose_config(["recipe=lm2d"])
+    assert info.value.options == RECIPES
+    assert hydra_error_line(info.value) == f"config error: recipe=lm2d: no such recipe config; the recipe configs " \
+                                           f"are: {', '.join(RECIPES)}"
+
+
+def test_open_sections_take_new_keys_and_the_ranks_config_its_overrides():
+    # A plan's module names (like a model's constructor arguments) are checked where they are used.
+    validate(compose_config(["plan=none", "+plan.net1.style=colwise", "+plan.net2.style=rowwise"]))
+    validate(OmegaConf.create(rank_config(compose_config())), deep=False)  # the ranks' config adds `overrides`
 
 
 def test_unknown_key_on_the_command_line_fails_at_compose_time():

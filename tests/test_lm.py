@@ -114,7 +114,7 @@ def test_accumulation_and_activation_checkpointing_train_the_plain_run(strategy,
     both = launch_local(cfg, str(tmp_path / "both"))
     error = max_relative_error(both["losses"], whole["losses"])
     print(f"{strategy} 2x2 {plan}, micro-batches of 1, every block recomputed: max relative loss error {error:.2e}")
-    assert error < 1e-6
+    assert error < 1e-5  # micro-batch gradients add up in another order than the whole batch's
     # summary.json's memory: every rank holds half of each TP-sharded weight (hand count), fsdp
     # half of that again (2 DP shards; every dim 0 is even), its gradients, and SGD's one momentum
     # buffer per parameter.

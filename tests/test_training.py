@@ -164,4 +164,5 @@ def test_bucketed_sync_averages_what_each_rank_produced_and_drops_what_none_did(
                 if expected is None:
                     assert synced is None, name
                 else:
-                    torch.testing.assert_close(synced, expected, rtol=1e-6, atol=1e-7, msg=f"step {step + 1} {name}")
+                    # gloo's all-reduce sums in its own order: float32 rounding, not bitwise
+                    torch.testing.assert_close(synced, expected, rtol=1e-5, atol=1e-6, msg=f"step {step + 1} {name}")

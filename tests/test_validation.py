@@ -39,6 +39,12 @@ BAD_CONFIGS = [
     (["+optim.betas=[0.9,0.95]"], r"optim=.*: SGD cannot be built: got an unexpected keyword argument 'betas'"),
     (["trainer.eval_every=5"], r"trainer.eval_every=5: framework.data.SyntheticRegression has no `split` argument"),
     (["mesh.ranks_per_host=0"], r"mesh.ranks_per_host=0: must be >= 1"),
+    # `+` adds a key the schema lacks (Hydra's own hint for a typo): ignored, it would train something else
+    (["+parallel.dp_stratgy=fsdp"], r"parallel.dp_stratgy='fsdp': no such key; did you mean parallel.dp_strategy\?"),
+    (["+trainer.mixed_precison=bf16"],
+     r"trainer.mixed_precison='bf16': no such key; did you mean trainer.mixed_precision\?"),
+    (["+checkpoint.zzz=1"], r"checkpoint.zzz=1: no such key; checkpoint has async_save, dir, every, init_from"),
+    (["+trainr.max_steps=3"], r"trainr=\{'max_steps': 3\}: no such key; did you mean trainer\?"),
     (["model=lm_tiny", "data=byte_corpus", "plan=none", "model._target_=framework.transformer.Transformer"],
      r"model._target_='framework.transformer.Transformer': this module moved; use framework.models.Transformer"),
     (["model=lm_tiny", "data=byte_corpus", "plan=none", "data.dataset._target_=framework.corpus.ByteCorpus"],

@@ -57,6 +57,19 @@ def check_checkpoint_sources(cfg: DictConfig, checkpoint_dir: str, model: nn.Mod
         check_data_order(cfg, path, meta["config"])
 
 
+def nothing_to_train(cfg: DictConfig, checkpoint_dir: str) -> Optional[str]:
+    """The line to say, instead of starting ranks, when the checkpoint the run resumes is at or
+    past trainer.max_steps; None when steps are left (or nothing is resumed)."""
+    resume = _resolved("checkpoint.resume", cfg.checkpoint.resume, checkpoint_dir)
+    if resume is None:
+        return None
+    step = read_meta(resume)["step"]
+    if step < cfg.trainer.max_steps:
+        return None
+    return (f"nothing to train: {resume} is at step {step} and trainer.max_steps={cfg.trainer.max_steps}; raise "
+            f"trainer.max_steps to train on, or set checkpoint.resume=null to start afresh")
+
+
 def check_data_order(cfg: DictConfig, path: str, saved_config: dict) -> None:
     saved = OmegaConf.create(saved_config)
     for key in DATA_ORDER_KEYS:

@@ -50,16 +50,18 @@ def partial_dir(directory: str, step: int) -> str:
 
 
 def complete_checkpoints(directory: str) -> List[Tuple[int, str]]:
-    """(step, path) of every complete checkpoint under `directory`, oldest first."""
+    """(step, path) of every complete checkpoint under `directory`, oldest first: in the order
+    they were completed (framework.json is written last), steps breaking ties. A run started
+    with checkpoint.resume=null in a dir that holds a higher step saves the newest one."""
     if not os.path.isdir(directory):
         return []
     found = []
     for name in os.listdir(directory):
         match = STEP_DIR.match(name)
-        path = os.path.join(directory, name)
-        if match and os.path.isfile(os.path.join(path, META_FILE)):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+        meta = os.path.join(directory, name, META_FILE)
+        if match and os.path.isfile(meta):
+            found.append((os.stat(meta).st_mtime_ns, int(match.group(1)), os.path.join(directory, name)))
+    return [(step, path) for _, step, path in sorted(found)]
 
 
 def newest_checkpoint(directory: str) -> Optional[str]:
@@ -68,8 +70,9 @@ def newest_checkpoint(directory: str) -> Optional[str]:
 
 
 def resolve(source: str, directory: str) -> Optional[str]:
-    """`auto`: the newest complete checkpoint under `directory`, or None (a fresh start). A path:
-    a `step_N` dir, or a checkpoints dir meaning its newest; anything else raises."""
+    """`auto`: the newest complete checkpoint under `directory` (the last completed), or None (a
+    fresh start). A path: a `step_N` dir, or a checkpoints dir meaning its newest; anything else
+    raises."""
     if source == "auto":
         return newest_checkpoint(directory)
     path = os.path.abspath(os.path.expanduser(source))
@@ -80,7 +83,9 @@ def resolve(source: str, directory: str) -> Optional[str]:
         return path
     newest = newest_checkpoint(path)
     if newest is None:
-        raise CheckpointError(path, "holds no complete checkpoint (no step_N dir with framework.json)")
+        inner = os.path.join(path, "checkpoints")
+        hint = f"; a run's dir: give its checkpoints dir, {inner}" if newest_checkpoint(inner) else ""
+        raise CheckpointError(path, f"holds no complete checkpoint (no step_N dir with framework.json){hint}")
     return newest
 
 

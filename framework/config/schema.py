@@ -2,12 +2,15 @@
 
 Registered in Hydra's ConfigStore as `config_schema` and listed first in conf/config.yaml's
 defaults, so a wrong type or an unknown key fails when Hydra composes, before anything runs.
-Free-form nodes (`model`, `optim`, `data.dataset`, `data.loss`, the plan's entries) are
-checked by framework.config.validate instead.
+Hydra lets `+key=value` add a key the schema lacks; `unknown_key` finds those, and validation
+refuses them before launch. Free-form nodes (`model`, `optim`, `data.dataset`, `data.loss`,
+the plan's entries) are checked by framework.config.validate instead.
 """
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 
@@ -163,6 +166,50 @@ class Config:
     dryrun: DryrunConfig = field(default_factory=DryrunConfig)
     pipeline: List[str] = field(default_factory=lambda: list(STAGES))
     allowed_targets: List[str] = field(default_factory=lambda: ["framework", "torch.nn", "torch.optim"])
+
+
+# Keys the launcher adds to the config it hands the ranks (framework.launch.handoff).
+HANDED_TO_RANKS = ("overrides",)
+
+
+def _unknown_in(node: Any, schema: type, path: str) -> Optional[Tuple[str, List[str]]]:
+    known = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        if schema is Config and key in HANDED_TO_RANKS:
+            continue
+        if key not in known:
+            return f"{path}{key}", sorted(known)
+        if dataclasses.is_dataclass(known[key].type) and hasattr(node[key], "keys"):
+            found = _unknown_in(node[key], known[key].type, f"{path}{key}.")
+            if found:
+                return found
+    return None
+
+
+def unknown_key(cfg: Any) -> Optional[Tuple[str, List[str]]]:
+    """The first key of a typed section that the schema does not have (a `+` override or a
+    recipe's typo), with the keys its section has; None when every key is known."""
+    return _unknown_in(cfg, Config, "")
+
+
+def section_keys(section: str) -> List[str]:
+    """The keys of a typed section (`trainer`, `mesh`, ...; "" for the top), [] for a free-form one."""
+    schema: Any = Config
+    for name in filter(None, section.split(".")):
+        schema = {f.name: f.type for f in dataclasses.fields(schema)}.get(name)
+        if not dataclasses.is_dataclass(schema):
+            return []
+    return sorted(f.name for f in dataclasses.fields(schema))
+
+
+def did_you_mean(key: str, known: List[str]) -> str:
+    """`did you mean trainer.max_steps?` for a misspelled key, else the section's keys."""
+    section, _, name = key.rpartition(".")
+    prefix = f"{section}." if section else ""
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return f"did you mean {prefix}{close[0]}?"
+    return f"{section or 'the config'} has {', '.join(known)}"
 
 
 def register_schema() -> None:

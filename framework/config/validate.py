@@ -11,7 +11,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.overrides import TorchFunctionMode
 
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
-from framework.config.schema import STAGES
+from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.errors import ConfigError
 from framework.parallel.mesh import dp_dim_names, submesh_ranks
 from framework.parallel.plan import check_output_layout, check_plan
@@ -47,6 +47,15 @@ def check_targets(cfg: DictConfig) -> None:
             raise ConfigError(key, target,
                               f"only targets under {allowed} may be instantiated; add the package to "
                               f"allowed_targets if you trust it")
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """A key added with `+` (or by a recipe) that no typed section has would be ignored, and
+    the run would train something else than asked: refuse it, naming the likely key."""
+    found = unknown_key(cfg)
+    if found:
+        key, known = found
+        raise ConfigError(key, OmegaConf.select(cfg, key), f"no such key; {did_you_mean(key, known)}")
 
 
 def check_mesh(cfg: DictConfig) -> None:
@@ -318,6 +327,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     """All checks. `world_size` is the world a launcher joined (torchrun); `deep` also builds the
     model on meta and the dataset, which the launcher does once and the ranks skip; with the
     job's `out_dir`, also the checkpoint the run would start from."""
+    check_known_keys(cfg)
     check_pipeline(cfg)
     check_mesh(cfg)
     mesh_size = math.prod(cfg.mesh.shape)

@@ -41,12 +41,17 @@ def _headline(failure) -> str:
     return headlines[-1] if headlines else message.strip().splitlines()[-1]
 
 
+def lost_peer(headline: str) -> bool:
+    """An error of a collective whose peer died: the consequence of another rank's failure."""
+    return bool(_PEER_LOST.search(headline))
+
+
 def _is_consequence(failure) -> bool:
     """Failures that follow another rank's: the agent's SIGTERM to the ranks still running, and
     a collective that lost its peer."""
     if failure.exitcode < 0:
         return failure.exitcode == -signal.SIGTERM
-    return bool(_PEER_LOST.search(_headline(failure)))
+    return lost_peer(_headline(failure))
 
 
 def _failure_message(error: ChildFailedError) -> str:

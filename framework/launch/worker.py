@@ -3,7 +3,9 @@
 
 The launcher (framework.launch.local.launch_local) starts one per mesh position through the elastic
 agent, which sets RANK, WORLD_SIZE and MASTER_ADDR/PORT. `record` writes the rank's error
-where the agent reads it, so the launcher can name the failing rank and its exception.
+where the agent reads it, so the launcher can name the failing rank and its exception. The
+traceback goes to the rank's log, not the console: there a failure is one line, said once (by
+the launcher, or by the rank itself when the agent restarts every rank after it).
 """
 import logging
 import os
@@ -12,20 +14,30 @@ from typing import Optional
 
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from framework.launch.local import lost_peer
+from framework.launch.zygote import restart_note
 from framework.training.builder import build_and_run
+from framework.training.watchdog import EXIT_LOCK
 from framework.config.validate import validate
 
 log = logging.getLogger("framework")
 
 
+def _no_traceback(record_: logging.LogRecord) -> bool:
+    return record_.exc_info is None
+
+
 def setup_rank_logging(out_dir: str, rank: int) -> None:
-    """Every rank logs to logs/rank<N>.log in the job's dir; rank 0 also to the console."""
+    """Every rank logs to logs/rank<N>.log in the job's dir; rank 0 also to the console, where
+    records that carry a traceback (a failure) are left out."""
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
     handlers = [logging.FileHandler(os.path.join(out_dir, "logs", f"rank{rank}.log"))]
     if rank == 0:
-        handlers.append(logging.StreamHandler(sys.stdout))
+        console = logging.StreamHandler(sys.stdout)
+        console.addFilter(_no_traceback)
+        handlers.append(console)
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s",
                         handlers=handlers, force=True)
 
@@ -34,9 +46,9 @@ def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
     """What every rank runs: re-check the config cheaply, build the stages, return rank 0's summary."""
     rank = int(os.environ["RANK"])
     setup_rank_logging(out_dir, rank)
-    cfg = OmegaConf.create(cfg_container)
-    validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), deep=False)
     try:
+        cfg = OmegaConf.create(cfg_container)
+        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), deep=False)
         run = build_and_run(cfg, out_dir)
     except Exception:
         log.exception("rank %d failed", rank)
@@ -47,10 +59,31 @@ def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
     return run.summary if rank == 0 else None
 
 
-@record
-def main() -> None:
+class ErrorFileUnderExitLock(ErrorHandler):
+    """The agent's error file, written holding the stall watchdog's exit lock: a watchdog that
+    ends the process while the main thread writes the file would leave it cut short, and the
+    agent fails reading it (the ranks' stall reports then never reach the console)."""
+
+    def record_exception(self, e: BaseException) -> None:
+        with EXIT_LOCK:
+            super().record_exception(e)
+
+
+def _run_from_argv() -> None:
     config_path, out_dir = sys.argv[1:3]
     run_rank(OmegaConf.to_container(OmegaConf.load(config_path)), out_dir)
+
+
+def main() -> None:
+    try:
+        record(_run_from_argv, ErrorFileUnderExitLock())()
+    except Exception as error:  # logged with its traceback, and in the error file
+        note = restart_note()
+        headline = f"{type(error).__name__}: {error}".splitlines()[0]
+        if note and not lost_peer(headline):  # a rank that lost its peer failed because of another
+            rank = os.environ["RANK"]
+            print(f"rank {rank} failed: {headline} (traceback in logs/rank{rank}.log){note}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

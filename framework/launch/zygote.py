@@ -159,6 +159,14 @@ def serve(path: str, preload: str) -> None:
 
 # ---- client -------------------------------------------------------------------------------
 
+def restart_note() -> str:
+    """`; restarting every rank (1 of 3)` when the elastic agent restarts the ranks after this
+    attempt fails (launcher.max_restarts), else ""."""
+    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    return f"; restarting every rank ({done + 1} of {most})" if done < most else ""
+
+
 def _connect(path: str, timeout_s: float = 120.0) -> socket.socket:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -180,10 +188,20 @@ def run_client(path: str, module: str, args: list) -> None:
     conn.sendall(request)
     reader = conn.makefile("rb")
     pid = int(reader.readline())
+    relayed = []
+
+    def relay(number: int, _frame) -> None:
+        relayed.append(number)
+        os.kill(pid, number)
+
     for sig in _RELAYED:
-        signal.signal(sig, lambda number, _frame: os.kill(pid, number))
+        signal.signal(sig, relay)
     reply = json.loads(reader.read() or b'{"signal": 9}')  # no reply: the zygote itself died
     if "signal" in reply:
+        note = restart_note()
+        if note and not relayed and "RANK" in os.environ:  # a kill from outside, not the agent's stop
+            print(f"rank {os.environ['RANK']} was killed by signal {signal.Signals(reply['signal']).name}{note}",
+                  file=sys.stderr, flush=True)
         if reply["signal"] in _RELAYED:
             signal.signal(reply["signal"], signal.SIG_DFL)  # (SIGKILL has no handler to reset)
         os.kill(os.getpid(), reply["signal"])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint.manager import Checkpointer
+from framework.checkpoint.manager import Checkpointer, restart_count
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
 from framework.parallel.mesh import build_mesh, coordinates_on, dp_dim_names, flat_submesh, layout_table
@@ -151,7 +151,9 @@ def stage_checkpoint(run: Run) -> None:
         message = f"fresh start (no checkpoint to resume in {run.checkpointer.dir})" if run.cfg.checkpoint.resume \
             else "fresh start"
     if run.rank == 0:
-        log.info("%s", message)
+        restarts = restart_count()
+        log.info("%s%s", f"restart {restarts} of {os.environ['TORCHELASTIC_MAX_RESTARTS']}: " if restarts else "",
+                 message)
 
 
 def stage_trainer(run: Run) -> None:

@@ -156,16 +156,21 @@ def write_json_atomically(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def train(run: Run) -> dict:
+def train(run: Run) -> Optional[dict]:
     """Steps from the first one not yet done (step 1, or the one after a resumed checkpoint) to
     trainer.max_steps, saving a checkpoint where checkpoint.every says; the history (losses,
-    grad norms, validation losses, step times, saves) continues the checkpoint's."""
+    grad norms, validation losses, step times, saves) continues the checkpoint's. A resumed
+    checkpoint at or past max_steps leaves nothing to do: None, and no summary."""
     cfg, model, optimizer = run.cfg, run.model, run.optimizer
     trainer = cfg.trainer
     device = torch.device(cfg.mesh.device_type)
     is_logger = run.rank == 0
     resumed = run.resumed
     first = resumed.step + 1 if resumed else 1
+    if first > trainer.max_steps:
+        if is_logger:
+            log.info("nothing to train: resumed at step %d and trainer.max_steps=%d", resumed.step, trainer.max_steps)
+        return None
     tb = None
     if is_logger and cfg.logger.tensorboard:
         # purge_step hides events a crashed attempt logged past the checkpoint: no duplicate points.
@@ -269,7 +274,8 @@ def train(run: Run) -> dict:
     progress.close()
     wall = time.perf_counter() - start  # training time, evaluation excluded
     steady_steps = trainer.max_steps - first  # this attempt's steps after its first
-    samples_per_s = global_batch * steady_steps / (wall - first_step_s) if steady_steps > 0 else math.nan
+    # None (JSON null) when this attempt ran only its first step, which is not timed
+    samples_per_s = global_batch * steady_steps / (wall - first_step_s) if steady_steps > 0 else None
     summary = {
         "mesh_shape": list(cfg.mesh.shape),
         "dim_names": list(cfg.mesh.dim_names),
@@ -285,21 +291,22 @@ def train(run: Run) -> dict:
         "step_times_s": step_times,
         "wall_s": wall,
         "samples_per_s": samples_per_s,
-        "tokens_per_s": samples_per_s * seq_len if seq_len else None,
+        "tokens_per_s": samples_per_s * seq_len if seq_len and samples_per_s else None,
         "resumed_from": {"path": resumed.path, "step": resumed.step, "load_s": resumed.load_s} if resumed else None,
         "restarts": restart_count(),
         "checkpoints": saves,
         "memory": memory,  # bytes of parameters, gradients, optimizer state: rank 0's and the max over ranks
     }
     if is_logger:
-        log.info("final loss %.6f after %d steps, %.1f samples/s", summary["final_loss"], summary["steps"],
-                 summary["samples_per_s"])
+        throughput = f"{samples_per_s:.1f} samples/s" if samples_per_s else "samples/s not measured (only a first step)"
+        log.info("final loss %.6f after %d steps, %s", summary["final_loss"], summary["steps"], throughput)
         if tb:
             tb.log_hparams(
                 {"mesh": "x".join(map(str, cfg.mesh.shape)), "dim_names": list(cfg.mesh.dim_names),
                  "plan": summary["plan"], "global_batch_size": global_batch, "max_steps": trainer.max_steps,
                  **dict(override.split("=", 1) for override in summary["overrides"] if "=" in override)},
-                {"final/loss": summary["final_loss"], "final/samples_per_s": summary["samples_per_s"]},
+                {"final/loss": summary["final_loss"],
+                 **({"final/samples_per_s": samples_per_s} if samples_per_s else {})},
                 trainer.max_steps,
             )
             tb.close()

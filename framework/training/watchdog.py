@@ -27,6 +27,9 @@ log = logging.getLogger("framework")
 # within a step of each other, and the first to exit would turn the others' stalls into
 # lost-peer errors with no stacks.
 REPORT_GRACE_S = 5.0
+# Taken for good by the watchdog before it ends the process, and held by the main thread while
+# it writes the agent's error file (framework.launch.worker): the exit never cuts that file short.
+EXIT_LOCK = threading.Lock()
 _DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 _LAUNCHER = _DISTRIBUTED + "elastic" + os.sep  # the agent's wrapper around every rank's main
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
@@ -111,6 +114,7 @@ class StallWatchdog:
             json.dump(report, f)
         os.replace(report_path(self.out_dir, self.rank) + ".tmp", report_path(self.out_dir, self.rank))
         time.sleep(REPORT_GRACE_S)
+        EXIT_LOCK.acquire()
         logging.shutdown()
         os._exit(1)
 

@@ -3,8 +3,9 @@ nodes and tasks per node, from its mesh (framework.launch.slurm.job_shape). Hydr
 instantiates launchers found in the hydra_plugins namespace, hence this module's home.
 Without the plugin (the `slurm` extra), the same names say which pip command installs it.
 """
+import sys
 from pathlib import Path
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 from hydra.core.singleton import Singleton
 from hydra.plugins.launcher import Launcher
@@ -43,13 +44,22 @@ else:
             shared = set(OmegaConf.structured(BaseQueueConf).keys())
             params = {key if key in shared else f"{self._EXECUTOR}_{key}": value for key, value in self.params.items()
                       if key not in ("submitit_folder", "max_num_timeout", "nodes", "tasks_per_node")}
+            shapes = [self._job_shape(overrides) for overrides in job_overrides]  # all before any is submitted
             jobs = []
-            for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-                nodes, per_node = job_shape(self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides)))
+            for idx, (overrides, (nodes, per_node)) in enumerate(zip(job_overrides, shapes), start=initial_job_idx):
                 executor.update_parameters(**params, nodes=nodes, tasks_per_node=per_node)
                 jobs.append(executor.submit(self, list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
                                             Singleton.get_state()))
             return [job.results()[0] for job in jobs]
+
+        def _job_shape(self, overrides: Sequence[str]) -> Tuple[int, int]:
+            """A job that cannot be sized is a config error: its one line and exit 2 (as
+            framework.train), not a traceback through Hydra."""
+            try:
+                return job_shape(self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides)))
+            except ConfigError as error:
+                print(f"{error} (job {' '.join(overrides)})", file=sys.stderr)
+                sys.exit(2)
 
     class MeshSizedSlurmLauncher(_MeshSized, SlurmLauncher):
         pass

@@ -1,0 +1,51 @@
+"""Every command answers bad input in one line with exit 2 and `--help` with its usage and 0:
+framework.train (through Hydra), verify, inspect, dryrun and export."""
+import pytest
+
+from framework import dryrun, export, inspect, verify
+from tests.conftest import run_cli
+from tests.test_checkpoint import _fake_checkpoint
+
+MAINS = {"verify": verify.main, "inspect": lambda argv: inspect.main(["comm", *argv]), "dryrun": dryrun.main}
+
+
+@pytest.mark.parametrize("command", sorted(MAINS))
+@pytest.mark.parametrize("argv,line", [
+    (["verify.step=5"], "config error: verify.step: no such key; did you mean verify.steps?"),
+    (["trainer.max_step=2"], "config error: trainer.max_step: no such key; did you mean trainer.max_steps?"),
+    (["+parallel.dp_stratgy=fsdp"],
+     "config error: parallel.dp_stratgy='fsdp': no such key; did you mean parallel.dp_strategy?"),
+    (["recipe=lm_fdsp_tp"], "config error: recipe=lm_fdsp_tp: no such recipe config; the recipe configs are: lm_2d, "
+                            "lm_fsdp_tp, seed_ddp_tp, seed_mesh, seed_tp"),
+    (["mesh.shape=[2,x]"], "config error: Error merging override mesh.shape=[2,x]; Value 'x' of type 'str' could not "
+                           "be converted to Integer"),
+    (["mesh.shape=[2,2"], "config error: no viable alternative at input '[2,2'; See https://hydra.cc/docs/"),
+])
+def test_a_config_typo_is_one_line_and_exit_2(command, argv, line, capsys):
+    assert MAINS[command](argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(line) and err.count("\n") == 1, err
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("main", [verify.main, inspect.main, dryrun.main, export.main])
+def test_help_prints_the_usage_and_exits_0(main, capsys):
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m framework.")
+
+
+def test_export_of_a_run_dir_points_at_its_checkpoints(tmp_path, capsys):
+    _fake_checkpoint(tmp_path / "checkpoints", "step_5")
+    assert export.main([str(tmp_path), str(tmp_path / "out.pt")]) == 2
+    assert capsys.readouterr().err == (
+        f"export failed: checkpoint {tmp_path}: holds no complete checkpoint (no step_N dir with framework.json); a "
+        f"run's dir: give its checkpoints dir, {tmp_path / 'checkpoints'}\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv", [["trainer.max_step=2"], ["recipe=lm2d"]])
+def test_train_exits_2_on_what_hydra_cannot_compose(argv, tmp_path):
+    result = run_cli([*argv, f"hydra.run.dir={tmp_path / 'job'}"], timeout=100)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and argv[0].split("=")[0].rstrip("2") in result.stderr
+    assert not (tmp_path / "job").exists()
