@@ -1,4 +1,17 @@
-"""Shared helpers: compose the real configs with Hydra's compose API, run the CLI."""
+"""Shared helpers: compose the real configs with Hydra's compose API, run the CLI.
+
+How tests compare numbers (the rule for every new test):
+- Bitwise (`==`, torch.equal) only where the same ranks run the same ops in the same order: DP
+  replicas of one group after N steps, a resume on the same mesh against the run that never
+  stopped, TensorBoard's values against summary.json's.
+- fp32 results of differently-distributed computations (a sharded model against one process,
+  another mesh or plan, micro-batches against the whole batch, an all-reduce against a sum by
+  hand) agree only to float32 rounding, and which element rounds differently depends on the
+  CPU's kernels: rtol 1e-5 / atol 1e-6 (max_relative_error < 1e-5), or looser with the reason
+  in a comment (losses over many steps of a model whose loss amplifies: 1e-4; bf16: 2e-2).
+  Never tighter: 1e-6 / 1e-7 passed on one CPU and failed by one ulp on another.
+- No wall-clock assertions: timings belong in bench/. A hang is caught by the test's timeout.
+"""
 import os
 import signal
 import subprocess

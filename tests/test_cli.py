@@ -65,11 +65,16 @@ def test_seed_mesh_recipe_prints_the_seed_layout_and_stops(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_failing_rank_ends_every_process_and_is_named(tmp_path):
+    # With a restart: the failure of each attempt is one line, the tracebacks are in the logs.
     marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"
     result = run_cli(["allowed_targets=[framework,torch.nn,torch.optim,tests]", "model._target_=tests.workers.FailOnRank",
-                      "+model.fail_rank=1", *FAST, f"hydra.run.dir={tmp_path / 'job'}"], env={marker: "1"})
+                      "+model.fail_rank=1", "launcher.max_restarts=1", "checkpoint.every=5", *FAST,
+                      f"hydra.run.dir={tmp_path / 'job'}"], env={marker: "1"})
     assert result.returncode == 1
-    last = result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stdout + result.stderr
+    first, last = result.stderr.strip().splitlines()
+    assert first == ("rank 1 failed: RuntimeError('boom on rank 1') (traceback in logs/rank1.log); restarting every "
+                     "rank (1 of 1)")
     assert last.startswith("training failed: rank 1 failed (exit code 1): ")
     assert "boom on rank 1" in last
     assert "logs/rank1.log" in last

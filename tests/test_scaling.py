@@ -88,6 +88,18 @@ def test_a_sweep_through_submitit_runs_each_mesh_as_its_own_world(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_sweep_with_a_job_that_cannot_be_sized_is_one_line_and_submits_nothing(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli(["-m", "hydra/launcher=submitit_local", "mesh=6x1,2x2", "launcher.ranks_per_node=3", *FAST,
+                      f"hydra.sweep.dir={sweep}"], timeout=100)
+    assert result.returncode == 2
+    line, = result.stderr.strip().splitlines()
+    assert line.startswith("config error: launcher.ranks_per_node=3: must divide the mesh size 4 (mesh.shape=[2, 2]): "
+                           "each node runs the same number of ranks (job mesh=2x2 launcher.ranks_per_node=3 "), line
+    assert not any(sweep.glob("*/summary.json")) and not (sweep / ".submitit").exists()
+
+
+@pytest.mark.timeout(120)
 def test_submitit_launchers_without_the_extra_say_what_to_install(tmp_path):
     # A hydra_submitit_launcher that cannot be imported, ahead of the installed one.
     fake = tmp_path / "no_plugin" / "hydra_plugins" / "hydra_submitit_launcher"

@@ -34,11 +34,15 @@ class RankFailed(RuntimeError):
 _PEER_LOST = re.compile(r"gloo|nccl|connection closed|connection reset|broken pipe", re.IGNORECASE)
 
 
-def _headline(failure) -> str:
-    """The exception's own line, not the last line of a multi-line message."""
-    message = failure.message["message"] if isinstance(failure.message, dict) else failure.message
+def headline(message: str) -> str:
+    """The exception's own line, not the last line of a multi-line message (Hydra's
+    InstantiationException ends with the error of the constructor it called)."""
     headlines = re.findall(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b.*$", message, re.MULTILINE)
     return headlines[-1] if headlines else message.strip().splitlines()[-1]
+
+
+def _headline(failure) -> str:
+    return headline(failure.message["message"] if isinstance(failure.message, dict) else failure.message)
 
 
 def lost_peer(headline: str) -> bool:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from framework.launch.local import lost_peer
+from framework.launch.local import headline, lost_peer
 from framework.launch.zygote import restart_note
 from framework.training.builder import build_and_run
 from framework.training.watchdog import EXIT_LOCK
@@ -79,10 +79,10 @@ def main() -> None:
         record(_run_from_argv, ErrorFileUnderExitLock())()
     except Exception as error:  # logged with its traceback, and in the error file
         note = restart_note()
-        headline = f"{type(error).__name__}: {error}".splitlines()[0]
-        if note and not lost_peer(headline):  # a rank that lost its peer failed because of another
+        line = headline(f"{type(error).__name__}: {error}")
+        if note and not lost_peer(line):  # a rank that lost its peer failed because of another
             rank = os.environ["RANK"]
-            print(f"rank {rank} failed: {headline} (traceback in logs/rank{rank}.log){note}", file=sys.stderr)
+            print(f"rank {rank} failed: {line} (traceback in logs/rank{rank}.log){note}", file=sys.stderr)
         sys.exit(1)
 
 

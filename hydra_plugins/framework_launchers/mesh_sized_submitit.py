@@ -37,6 +37,7 @@ else:
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[Any]:
             import submitit
 
+            shapes = [self._job_shape(overrides) for overrides in job_overrides]  # all before any is submitted
             Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
             executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"],
                                              **{f"{self._EXECUTOR}_max_num_timeout": self.params.get("max_num_timeout", 0)})
@@ -44,7 +45,6 @@ else:
             shared = set(OmegaConf.structured(BaseQueueConf).keys())
             params = {key if key in shared else f"{self._EXECUTOR}_{key}": value for key, value in self.params.items()
                       if key not in ("submitit_folder", "max_num_timeout", "nodes", "tasks_per_node")}
-            shapes = [self._job_shape(overrides) for overrides in job_overrides]  # all before any is submitted
             jobs = []
             for idx, (overrides, (nodes, per_node)) in enumerate(zip(job_overrides, shapes), start=initial_job_idx):
                 executor.update_parameters(**params, nodes=nodes, tasks_per_node=per_node)
