@@ -126,5 +126,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The framework's default: this host's cores shared out among its ranks (torchrun's own
+    # OMP_NUM_THREADS=1 is its default, not a choice), so one-process runs use every core.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     main()

@@ -6,7 +6,9 @@ for it) for both, with the ratios a / b. Then tokens/s of the framework per mesh
 DataParallel's overlapped gradient sync against waiting for backward and against torch's DDP and
 replicate_with_fsdp, then the cost of checkpointing (none, sync and async every 10 steps): mean step time with the saves'
 blocking inside, seconds per save (blocking and until written), and seconds to load one.
-Absolute times on a shared CPU are noisy; the ratios come from interleaved runs.
+Absolute times on a shared CPU are noisy; the ratios come from interleaved runs. Both sides
+give each rank this host's cores shared out among its ranks (the framework's default,
+framework/launch/threads.py), whatever OMP_NUM_THREADS the driver was started with.
 """
 import argparse
 import json
@@ -26,14 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 # recipe=lm_2d, reduced to the loop both sides share: no eval, no clipping, constant LR.
+# Without OMP_NUM_THREADS, so that both sides share out the cores the same way.
+ENV = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
 FRAMEWORK_SETTINGS = ["recipe=lm_2d", "trainer.eval_every=null", "trainer.grad_clip=null", "trainer.warmup_steps=0",
                       "trainer.lr_decay=constant", "trainer.progress_bar=false", "logger.tensorboard=false"]
 
 
 def timed_launch(cmd, result_path: Path) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launched = time.time()
-    done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         sys.exit(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     result = json.loads(result_path.read_text())
@@ -56,8 +59,7 @@ def run_checkpointing(mode: str, mesh: str, steps: int, work: Path) -> dict:
     saving = [] if mode == "none" else ["checkpoint.every=10", f"checkpoint.async_save={mode == 'async'}"]
     cmd = [PYTHON, "-m", "framework.train", *FRAMEWORK_SETTINGS, *saving, f"mesh={mesh}", f"trainer.max_steps={steps}",
            f"trainer.log_every={steps}", f"hydra.run.dir={out}"]
-    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         sys.exit(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     summary = json.loads((out / "summary.json").read_text())
@@ -70,7 +72,7 @@ def run_checkpointing(mode: str, mesh: str, steps: int, work: Path) -> dict:
         resumed = out / "resumed"
         subprocess.run([*cmd[:-1], f"hydra.run.dir={resumed}", f"checkpoint.resume={out}/checkpoints/step_10",
                         "trainer.max_steps=11"],
-                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, check=True)
+                       cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, check=True)
         result["load_s"] = json.loads((resumed / "summary.json").read_text())["resumed_from"]["load_s"]
     shutil.rmtree(out)
     return result

@@ -39,6 +39,7 @@ def run_cli(args: List[str], timeout: float = 240, env: dict | None = None, modu
     """Run `python -m framework.train ARGS` (or under a prefix such as torchrun) from the repo root.
     On timeout the whole process group goes, ranks included, so a hang leaves nothing running."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {key: value for key, value in full_env.items() if value is not None}  # env={KEY: None} unsets KEY
     cmd = [*prefix, "-m", module, *args] if prefix else [sys.executable, "-m", module, *args]
     with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as process:

@@ -39,6 +39,7 @@ BAD_CONFIGS = [
     (["+optim.betas=[0.9,0.95]"], r"optim=.*: SGD cannot be built: got an unexpected keyword argument 'betas'"),
     (["trainer.eval_every=5"], r"trainer.eval_every=5: framework.data.SyntheticRegression has no `split` argument"),
     (["mesh.ranks_per_host=0"], r"mesh.ranks_per_host=0: must be >= 1"),
+    (["launcher.threads_per_rank=0"], r"launcher.threads_per_rank=0: must be >= 1, or null"),
     # `+` adds a key the schema lacks (Hydra's own hint for a typo): ignored, it would train something else
     (["+parallel.dp_stratgy=fsdp"], r"parallel.dp_stratgy='fsdp': no such key; did you mean parallel.dp_strategy\?"),
     (["+trainer.mixed_precison=bf16"],

@@ -2,6 +2,7 @@
 import os
 import signal
 import threading
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,15 @@ class FailOnRank(SeedMLP):
         if os.environ.get("RANK") == str(fail_rank):
             raise RuntimeError(f"boom on rank {fail_rank}")
         super().__init__(**sizes)
+
+
+class ReportThreads(SeedMLP):
+    """The seed model, which writes the rank's torch thread count to `<out>/threads.rank<N>`."""
+
+    def __init__(self, out: str, **sizes):
+        super().__init__(**sizes)
+        if "RANK" in os.environ:  # not the launcher's check on meta
+            Path(out, f"threads.rank{os.environ['RANK']}").write_text(str(torch.get_num_threads()))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

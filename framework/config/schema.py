@@ -126,6 +126,7 @@ class CheckpointConfig:
 class LauncherConfig:
     max_restarts: int = 0
     ranks_per_node: Optional[int] = None
+    threads_per_rank: Optional[int] = None
 
 
 @dataclass

@@ -117,6 +117,13 @@ def check_ranks_per_node(cfg: DictConfig) -> None:
                           f"differs from mesh.ranks_per_host={per_host}; both say how many ranks share a node: set one")
 
 
+def check_threads(cfg: DictConfig) -> None:
+    threads = cfg.launcher.threads_per_rank
+    if threads is not None and threads < 1:
+        raise ConfigError("launcher.threads_per_rank", threads,
+                          "must be >= 1, or null for this host's cores shared out among its ranks")
+
+
 def check_tp_placement(cfg: DictConfig, ranks_per_host: int) -> None:
     """TP exchanges activations every layer: keep its group on the innermost dim, inside one host.
     torch >= 2.9 no longer refuses an outer TP dim, so the framework does."""
@@ -337,6 +344,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
                           f"launch {mesh_size} processes or pick a mesh of {world_size}")
     per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or mesh_size
     check_ranks_per_node(cfg)
+    check_threads(cfg)
     check_tp_placement(cfg, per_host)
     check_devices(cfg, per_host)
     check_targets(cfg)

@@ -14,11 +14,14 @@ torch.set_num_threads before its first op (a rank forked from the zygote inherit
 thread settings, not the variable). Stdlib only: the launcher imports it before torch.
 """
 import os
-from typing import Optional, Tuple
+from contextlib import contextmanager
+from typing import Iterator, Optional, Tuple
 
 # What the user exported, read when this module is first imported (before the launcher sets the
 # variable for its ranks).
 EXPORTED = os.environ.get("OMP_NUM_THREADS")
+# Set by a self-launching launcher for its ranks: why they run OMP_NUM_THREADS threads.
+DECIDED = "FRAMEWORK_THREADS_DECIDED_BY"
 
 
 def available_cores() -> int:
@@ -34,8 +37,40 @@ def torchrun_default(value: Optional[str]) -> bool:
 def threads_per_rank(configured: Optional[int], ranks_on_host: int, exported: Optional[str]) -> Tuple[int, str]:
     """(threads, why) for each of `ranks_on_host` ranks."""
     if exported and not torchrun_default(exported):
-        return int(exported), "OMP_NUM_THREADS"
+        return int(exported), "OMP_NUM_THREADS exported"
     if configured:
         return configured, "launcher.threads_per_rank"
-    cores = available_cores()
-    return max(1, cores // ranks_on_host), f"{cores} cores / {ranks_on_host} ranks"
+    return max(1, available_cores() // ranks_on_host), "this host's cores shared out among its ranks"
+
+
+@contextmanager
+def for_ranks(configured: Optional[int], ranks_on_host: int) -> Iterator[int]:
+    """The launcher's environment while it starts its ranks (the elastic agent hands them
+    OMP_NUM_THREADS): each rank's thread count, and why."""
+    threads, why = threads_per_rank(configured, ranks_on_host, EXPORTED)
+    saved = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", DECIDED)}
+    os.environ.update({"OMP_NUM_THREADS": str(threads), DECIDED: why})
+    try:
+        yield threads
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def apply_in_rank(configured: Optional[int]) -> str:
+    """In a rank, before its first op: set torch's thread count (decided by the launcher, or here
+    under torchrun or a SLURM task) and return the start-up line saying it."""
+    import torch
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if os.environ.get(DECIDED):
+        threads, why = int(os.environ["OMP_NUM_THREADS"]), os.environ[DECIDED]
+    else:
+        threads, why = threads_per_rank(configured, ranks, os.environ.get("OMP_NUM_THREADS"))
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes the rank starts (data loader workers)
+    torch.set_num_threads(threads)
+    return (f"{ranks} rank{'s' if ranks > 1 else ''} on {available_cores()} cores: {threads} "
+            f"thread{'s' if threads > 1 else ''} each ({why})")

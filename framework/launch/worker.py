@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from framework.launch.local import headline, lost_peer
+from framework.launch.threads import apply_in_rank
 from framework.launch.zygote import restart_note
 from framework.training.builder import build_and_run
 from framework.training.watchdog import EXIT_LOCK
@@ -48,6 +49,9 @@ def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
     setup_rank_logging(out_dir, rank)
     try:
         cfg = OmegaConf.create(cfg_container)
+        threads = apply_in_rank(cfg.launcher.threads_per_rank)
+        if rank == 0:
+            log.info("%s", threads)
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), deep=False)
         run = build_and_run(cfg, out_dir)
     except Exception:

@@ -53,10 +53,12 @@ def zygote_socket(preload: str = "framework.launch.worker") -> str:
     with the caller's environment, so starting it early overlaps its imports with the caller's."""
     global _running
     if _running is None or _running[0].poll() is not None:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # read at import: the forks inherit it
         sock_dir = tempfile.mkdtemp(prefix="framework-zygote-")
         path = os.path.join(sock_dir, "zygote.sock")
-        _running = subprocess.Popen([sys.executable, "-m", __name__, "--serve", path, preload]), path
+        # One OpenMP thread in the zygote: it never computes, and a fork must not inherit a
+        # thread pool; each rank sets its own count (framework.launch.threads).
+        _running = subprocess.Popen([sys.executable, "-m", __name__, "--serve", path, preload],
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"}), path
 
         def stop() -> None:
             _running[0].kill()
