@@ -1,0 +1,76 @@
+"""Reading a checkpoint someone else wrote runs no code of theirs.
+
+torch.distributed.checkpoint reads `.metadata` with `pickle.load` and the non-tensor items
+(the optimizer's param_groups) with `torch.load(weights_only=False)`: either runs whatever a
+crafted file names. SafeReader unpickles `.metadata` admitting only DCP's own metadata types
+and the few torch and stdlib values they hold; SafeLoadPlanner loads non-tensor items with
+`torch.load(weights_only=True)` (plain containers, numbers, strings). Tensors DCP already reads
+with weights_only=True. Every reader of a checkpoint (resume, init_from, export, the launcher's
+key check) goes through these two.
+"""
+import dataclasses
+import enum
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+# Callables a DCP `.metadata` pickle names besides DCP's own dataclasses and enums.
+ADMITTED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+            ("collections", "OrderedDict"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class RefusedPickle(pickle.UnpicklingError):
+    pass
+
+
+def _admitted(module: str, name: str) -> bool:
+    if (module, name) in ADMITTED:
+        return True
+    if module == "torch":  # dtypes and memory formats are pickled as torch.<name>
+        return isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout))
+    if module == dcp_metadata.__name__:
+        value = getattr(dcp_metadata, name, None)
+        return isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
+    return False
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not _admitted(module, name):
+            raise RefusedPickle(f"it names {module}.{name}, which is not checkpoint metadata (a crafted file?); "
+                                f"nothing of it was run")
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, with `.metadata` unpickled through the allowlist above."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = _MetadataUnpickler(metadata_file).load()
+        if not isinstance(metadata, Metadata):
+            raise RefusedPickle(f"it holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with non-tensor items read by torch's weights-only unpickler (as
+    DefaultLoadPlanner.load_bytes places them)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
