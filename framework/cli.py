@@ -7,27 +7,66 @@ said in one line that names the key or the path and the fix, never a traceback.
 """
 import os
 import sys
-from typing import Callable, List
+from typing import Callable, List, Sequence
+
+import yaml
 
 from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.checkpoint.layout import CheckpointError
 from framework.config.errors import ConfigError
 from framework.config.schema import did_you_mean, register_schema, section_keys
+from framework.config.trust import check_composed
 from framework.launch.local import RankFailed
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
-def compose_config(overrides: List[str]) -> DictConfig:
-    """The config framework.train would run for these overrides, for the commands that have no
-    job dir."""
+def compose_checked(overrides: Sequence[str], config_name: str = "config") -> DictConfig:
+    """The config for these overrides with its `hydra` section, refused (ConfigError) where a
+    file would make anything run (framework.config.trust); nothing of it instantiated."""
     register_schema()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+        cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+    check_composed(cfg, overrides)
+    return cfg
+
+
+def compose_config(overrides: Sequence[str]) -> DictConfig:
+    """The config framework.train would run for these overrides, for the commands that have no
+    job dir."""
+    cfg = compose_checked(overrides)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def check_before_hydra(argv: Sequence[str]) -> None:
+    """framework.train's command line, composed and checked as Hydra would compose it (every job
+    of a sweep), before Hydra instantiates its callbacks, launcher, sweeper and logging."""
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    overrides = list(args.overrides)
+    if args.config_dir:  # someone else's configs (recipes) beside ours, as Hydra adds them
+        overrides.append(f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]")
+    name = args.config_name or "config"
+    if not args.multirun:
+        compose_checked(overrides, name)
+        return
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    base = compose_checked([o.input_line for o in parsed if not o.is_sweep_override()], name)
+    params = base.hydra.sweeper.get("params") or {}
+    swept = OverridesParser.create().parse_overrides([f"{key}={value}" for key, value in params.items()]) + parsed
+    for batch in BasicSweeper.split_arguments(swept, None):
+        for job in batch:
+            compose_checked(job, name)
 
 
 def hydra_error_line(error: Exception) -> str:
@@ -62,6 +101,9 @@ def command_status(body: Callable[[], int], failed: str, argv: List[str] = (), u
         return 2
     except (HydraException, OmegaConfBaseException) as error:
         print(hydra_error_line(error), file=sys.stderr)
+        return 2
+    except yaml.YAMLError as error:  # a config file that is not YAML
+        print(f"config error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     except RankFailed as error:
         print(f"{failed}: {error}", file=sys.stderr)

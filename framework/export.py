@@ -12,14 +12,15 @@ import warnings
 from typing import List
 
 import torch
-import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint.api import CheckpointException
 
 from framework.checkpoint.compat import check_model_keys
-from framework.checkpoint.layout import CheckpointError, first_failure, read_meta, resolve
+from framework.checkpoint.layout import CheckpointError, read_meta, resolve
+from framework.checkpoint.safe_load import load_checkpoint
 from framework.config.errors import ConfigError
-from framework.config.validate import check_targets, instantiate_checked
+from framework.config.schema import Config
+from framework.config.trust import check_targets
+from framework.config.validate import instantiate_checked
 
 USAGE = "usage: python -m framework.export CHECKPOINT OUT.pt"
 
@@ -29,17 +30,17 @@ def export(checkpoint: str, out_path: str) -> str:
     checkpoint dir used."""
     path = resolve(checkpoint, directory="")
     cfg = OmegaConf.create(read_meta(path)["config"])
-    check_targets(cfg)  # the saved config names the model class: the same allowlist as a run
+    # The saved config names the model class: checked against your allowlist (the default, and
+    # FRAMEWORK_ALLOWED_TARGETS), never the one the checkpoint carries.
+    cfg.allowed_targets = Config().allowed_targets
+    check_targets(cfg)
     with torch.device("cpu"):
         model = instantiate_checked(cfg.model)
     check_model_keys(path, model)
     state = {"model": model.state_dict()}
-    try:
-        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=path, no_dist=True)
-    except (Exception, CheckpointException) as error:
-        raise CheckpointError(path, f"cannot be loaded: {first_failure(error)}") from None
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_checkpoint(state, path, no_dist=True)
     tmp = out_path + ".tmp"
     torch.save(state["model"], tmp)
     os.replace(tmp, out_path)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.checkpoint.compat import checkpoint_dir, nothing_to_train
-from framework.cli import CONFIG_DIR
+from framework.cli import CONFIG_DIR, check_before_hydra, command_status
 from framework.config.schema import register_schema
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
@@ -85,6 +85,9 @@ def main() -> None:
         from framework.launch.torchrun import follow_rank0  # see launch()
 
         sys.exit(follow_rank0())
+    refused = command_status(lambda: check_before_hydra(sys.argv[1:]) or 0, "")
+    if refused:
+        sys.exit(refused)
     try:
         hydra_app()
     except SystemExit as exit_:

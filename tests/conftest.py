@@ -19,19 +19,17 @@ import sys
 from pathlib import Path
 from typing import List
 
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from framework.config.schema import register_schema
+import framework.cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
 
 def compose_config(overrides: List[str] = ()) -> DictConfig:
-    register_schema()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    """As every command composes (recipes' and group files' trust checks included)."""
+    return framework.cli.compose_config(list(overrides))
 
 
 def run_cli(args: List[str], timeout: float = 240, env: dict | None = None, module: str = "framework.train",

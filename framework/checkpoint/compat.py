@@ -84,10 +84,10 @@ def check_data_order(cfg: DictConfig, path: str, saved_config: dict) -> None:
 def check_model_keys(path: str, model: nn.Module) -> None:
     """The model's state_dict keys and shapes against the checkpoint's (DCP's .metadata, read
     without loading a tensor): name the first key missing on either side, or both shapes."""
-    from torch.distributed.checkpoint import FileSystemReader  # only when a checkpoint is given
+    from framework.checkpoint.safe_load import SafeReader  # only when a checkpoint is given
 
     try:
-        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = SafeReader(path).read_metadata().state_dict_metadata
     except Exception as error:  # a truncated or foreign .metadata file unpickles into anything
         raise CheckpointError(path, f"unreadable .metadata ({type(error).__name__}: {error})") from None
     saved = {k.removeprefix("model."): list(v.size) for k, v in metadata.items()

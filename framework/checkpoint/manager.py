@@ -24,13 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
 from framework.checkpoint.compat import checkpoint_dir
 from framework.checkpoint.layout import (
-    CheckpointError,
-    first_failure,
     keep_newest,
     newest_checkpoint,
     partial_dir,
@@ -40,6 +37,7 @@ from framework.checkpoint.layout import (
     step_dir,
     write_meta_and_publish,
 )
+from framework.checkpoint.safe_load import load_checkpoint
 
 log = logging.getLogger("framework")
 
@@ -178,7 +176,7 @@ class Checkpointer:
         rng_key = f"rng.rank{run.rank}"
         if same_world:
             state[rng_key] = torch.get_rng_state()
-        self._dcp_load(state, path)
+        load_checkpoint(state, path)
         set_state_dict(run.module, run.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         if same_world:
@@ -195,17 +193,8 @@ class Checkpointer:
         """checkpoint.init_from: the weights start a new run (step 0, fresh optimizer and data)."""
         read_meta(path)
         state = {"model": run.module.state_dict()}
-        self._dcp_load(state, path)
+        load_checkpoint(state, path)
         set_model_state_dict(run.module, state["model"])
-
-    @staticmethod
-    def _dcp_load(state: Dict[str, Any], path: str) -> None:
-        """DCP reshards into whatever layout `state` has; its errors become one line naming the
-        checkpoint (a missing or truncated shard file, a key the checkpoint lacks)."""
-        try:
-            dcp.load(state, checkpoint_id=path)
-        except (Exception, CheckpointException) as error:
-            raise CheckpointError(path, f"cannot be loaded: {first_failure(error)}") from None
 
     def close(self) -> None:
         self.wait()

@@ -15,10 +15,14 @@ import pickle
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from framework.checkpoint.layout import CheckpointError, first_failure
 
 # Callables a DCP `.metadata` pickle names besides DCP's own dataclasses and enums.
 ADMITTED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
@@ -74,3 +78,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def load_checkpoint(state: dict, path: str, no_dist: bool = False) -> None:
+    """DCP's load of `state` from `path` (resharding into whatever layout `state` has), through
+    the reader and planner above; its errors become one line naming the checkpoint (a missing
+    or truncated shard file, a key the checkpoint lacks, a refused pickle)."""
+    try:
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=no_dist)
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(path, f"cannot be loaded: {first_failure(error)}") from None

@@ -7,14 +7,15 @@ Recipes and group files are what people share, so none of them may choose code t
 - Hydra's own section, which Hydra instantiates before the framework sees the config: callbacks,
   launcher and sweeper `_target_`s under Hydra, its plugins or the framework; the logging
   configs' handler `class`es and `()` factories under logging, Hydra or the framework, and their
-  `ext://` references under sys; `hydra.job.env_set` (the ranks inherit it: LD_PRELOAD,
-  PYTHONPATH) only from the command line.
+  `ext://` references under sys; the job's environment and the SLURM launcher's shell lines
+  (COMMAND_LINE_ONLY) only from the command line.
 """
 import os
 from pathlib import Path
 from typing import Any, Iterator, List, Sequence, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from framework.config.errors import ConfigError
 
@@ -32,27 +33,61 @@ def env_allowlist() -> List[str]:
     return [package for package in os.environ.get(ALLOWLIST_ENV, "").split(",") if package]
 
 
+def _resolved(node: Any, key: Any) -> Any:
+    """node[key] as instantiate will see it: interpolations resolved (`${oc.create:{...}}` and
+    `${oc.decode:...}` make whole configs out of strings); one that cannot be resolved yet (a
+    value Hydra fills in at run time) as written."""
+    try:
+        return node[key]
+    except OmegaConfBaseException:
+        return node._get_node(key)._value()
+
+
 def _leaves(node: Any, path: str) -> Iterator[Tuple[str, str, Any]]:
-    """(dotted key, key, value) of every leaf under `node`, unresolved."""
-    if isinstance(node, DictConfig):
-        for key, value in node.items_ex(resolve=False):
-            child = f"{path}.{key}" if path else str(key)
-            if isinstance(value, (DictConfig, ListConfig)):
-                yield from _leaves(value, child)
-            else:
-                yield child, str(key), value
-    elif isinstance(node, ListConfig):
-        for i, value in enumerate(node):
-            yield from _leaves(value, f"{path}[{i}]")
+    """(dotted key, key, value) of every leaf under `node`, resolved."""
+    if not isinstance(node, (DictConfig, ListConfig)) or node._is_none():  # absent, or a typed node set to null
+        return
+    for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+        child = (f"{path}.{key}" if path else str(key)) if isinstance(node, DictConfig) else f"{path}[{key}]"
+        value = _resolved(node, key)
+        if isinstance(value, (DictConfig, ListConfig)):
+            yield from _leaves(value, child)
+        else:
+            yield child, str(key), value
+
+
+def targets(node: Any, path: str = "") -> Iterator[Tuple[str, str]]:
+    """Every `_target_` under `node`, with its dotted key."""
+    return ((key, str(value)) for key, name, value in _leaves(node, path) if name == "_target_")
+
+
+# Modules that moved when framework/ was grouped by concern: old `_target_` prefix -> new one.
+MOVED_TARGETS = {"framework.transformer.": "framework.models.", "framework.corpus.": "framework.data."}
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """A config must not run arbitrary code: every `_target_` outside the hydra section, its
+    interpolations resolved, lies under an allowed package (allowed_targets, which only the
+    command line widens, and FRAMEWORK_ALLOWED_TARGETS). A target under a module that moved is
+    named with its new path."""
+    allowed = list(cfg.allowed_targets) + env_allowlist()
+    for key, target in (found for section in cfg if section != "hydra" for found in targets(cfg[section], section)):
+        for old, new in MOVED_TARGETS.items():
+            if target.startswith(old):
+                raise ConfigError(key, target, f"this module moved; use {new}{target[len(old):]}")
+        if not under(target, allowed):
+            raise ConfigError(key, target,
+                              f"only targets under {allowed} may be instantiated; if you trust the package, add it "
+                              f"on the command line (allowed_targets=[...]) or in {ALLOWLIST_ENV}")
 
 
 def check_hydra_section(hydra: DictConfig) -> None:
     """Every callable Hydra would instantiate from its own section."""
     for section in ("callbacks", "launcher", "sweeper"):
-        for key, name, value in _leaves(hydra.get(section), f"hydra.{section}"):
-            if name == "_target_" and not under(str(value), HYDRA_TARGETS):
-                raise ConfigError(key, value, f"Hydra would instantiate it before any check; only classes under "
-                                              f"{list(HYDRA_TARGETS)} may stand in hydra.{section}")
+        for key, target in targets(hydra.get(section), f"hydra.{section}"):
+            if not under(target, HYDRA_TARGETS):
+                raise ConfigError(key, target, f"Hydra would instantiate it before any check; only classes under "
+                                               f"{list(HYDRA_TARGETS)} may stand in hydra.{section}")
     for section in ("job_logging", "hydra_logging"):
         for key, name, value in _leaves(hydra.get(section), f"hydra.{section}"):
             if name in ("()", "class") and not under(str(value), LOGGING_TARGETS):
@@ -63,31 +98,42 @@ def check_hydra_section(hydra: DictConfig) -> None:
                                               f"referenced with ext://")
 
 
-def check_env_set(hydra: DictConfig, overrides: Sequence[str]) -> None:
-    """Environment variables for the job (and so the ranks) come from the command line only."""
+# What reaches a shell or the ranks' environment: given on the command line only.
+COMMAND_LINE_ONLY = {
+    "hydra.job.env_set": "the job's environment (the ranks inherit it: LD_PRELOAD, PYTHONPATH would run code)",
+    "hydra.launcher.setup": "shell lines of the SLURM job script",
+    "hydra.launcher.srun_args": "srun's arguments",
+    "hydra.launcher.additional_parameters": "sbatch options",
+}
+
+
+def check_command_line_only(cfg: DictConfig, overrides: Sequence[str]) -> None:
     from_cli = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
-    for key, _, value in _leaves(hydra.job.get("env_set"), "hydra.job.env_set"):
-        if key not in from_cli and "hydra.job.env_set" not in from_cli:
-            raise ConfigError(key, value, "a config file may not set the job's environment (the ranks inherit it: "
-                                          "LD_PRELOAD, PYTHONPATH would run code); give it on the command line")
+    for section, what in COMMAND_LINE_ONLY.items():
+        for key, _, value in _leaves(OmegaConf.select(cfg, section), section):
+            if value not in (None, "") and not any(key == k or key.startswith((k + ".", k + "[")) for k in from_cli):
+                raise ConfigError(key, value, f"a config file may not set {what}; give it on the command line")
 
 
-def check_allowlist_files(choices: DictConfig, config_dir: str) -> None:
-    """No recipe or group file widens allowed_targets: only the command line or the
-    environment may."""
-    for group, choice in choices.items():
+def check_allowlist_files(runtime: DictConfig) -> None:
+    """No recipe or group file sets allowed_targets: only the command line or the environment
+    may widen it."""
+    dirs = [source.path for source in runtime.config_sources if source.schema == "file"]
+    for group, choice in runtime.choices.items():
         if choice is None or group.startswith("hydra/"):
             continue
-        path = Path(config_dir, group, f"{choice}.yaml")
-        if path.is_file() and "allowed_targets" in (OmegaConf.load(path) or {}):
-            raise ConfigError("allowed_targets", OmegaConf.load(path).allowed_targets,
-                              f"set in {path}: a config file may not widen what may be instantiated; give it on "
-                              f"the command line (allowed_targets=[...]) or in {ALLOWLIST_ENV} if you trust it")
+        for path in (Path(d, group, f"{choice}.yaml") for d in dirs):
+            loaded = OmegaConf.load(path) if path.is_file() else None
+            if isinstance(loaded, DictConfig) and "allowed_targets" in loaded:
+                raise ConfigError("allowed_targets", OmegaConf.to_container(loaded.allowed_targets),
+                                  f"set in {path}: a config file may not widen what may be instantiated; give it "
+                                  f"on the command line (allowed_targets=[...]) or in {ALLOWLIST_ENV} if you trust it")
 
 
-def check_composed(cfg: DictConfig, overrides: Sequence[str], config_dir: str) -> None:
+def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
     """The checks above on a config composed with its `hydra` section, before Hydra or the
     framework instantiates anything of it."""
     check_hydra_section(cfg.hydra)
-    check_env_set(cfg.hydra, overrides)
-    check_allowlist_files(cfg.hydra.runtime.choices, config_dir)
+    check_command_line_only(cfg, overrides)
+    check_allowlist_files(cfg.hydra.runtime)
+    check_targets(cfg)

@@ -2,51 +2,20 @@
 in every rank). Each failure is one ConfigError naming the key, the value and the fix."""
 import inspect
 import math
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.overrides import TorchFunctionMode
 
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
 from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.errors import ConfigError
+from framework.config.trust import check_targets
 from framework.parallel.mesh import dp_dim_names, submesh_ranks
 from framework.parallel.plan import check_output_layout, check_plan
-
-
-def _targets(node: Any, path: str) -> Iterator[Tuple[str, str]]:
-    """Every `_target_` in the config, with its dotted key."""
-    if isinstance(node, DictConfig):
-        for key, value in node.items_ex(resolve=False):
-            child = f"{path}.{key}" if path else str(key)
-            if key == "_target_":
-                yield child, str(value)
-            else:
-                yield from _targets(value, child)
-    elif isinstance(node, ListConfig):
-        for i, value in enumerate(node):
-            yield from _targets(value, f"{path}[{i}]")
-
-
-# Modules that moved when framework/ was grouped by concern: old `_target_` prefix -> new one.
-MOVED_TARGETS = {"framework.transformer.": "framework.models.", "framework.corpus.": "framework.data."}
-
-
-def check_targets(cfg: DictConfig) -> None:
-    """A config must not run arbitrary code: every `_target_` lies under an allowed package.
-    A target under a module that moved is named with its new path."""
-    allowed = list(cfg.allowed_targets)
-    for key, target in _targets(cfg, ""):
-        for old, new in MOVED_TARGETS.items():
-            if target.startswith(old):
-                raise ConfigError(key, target, f"this module moved; use {new}{target[len(old):]}")
-        if not any(target == prefix or target.startswith(prefix + ".") for prefix in allowed):
-            raise ConfigError(key, target,
-                              f"only targets under {allowed} may be instantiated; add the package to "
-                              f"allowed_targets if you trust it")
 
 
 def check_known_keys(cfg: DictConfig) -> None:
