@@ -31,11 +31,10 @@ from framework.config.schema import STAGES
 from framework.config.validate import check_model_and_plan, validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
-from framework.parallel.grad_norm import clip_grad_norm
 from framework.parallel.plan import matching_modules
 from framework.training.builder import STAGE_FUNCTIONS, build_and_run
 from framework.training.run import Run
-from framework.training.loop import batches, forward_backward, local_value, mean_over_dp
+from framework.training.loop import batches, local_value, mean_over_dp, train_step
 
 USAGE = ("usage: python -m framework.verify [hydra overrides, e.g. recipe=lm_2d model=lm_tiny mesh=1x2]\n"
          "exit 0: the configured run matches one process; 1: it does not; 2: a config error")
@@ -100,16 +99,13 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
     steps = []
     for step in range(cfg.verify.steps):
         inputs, targets = next(data)
-        loss = forward_backward(run, inputs, targets)
+        grads: Dict[str, torch.Tensor] = {}
+        # before clipping: one wrong gradient changes the global norm, and so every clipped one
+        loss, _ = train_step(run, inputs, targets, measure_norm=False, on_gradients=lambda: grads.update(
+            {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}))
         if step == 0:
             for hook in hooks:
                 hook.remove()
-        # before clipping: one wrong gradient changes the global norm, and so every clipped one
-        grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
-        if cfg.trainer.grad_clip is not None:
-            clip_grad_norm(run.model.parameters(), cfg.trainer.grad_clip)
-        run.optimizer.step()
-        run.scheduler.step()
         params = {name: _full(p) for name, p in model.named_parameters()}
         global_loss = mean_over_dp(run, [local_value(loss)])[0]
         if run.rank == 0:

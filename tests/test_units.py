@@ -13,7 +13,8 @@ from framework.parallel.data_parallel import BUCKET_BYTES, _buckets
 from framework.parallel.tensor_parallel import to_placement
 from framework.parallel.plan import check_layout, matching_modules
 from framework.checkpoint.manager import DataPosition
-from framework.training.loop import batches, lr_multiplier, mfu
+from framework.training.loop import batches, lr_multiplier
+from framework.training.metrics import mfu
 
 
 def test_layout_of_the_seed_mesh_lists_each_ranks_groups():

@@ -1,40 +1,31 @@
-"""The training loop: step (gradients finalize inside backward), clip, schedule, evaluate, log.
+"""The training loop: step (gradients finalize inside backward), clip, schedule, evaluate, save;
+what it measures and reports is framework.training.metrics.
 
 Losses stay on their ranks until a logging step; then one all-reduce over the DP group turns
 the pending per-replica losses into global-batch losses (TP ranks already agree), so the hot
 path has no extra collective.
 """
-import json
 import logging
 import math
-import os
 import time
 from contextlib import nullcontext
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from tqdm import tqdm
 
-from framework.checkpoint.manager import DataPosition, restart_count
+from framework.checkpoint.manager import DataPosition
 from framework.parallel.data_parallel import DataParallel
 from framework.parallel.fully_shard import no_gradient_sync
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
-from framework.parallel.mesh import layout_table
 from framework.parallel.replica_check import check_replicas
-from framework.training.logger import TensorBoardLogger
-from framework.training.memory import state_bytes
+from framework.training.metrics import Metrics
 from framework.training.run import Run
 from framework.training.watchdog import StallWatchdog
 
 log = logging.getLogger("framework")
-
-# Dense bf16 peak of GPUs MFU is commonly quoted against; trainer.peak_tflops overrides.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-
 
 def batches(sampler, dataloader, position: DataPosition, global_batch: int) -> Iterator:
     """Endless batches from `position` on, which advances as batches are taken. Each pass over
@@ -126,34 +117,27 @@ def evaluate(run: Run, device: torch.device) -> float:
     return sum(mean_over_dp(run, losses)) / len(losses)
 
 
-def peak_flops(cfg) -> Optional[float]:
-    if cfg.trainer.peak_tflops is not None:
-        return cfg.trainer.peak_tflops * 1e12
-    if cfg.mesh.device_type != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in name), None)
+def train_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, measure_norm: bool,
+               on_gradients: Callable[[], None] = lambda: None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One optimizer step, the one the loop and verify share: forward and backward
+    (forward_backward), `on_gradients` (verify reads them before clipping spreads one wrong
+    gradient over all), trainer.grad_clip's clipping (or, when `measure_norm`, the global
+    gradient norm alone), the optimizer and the LR schedule. Returns the replica batch's loss
+    and the norm (None when neither was asked for)."""
+    loss = forward_backward(run, inputs, targets)
+    on_gradients()
+    clip = run.cfg.trainer.grad_clip
+    if clip is not None:
+        norm = clip_grad_norm(run.model.parameters(), clip)
+    else:
+        norm = global_grad_norm(run.model.parameters()) if measure_norm else None
+    run.optimizer.step()
+    run.scheduler.step()
+    return loss, norm
 
 
-def mfu(tokens_per_s: float, flops_per_token: int, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices."""
-    return tokens_per_s * flops_per_token / peak_flops
-
-
-def memory_per_rank(run: Run) -> dict:
-    """This rank's training-state bytes and the largest over all ranks (one all-reduce)."""
-    mine = state_bytes(run.module, run.optimizer)
-    largest = torch.tensor(list(mine.values()), dtype=torch.float64)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return {f"rank{run.rank}": mine,
-            "max_over_ranks": dict(zip(mine, (int(v) for v in largest.tolist())))}
-
-
-def write_json_atomically(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+def new_history() -> dict:
+    return {"losses": [], "grad_norms": [], "val_losses": [], "step_times_s": [], "checkpoints": []}
 
 
 def train(run: Run) -> Optional[dict]:
@@ -161,154 +145,70 @@ def train(run: Run) -> Optional[dict]:
     trainer.max_steps, saving a checkpoint where checkpoint.every says; the history (losses,
     grad norms, validation losses, step times, saves) continues the checkpoint's. A resumed
     checkpoint at or past max_steps leaves nothing to do: None, and no summary."""
-    cfg, model, optimizer = run.cfg, run.model, run.optimizer
-    trainer = cfg.trainer
-    device = torch.device(cfg.mesh.device_type)
-    is_logger = run.rank == 0
-    resumed = run.resumed
+    trainer, resumed = run.cfg.trainer, run.resumed
     first = resumed.step + 1 if resumed else 1
     if first > trainer.max_steps:
-        if is_logger:
+        if run.rank == 0:
             log.info("nothing to train: resumed at step %d and trainer.max_steps=%d", resumed.step, trainer.max_steps)
         return None
-    tb = None
-    if is_logger and cfg.logger.tensorboard:
-        # purge_step hides events a crashed attempt logged past the checkpoint: no duplicate points.
-        tb = TensorBoardLogger(os.path.join(run.out_dir, "tb"), purge_step=first if resumed else None)
-        tb.log_text("config", OmegaConf.to_yaml(cfg))
-        tb.log_text("mesh_layout", layout_table(cfg.mesh.shape, cfg.mesh.dim_names))
-    progress = tqdm(total=trainer.max_steps, initial=first - 1, desc="train",
-                    disable=not (is_logger and trainer.progress_bar))
-    global_batch = cfg.data.global_batch_size
-    seq_len = getattr(run.dataset, "seq_len", None)  # token datasets: also report tokens/s
-    flops_per_token = run.module.flops_per_token(seq_len) if seq_len and hasattr(run.module, "flops_per_token") else None
-    peak = peak_flops(cfg)
-
-    history = resumed.history if resumed else {"losses": [], "grad_norms": [], "val_losses": [],
-                                               "step_times_s": [], "checkpoints": []}
-    losses: List[float] = history["losses"]
-    grad_norms: List[float] = history["grad_norms"]
-    val_losses: List[List[float]] = history["val_losses"]
-    step_times: List[float] = history["step_times_s"]
-    saves: List[dict] = history["checkpoints"]
-    pending: List[torch.Tensor] = []
+    history = resumed.history if resumed else new_history()
     position = resumed.position if resumed else DataPosition()
-    data = batches(run.sampler, run.dataloader, position, global_batch)
-    start = window_start = step_start = time.perf_counter()
-    window_first = first
-    first_step_s = None
-    first_step_unix = None
-    memory = None
+    data = batches(run.sampler, run.dataloader, position, run.cfg.data.global_batch_size)
+    device = torch.device(run.cfg.mesh.device_type)
+    metrics = Metrics(run, first, history["step_times_s"])
     watchdog = StallWatchdog(trainer.stall_timeout_s, run.rank, run.out_dir)
     # replicate only: fsdp holds one shard per DP rank; hsdp's replicas of a shard are not compared yet
-    replicas = trainer.check_replicas_every and cfg.parallel.dp_strategy == "replicate"
-    model.train()
+    replicas = trainer.check_replicas_every and run.cfg.parallel.dp_strategy == "replicate"
+    pending: List[torch.Tensor] = []
+    run.model.train()
     for step in range(first, trainer.max_steps + 1):
+        logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
         watchdog.stage(f"step {step}: data, forward and backward")
         inputs, targets = (t.to(device) for t in next(data))
-        loss = forward_backward(run, inputs, targets)
-        logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
-        watchdog.stage(f"step {step}: gradient norm, optimizer step")
-        if trainer.grad_clip is not None:
-            grad_norm = clip_grad_norm(model.parameters(), trainer.grad_clip)
-        elif logging_step:
-            grad_norm = global_grad_norm(model.parameters())
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        run.scheduler.step()
+        lr = run.optimizer.param_groups[0]["lr"]
+        loss, grad_norm = train_step(run, inputs, targets, logging_step,
+                                     on_gradients=lambda: watchdog.stage(f"step {step}: gradient norm, optimizer step"))
         if replicas and step % trainer.check_replicas_every == 0:
             watchdog.stage(f"step {step}: replica check")
             check_replicas(run.module, run.dp_group, step)
         pending.append(local_value(loss))
-        progress.update(1)
         if trainer.eval_every and step % trainer.eval_every == 0:
-            eval_start = time.perf_counter()
             watchdog.stage(f"step {step}: evaluation")
-            val_losses.append([step, evaluate(run, device)])
-            if tb:
-                tb.log_scalars(step, {"val_loss": val_losses[-1][1]})
-            eval_s = time.perf_counter() - eval_start  # kept out of step times and throughput
-            step_start, window_start, start = step_start + eval_s, window_start + eval_s, start + eval_s
-        now = time.perf_counter()
-        step_times.append(now - step_start)  # a save's blocking time is recorded with the save
-        step_start = now
-        if first_step_s is None:
-            first_step_s, first_step_unix = now - start, time.time()
-            memory = memory_per_rank(run)  # the optimizer's state exists from its first step on
-            if tb:
-                tb.log_scalars(step, {f"memory/{k}_bytes": v for k, v in memory["max_over_ranks"].items()})
+            metrics.exclude(evaluate_and_log(run, device, step, history, metrics))
+        metrics.step_done()
         saving = run.checkpointer.due(step)
         if logging_step or saving:  # a checkpoint holds every loss up to its step
             watchdog.stage(f"step {step}: loss all-reduce")
-            losses += mean_over_dp(run, pending)
+            history["losses"] += mean_over_dp(run, pending)
             pending = []
         if logging_step:
-            grad_norms.append(float(grad_norm))
+            history["grad_norms"].append(float(grad_norm))
         watchdog.finished()  # the step, and its evaluation
         if saving:
             watchdog.stage(f"step {step}: checkpoint save")
-            saves.append({"step": step, "blocking_s": None})
-            saves[-1]["blocking_s"] = run.checkpointer.save(run, step, position, history)
-            step_start = time.perf_counter()
+            save(run, step, position, history, metrics)
             watchdog.finished()
-            if tb:
-                tb.log_scalars(step, {"checkpoint_blocking_s": saves[-1]["blocking_s"]})
         else:
             run.checkpointer.poll()
-        if not logging_step:
-            continue
-        step_time = (time.perf_counter() - window_start) / (step - window_first + 1)
-        window_start, window_first = time.perf_counter(), step + 1
-        progress.set_postfix(loss=f"{losses[-1]:.4f}")
-        scalars = {"loss": losses[-1], "lr": lr, "grad_norm": grad_norms[-1],
-                   "samples_per_s": global_batch / step_time, "step_time_s": step_time}
-        if seq_len:
-            scalars["tokens_per_s"] = global_batch * seq_len / step_time
-        if flops_per_token and peak:
-            scalars["mfu"] = mfu(scalars["tokens_per_s"], flops_per_token, peak * dist.get_world_size())
-        if tb:
-            tb.log_scalars(step, scalars)
+        if logging_step:
+            metrics.log_step(step, history["losses"][-1], lr, history["grad_norms"][-1])
     watchdog.stage("waiting for the last checkpoint save")
     run.checkpointer.close()  # the last async save finishes before the run ends
     watchdog.close()  # (a rank that raises exits, and its watchdog thread with it)
-    progress.close()
-    wall = time.perf_counter() - start  # training time, evaluation excluded
-    steady_steps = trainer.max_steps - first  # this attempt's steps after its first
-    # None (JSON null) when this attempt ran only its first step, which is not timed
-    samples_per_s = global_batch * steady_steps / (wall - first_step_s) if steady_steps > 0 else None
-    summary = {
-        "mesh_shape": list(cfg.mesh.shape),
-        "dim_names": list(cfg.mesh.dim_names),
-        "plan": OmegaConf.to_container(cfg.plan, resolve=True),
-        "steps": trainer.max_steps,
-        "final_loss": losses[-1],
-        "losses": losses,
-        "grad_norms": grad_norms,
-        "val_losses": val_losses,
-        "overrides": list(cfg.get("overrides", [])),
-        "first_step_s": first_step_s,  # this attempt's first step (compiles, warms caches): kept out of samples_per_s
-        "first_step_done_unix": first_step_unix,  # for startup timing from outside (bench/)
-        "step_times_s": step_times,
-        "wall_s": wall,
-        "samples_per_s": samples_per_s,
-        "tokens_per_s": samples_per_s * seq_len if seq_len and samples_per_s else None,
-        "resumed_from": {"path": resumed.path, "step": resumed.step, "load_s": resumed.load_s} if resumed else None,
-        "restarts": restart_count(),
-        "checkpoints": saves,
-        "memory": memory,  # bytes of parameters, gradients, optimizer state: rank 0's and the max over ranks
-    }
-    if is_logger:
-        throughput = f"{samples_per_s:.1f} samples/s" if samples_per_s else "samples/s not measured (only a first step)"
-        log.info("final loss %.6f after %d steps, %s", summary["final_loss"], summary["steps"], throughput)
-        if tb:
-            tb.log_hparams(
-                {"mesh": "x".join(map(str, cfg.mesh.shape)), "dim_names": list(cfg.mesh.dim_names),
-                 "plan": summary["plan"], "global_batch_size": global_batch, "max_steps": trainer.max_steps,
-                 **dict(override.split("=", 1) for override in summary["overrides"] if "=" in override)},
-                {"final/loss": summary["final_loss"],
-                 **({"final/samples_per_s": samples_per_s} if samples_per_s else {})},
-                trainer.max_steps,
-            )
-            tb.close()
-        write_json_atomically(os.path.join(run.out_dir, "summary.json"), summary)
-    return summary
+    return metrics.summary(history)
+
+
+def evaluate_and_log(run: Run, device: torch.device, step: int, history: dict, metrics: Metrics) -> float:
+    """The validation loss at `step`, into the history and TensorBoard; returns its seconds."""
+    start = time.perf_counter()
+    history["val_losses"].append([step, evaluate(run, device)])
+    metrics.scalars(step, {"val_loss": history["val_losses"][-1][1]})
+    return time.perf_counter() - start
+
+
+def save(run: Run, step: int, position: DataPosition, history: dict, metrics: Metrics) -> None:
+    """A checkpoint at `step`; its record (blocking seconds) goes into the history it saves
+    (an async save publishes the history as it is now)."""
+    history["checkpoints"].append({"step": step, "blocking_s": None})
+    history["checkpoints"][-1]["blocking_s"] = run.checkpointer.save(run, step, position, history)
+    metrics.saved(step, history["checkpoints"][-1]["blocking_s"])

@@ -1,0 +1,172 @@
+"""What a run measures and reports, apart from the loop that trains: step and window timers
+(evaluation kept out, a save's blocking recorded with the save), the progress bar, TensorBoard
+(rank 0), tokens/s and MFU, the training state's bytes after the first step, and summary.json."""
+import json
+import logging
+import os
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from framework.checkpoint.manager import restart_count
+from framework.parallel.mesh import layout_table
+from framework.training.logger import TensorBoardLogger
+from framework.training.memory import state_bytes
+from framework.training.run import Run
+
+log = logging.getLogger("framework")
+
+# Dense bf16 peak of GPUs MFU is commonly quoted against; trainer.peak_tflops overrides.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def peak_flops(cfg) -> Optional[float]:
+    if cfg.trainer.peak_tflops is not None:
+        return cfg.trainer.peak_tflops * 1e12
+    if cfg.mesh.device_type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in name), None)
+
+
+def mfu(tokens_per_s: float, flops_per_token: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices."""
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+def memory_per_rank(run: Run) -> dict:
+    """This rank's training-state bytes and the largest over all ranks (one all-reduce)."""
+    mine = state_bytes(run.module, run.optimizer)
+    largest = torch.tensor(list(mine.values()), dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return {f"rank{run.rank}": mine,
+            "max_over_ranks": dict(zip(mine, (int(v) for v in largest.tolist())))}
+
+
+def write_json_atomically(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+class Metrics:
+    """Timers and reports of one attempt, which starts at step `first` (after a resumed
+    checkpoint) and continues the history's step times."""
+
+    def __init__(self, run: Run, first: int, step_times: List[float]):
+        cfg = run.cfg
+        self.run, self.first, self.step_times = run, first, step_times
+        self.tb = None
+        if run.rank == 0 and cfg.logger.tensorboard:
+            # purge_step hides events a crashed attempt logged past the checkpoint: no duplicate points.
+            self.tb = TensorBoardLogger(os.path.join(run.out_dir, "tb"), purge_step=first if run.resumed else None)
+            self.tb.log_text("config", OmegaConf.to_yaml(cfg))
+            self.tb.log_text("mesh_layout", layout_table(cfg.mesh.shape, cfg.mesh.dim_names))
+        self.progress = tqdm(total=cfg.trainer.max_steps, initial=first - 1, desc="train",
+                             disable=not (run.rank == 0 and cfg.trainer.progress_bar))
+        self.global_batch = cfg.data.global_batch_size
+        self.seq_len = getattr(run.dataset, "seq_len", None)  # token datasets: also report tokens/s
+        model = run.module
+        self.flops_per_token = model.flops_per_token(self.seq_len) \
+            if self.seq_len and hasattr(model, "flops_per_token") else None
+        self.peak = peak_flops(cfg)
+        self.start = self.window_start = self.step_start = time.perf_counter()
+        self.window_first = first
+        self.first_step_s: Optional[float] = None
+        self.first_step_unix: Optional[float] = None
+        self.memory: Optional[dict] = None
+
+    def scalars(self, step: int, values: dict) -> None:
+        if self.tb:
+            self.tb.log_scalars(step, values)
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent outside training (evaluation): kept out of step times and throughput."""
+        self.step_start += seconds
+        self.window_start += seconds
+        self.start += seconds
+
+    def step_done(self) -> None:
+        """The step's time (a save's blocking is recorded with the save); after the first step,
+        when the optimizer's state exists, the training state's bytes."""
+        now = time.perf_counter()
+        self.step_times.append(now - self.step_start)
+        self.step_start = now
+        self.progress.update(1)
+        if self.first_step_s is None:
+            self.first_step_s, self.first_step_unix = now - self.start, time.time()
+            self.memory = memory_per_rank(self.run)
+            self.scalars(self.first, {f"memory/{k}_bytes": v for k, v in self.memory["max_over_ranks"].items()})
+
+    def saved(self, step: int, blocking_s: float) -> None:
+        self.step_start = time.perf_counter()
+        self.scalars(step, {"checkpoint_blocking_s": blocking_s})
+
+    def log_step(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
+        """A logging step: the window's throughput since the last one, to the bar and TensorBoard."""
+        step_time = (time.perf_counter() - self.window_start) / (step - self.window_first + 1)
+        self.window_start, self.window_first = time.perf_counter(), step + 1
+        self.progress.set_postfix(loss=f"{loss:.4f}")
+        values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": self.global_batch / step_time,
+                  "step_time_s": step_time}
+        if self.seq_len:
+            values["tokens_per_s"] = self.global_batch * self.seq_len / step_time
+        if self.flops_per_token and self.peak:
+            values["mfu"] = mfu(values["tokens_per_s"], self.flops_per_token, self.peak * dist.get_world_size())
+        self.scalars(step, values)
+
+    def summary(self, history: dict) -> dict:
+        """The attempt's summary; rank 0 also logs it, closes TensorBoard with the hparams and
+        writes summary.json."""
+        cfg, run = self.run.cfg, self.run
+        self.progress.close()
+        wall = time.perf_counter() - self.start  # training time, evaluation excluded
+        steady_steps = cfg.trainer.max_steps - self.first  # this attempt's steps after its first
+        # None (JSON null) when this attempt ran only its first step, which is not timed
+        samples_per_s = self.global_batch * steady_steps / (wall - self.first_step_s) if steady_steps > 0 else None
+        summary = {
+            "mesh_shape": list(cfg.mesh.shape),
+            "dim_names": list(cfg.mesh.dim_names),
+            "plan": OmegaConf.to_container(cfg.plan, resolve=True),
+            "steps": cfg.trainer.max_steps,
+            "final_loss": history["losses"][-1],
+            "losses": history["losses"],
+            "grad_norms": history["grad_norms"],
+            "val_losses": history["val_losses"],
+            "overrides": list(cfg.get("overrides", [])),
+            "first_step_s": self.first_step_s,  # this attempt's first step (compiles, warms caches): kept out of samples_per_s
+            "first_step_done_unix": self.first_step_unix,  # for startup timing from outside (bench/)
+            "step_times_s": self.step_times,
+            "wall_s": wall,
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * self.seq_len if self.seq_len and samples_per_s else None,
+            "resumed_from": {"path": run.resumed.path, "step": run.resumed.step, "load_s": run.resumed.load_s}
+            if run.resumed else None,
+            "restarts": restart_count(),
+            "checkpoints": history["checkpoints"],
+            "memory": self.memory,  # bytes of parameters, gradients, optimizer state: rank 0's and the max over ranks
+        }
+        if run.rank == 0:
+            self._report(summary)
+        return summary
+
+    def _report(self, summary: dict) -> None:
+        cfg, samples_per_s = self.run.cfg, summary["samples_per_s"]
+        throughput = f"{samples_per_s:.1f} samples/s" if samples_per_s else "samples/s not measured (only a first step)"
+        log.info("final loss %.6f after %d steps, %s", summary["final_loss"], summary["steps"], throughput)
+        if self.tb:
+            self.tb.log_hparams(
+                {"mesh": "x".join(map(str, cfg.mesh.shape)), "dim_names": list(cfg.mesh.dim_names),
+                 "plan": summary["plan"], "global_batch_size": self.global_batch, "max_steps": cfg.trainer.max_steps,
+                 **dict(override.split("=", 1) for override in summary["overrides"] if "=" in override)},
+                {"final/loss": summary["final_loss"],
+                 **({"final/samples_per_s": samples_per_s} if samples_per_s else {})},
+                cfg.trainer.max_steps,
+            )
+            self.tb.close()
+        write_json_atomically(os.path.join(self.run.out_dir, "summary.json"), summary)
