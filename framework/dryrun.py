@@ -37,7 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from framework.config.errors import ConfigError
-from framework.config.validate import dp_size, validate
+from framework.config.validate import validate
+from framework.parallel.roles import MeshRoles
 from framework.inspect import collective_name, group_name
 from framework.parallel.mesh import coordinates
 from framework.cli import command_status, compose_config
@@ -213,7 +214,7 @@ def print_report(report: RankReport, cfg: DictConfig) -> None:
     for row in rows:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
     optimizer = cfg.optim._target_.rsplit(".", 1)[-1]
-    per_replica = cfg.data.global_batch_size // dp_size(cfg)
+    per_replica = cfg.data.global_batch_size // MeshRoles.from_config(cfg).dp_size
     print("  memory")
     for label, n, note in (
             ("parameters", report.parameter_bytes, "local shards"),

@@ -8,6 +8,7 @@ from framework.data import SyntheticRegression
 from framework.data.loader import build_sampler
 from framework.config.errors import ConfigError
 from framework.parallel.mesh import layout_table, submesh_ranks
+from framework.parallel.roles import MeshRoles
 from framework.models import SeedMLP
 from framework.parallel.data_parallel import BUCKET_BYTES, _buckets
 from framework.parallel.tensor_parallel import to_placement
@@ -15,6 +16,7 @@ from framework.parallel.plan import check_layout, matching_modules
 from framework.checkpoint.manager import DataPosition
 from framework.training.loop import batches, lr_multiplier
 from framework.training.metrics import mfu
+from tests.conftest import compose_config
 
 
 def test_layout_of_the_seed_mesh_lists_each_ranks_groups():
@@ -94,3 +96,12 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_a_tenth():
 def test_mfu_is_achieved_over_peak_flops():
     # 1000 tokens/s x 6e9 FLOPs/token = 6e12 FLOP/s achieved, over 4 devices of 10 TFLOP/s.
     assert mfu(1000.0, 6_000_000_000, 4 * 10e12) == pytest.approx(0.15)
+
+
+def test_mesh_roles_come_from_the_config_alone():
+    roles = MeshRoles.from_config(compose_config(["mesh=2x2x1"]))
+    assert (roles.dp_dims, roles.dp_size, roles.tp_size, roles.world) == (["dp_replicate", "dp"], 4, 1, 4)
+    roles = MeshRoles.from_config(compose_config(["mesh=1x4"]))
+    assert (roles.dp_dims, roles.dp_size, roles.tp_size) == (["dp"], 1, 4)
+    roles = MeshRoles.from_config(compose_config(["mesh.shape=[4]", "mesh.dim_names=[tp]", "parallel.dp_dim=null"]))
+    assert (roles.dp_dims, roles.dp_size, roles.tp_size) == ([], 1, 4)

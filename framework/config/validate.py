@@ -14,7 +14,8 @@ from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_
 from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.errors import ConfigError
 from framework.config.trust import check_targets
-from framework.parallel.mesh import dp_dim_names, submesh_ranks
+from framework.parallel.mesh import submesh_ranks
+from framework.parallel.roles import MeshRoles
 from framework.parallel.plan import check_output_layout, check_plan
 
 
@@ -62,7 +63,7 @@ def check_mesh(cfg: DictConfig) -> None:
 
 def check_dp_strategy(cfg: DictConfig) -> None:
     strategy, names = cfg.parallel.dp_strategy, list(cfg.mesh.dim_names)
-    dp_dims = dp_dim_names(names, cfg.parallel.dp_dim, cfg.parallel.dp_replicate_dim)
+    dp_dims = MeshRoles.from_config(cfg).dp_dims
     if strategy == "fsdp" and not dp_dims:
         raise ConfigError("parallel.dp_strategy", "fsdp",
                           "shards over the DP ranks, and parallel.dp_dim is null; name a DP mesh dim "
@@ -97,7 +98,7 @@ def check_tp_placement(cfg: DictConfig, ranks_per_host: int) -> None:
     """TP exchanges activations every layer: keep its group on the innermost dim, inside one host.
     torch >= 2.9 no longer refuses an outer TP dim, so the framework does."""
     shape, names, tp = list(cfg.mesh.shape), list(cfg.mesh.dim_names), cfg.parallel.tp_dim
-    if tp is None or shape[names.index(tp)] == 1:
+    if MeshRoles.from_config(cfg).tp_size == 1:
         return
     tp_index = names.index(tp)
     inner_dims = [n for n, s in zip(names[tp_index + 1:], shape[tp_index + 1:]) if s > 1]
@@ -140,18 +141,6 @@ def check_pipeline(cfg: DictConfig) -> None:
     raise ConfigError("pipeline", stages, f"the stages run in the fixed order {STAGES}; give that list or a prefix of it")
 
 
-def tp_size(cfg: DictConfig) -> int:
-    name = cfg.parallel.tp_dim
-    return 1 if name is None else list(cfg.mesh.shape)[list(cfg.mesh.dim_names).index(name)]
-
-
-def dp_size(cfg: DictConfig) -> int:
-    """DP ranks: the product of the DP dims (dp_replicate x dp when the mesh has both)."""
-    names = list(cfg.mesh.dim_names)
-    dims = dp_dim_names(names, cfg.parallel.dp_dim, cfg.parallel.dp_replicate_dim)
-    return math.prod(list(cfg.mesh.shape)[names.index(name)] for name in dims)
-
-
 def check_trainer_and_data(cfg: DictConfig) -> None:
     for key in ("max_steps", "log_every", "eval_batches"):
         if cfg.trainer[key] < 1:
@@ -167,7 +156,7 @@ def check_trainer_and_data(cfg: DictConfig) -> None:
                           f"(else the collective timeout fires first, with no stacks), or null for no watchdog")
     if cfg.trainer.grad_clip is not None and cfg.trainer.grad_clip <= 0:
         raise ConfigError("trainer.grad_clip", cfg.trainer.grad_clip, "must be > 0, or null for no clipping")
-    dp = dp_size(cfg)
+    dp = MeshRoles.from_config(cfg).dp_size
     gbs = cfg.data.global_batch_size
     if gbs < 1 or gbs % dp:
         raise ConfigError("data.global_batch_size", gbs,
@@ -204,7 +193,7 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     with torch.device("meta"), _SkipRandomInit():
         model = instantiate_checked(cfg.model)
     plan = OmegaConf.to_container(cfg.plan, resolve=True)
-    tp = tp_size(cfg)
+    tp = MeshRoles.from_config(cfg).tp_size
     check_plan(plan, model, tp)
     check_output_layout(plan, model, tp)
     if not plan or tp == 1:

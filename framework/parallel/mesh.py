@@ -47,24 +47,6 @@ def build_mesh(device_type: str, shape: Sequence[int], dim_names: Sequence[str])
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(dim_names))
 
 
-def dp_dim_names(dim_names: Sequence[str], dp_dim: Optional[str], dp_replicate_dim: str) -> List[str]:
-    """The mesh dims data parallelism spans, outer first: parallel.dp_replicate_dim when the mesh
-    has a dim of that name, then parallel.dp_dim."""
-    names = [dp_replicate_dim] if dp_replicate_dim in dim_names else []
-    return names + ([dp_dim] if dp_dim is not None else [])
-
-
-def flat_submesh(mesh: DeviceMesh, names: Sequence[str]) -> Optional[DeviceMesh]:
-    """The ranks of `names` dims as one 1-D mesh (None for no dims). Two dims are flattened
-    row-major, so the coordinate is outer x inner: DP's replica index under any strategy.
-    DeviceMesh._flatten is private in torch 2.13; torchtitan flattens its DP dims the same way."""
-    if not names:
-        return None
-    if len(names) == 1:
-        return mesh[names[0]]
-    return mesh[tuple(names)]._flatten()
-
-
 def coordinates_on(submesh: Optional[DeviceMesh]) -> Dict[str, int]:
     """Size of a role's 1-D submesh and this rank's coordinate on it; no submesh is size 1."""
     if submesh is None:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.checkpoint.manager import Checkpointer, restart_count
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
-from framework.parallel.mesh import build_mesh, coordinates_on, dp_dim_names, flat_submesh, layout_table
+from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
 from framework.parallel.tensor_parallel import apply_tp
@@ -64,21 +64,11 @@ def stage_distributed(run: Run) -> None:
 def stage_mesh(run: Run) -> None:
     cfg = run.cfg
     run.mesh = build_mesh(cfg.mesh.device_type, cfg.mesh.shape, cfg.mesh.dim_names)
-    run.dp_mesh = flat_submesh(run.mesh, _dp_dims(run))
+    run.dp_mesh = run.roles.dp_mesh(run.mesh)
     run.dp = coordinates_on(run.dp_mesh)
-    run.tp = coordinates_on(_tp_mesh(run))
+    run.tp = coordinates_on(run.roles.tp_mesh(run.mesh))
     if run.rank == 0:
         log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names))
-
-
-def _dp_dims(run: Run):
-    p = run.cfg.parallel
-    return dp_dim_names(list(run.cfg.mesh.dim_names), p.dp_dim, p.dp_replicate_dim)
-
-
-def _tp_mesh(run: Run):
-    name = run.cfg.parallel.tp_dim
-    return None if name is None else run.mesh[name]
 
 
 def stage_model(run: Run) -> None:
@@ -95,7 +85,7 @@ def stage_data_parallel(run: Run) -> None:
 
 
 def stage_tensor_parallel(run: Run) -> None:
-    tp_mesh = _tp_mesh(run)
+    tp_mesh = run.roles.tp_mesh(run.mesh)
     if tp_mesh is not None:
         plan = OmegaConf.to_container(run.cfg.plan, resolve=True)
         run.module = apply_tp(run.module, tp_mesh, plan)
@@ -105,8 +95,7 @@ def stage_fully_shard(run: Run) -> None:
     """fsdp / hsdp: FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh)."""
     strategy = run.cfg.parallel.dp_strategy
     if strategy != "replicate":
-        mesh = run.mesh[tuple(_dp_dims(run))] if strategy == "hsdp" else run.dp_mesh
-        run.model = apply_fsdp(run.model, mesh, run.cfg.trainer.mixed_precision)
+        run.model = apply_fsdp(run.model, run.roles.sharding_mesh(run.mesh, strategy), run.cfg.trainer.mixed_precision)
 
 
 def stage_sampler(run: Run) -> None:
