@@ -25,7 +25,8 @@ from framework.config.schema import did_you_mean, register_schema, section_keys
 from framework.config.trust import check_composed
 from framework.launch.local import RankFailed
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+# The configs inside the package (framework/conf links to conf/ in the source tree; a wheel holds a copy).
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 
 def compose_checked(overrides: Sequence[str], config_name: str = "config") -> DictConfig:
