@@ -1,9 +1,12 @@
 """Every command answers bad input in one line with exit 2 and `--help` with its usage and 0:
 framework.train (through Hydra), verify, inspect, dryrun and export."""
+import subprocess
+import sys
+
 import pytest
 
 from framework import dryrun, export, inspect, verify
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 from tests.test_checkpoint import _fake_checkpoint
 
 MAINS = {"verify": verify.main, "inspect": lambda argv: inspect.main(["comm", *argv]), "dryrun": dryrun.main}
@@ -49,3 +52,16 @@ def test_train_exits_2_on_what_hydra_cannot_compose(argv, tmp_path):
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and argv[0].split("=")[0].rstrip("2") in result.stderr
     assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_validates_without_loading_dtensor():
+    # Importing DTensor and the ranks' machinery costs seconds; the launcher only composes,
+    # validates and starts ranks (and reads their stall reports).
+    probe = ("import sys, framework.train; from framework.cli import compose_config; "
+             "from framework.config.validate import validate; validate(compose_config(['recipe=lm_2d'])); "
+             "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.tensor', "
+             "'framework.parallel.data_parallel'))))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

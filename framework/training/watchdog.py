@@ -19,8 +19,6 @@ import time
 from types import FrameType
 from typing import Optional
 
-from framework.parallel.data_parallel import wait_for_all_reduce
-
 log = logging.getLogger("framework")
 
 # How long a rank that reported waits for the others before it exits: stuck ranks stopped
@@ -33,11 +31,15 @@ EXIT_LOCK = threading.Lock()
 _DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 _LAUNCHER = _DISTRIBUTED + "elastic" + os.sep  # the agent's wrapper around every rank's main
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+# framework.parallel.data_parallel's wait for its gradient all-reduces: a collective too. Named,
+# not imported, so the launcher (which reads the reports) never loads DTensor.
+_DP_WAIT = ("wait_for_all_reduce", os.path.join("framework", "parallel", "data_parallel.py"))
 
 
 def _in_collective(frame: FrameType) -> bool:
     path = frame.f_code.co_filename
-    return (_DISTRIBUTED in path and _LAUNCHER not in path) or frame.f_code is wait_for_all_reduce.__code__
+    dp_wait = frame.f_code.co_name == _DP_WAIT[0] and path.endswith(_DP_WAIT[1])
+    return (_DISTRIBUTED in path and _LAUNCHER not in path) or dp_wait
 
 
 def _where(frame: FrameType) -> str:
