@@ -33,18 +33,16 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
 from framework.parallel.roles import MeshRoles
-from framework.inspect import collective_name, group_name
+from framework.parallel.collectives import CollectiveRecorder, counted
 from framework.parallel.mesh import coordinates
 from framework.cli import command_status, compose_config
-from framework.training.builder import STAGE_FUNCTIONS
+from framework.training.builder import build_and_run
 from framework.training.loop import forward_backward
-from framework.training.memory import local_bytes, state_bytes
+from framework.training.memory import state_bytes
 from framework.training.run import Run
 
 # torch internals, all here (DESIGN.md: fail clearly if a future torch moves them).
@@ -104,31 +102,6 @@ def stage_model_on_meta(run: Run) -> None:
         run.model = instantiate(run.cfg.model)
 
 
-class _CollectiveBytes(TorchDispatchMode):
-    """Counts each collective (as framework.inspect picks them) by op and mesh dim of its group,
-    with the bytes of the tensors it takes in on this rank."""
-
-    def __init__(self, dim_of_group: Dict[str, str]):
-        super().__init__()
-        self.dim_of_group = dim_of_group
-        self.totals: Dict[Tuple[str, str], List[int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        op = collective_name(func)
-        if op:
-            entry = self.totals.setdefault((op, self.dim_of_group.get(group_name(args), "other")), [0, 0])
-            entry[0] += 1
-            entry[1] += _input_bytes(func, args, kwargs or {})
-        return func(*args, **(kwargs or {}))
-
-
-def _input_bytes(func, args, kwargs) -> int:
-    """Every tensor argument but the output buffers (c10d's in-place ops name them output*)."""
-    named = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
-    return sum(local_bytes(t) for name, value in named.items() if not name.startswith("output")
-               for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-
-
 class _SavedActivations:
     """Bytes of the tensors autograd saves for backward, once per storage, parameters excluded."""
 
@@ -159,14 +132,13 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
     world = math.prod(cfg.mesh.shape)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        run = Run(cfg=cfg, out_dir="")  # no stage up to the optimizer writes anything
-        stages = {**STAGE_FUNCTIONS, "model": stage_model_on_meta}
-        for name in cfg.pipeline[: list(cfg.pipeline).index("optimizer") + 1]:
-            stages[name](run)
+        # no stage up to the optimizer writes anything
+        run = build_and_run(cfg, "", through="optimizer", replace={"model": stage_model_on_meta})
         inputs, targets = (t.to("meta") for t in next(iter(run.dataloader)))
         params = list(run.module.named_parameters())
         activations = _SavedActivations([p for _, p in params])
-        collectives = _CollectiveBytes(run.group_labels())
+        totals: Dict[Tuple[str, str], List[int]] = {}
+        collectives = CollectiveRecorder(counted(totals, lambda op, dim: (op, dim)), run.group_labels(), "other")
         with collectives, torch.autograd.graph.saved_tensors_hooks(activations.pack, lambda tensor: tensor):
             forward_backward(run, inputs, targets)
             run.optimizer.step()
@@ -179,7 +151,7 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
             gradient_bytes=sizes["gradients"],
             optimizer_bytes=sizes["optimizer_state"],
             activation_bytes=activations.bytes,
-            collectives=dict(sorted(collectives.totals.items())),
+            collectives=dict(sorted(totals.items())),
         )
     finally:
         dist.destroy_process_group()

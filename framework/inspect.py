@@ -12,21 +12,18 @@ hang or a mismatch: ranks of one group must issue that group's collectives in th
 and it says where the first pair of ranks differs.
 """
 import math
-from collections import Counter
 import sys
 import tempfile
 import warnings
 from typing import Dict, List, Optional
 
-import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed._tools.mod_tracker import ModTracker
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from framework.parallel.collectives import CollectiveRecorder, counted
 from framework.training.builder import build_and_run
 from framework.cli import command_status, compose_config
-from framework.config.schema import STAGES
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
 from framework.training.loop import forward_backward
@@ -37,70 +34,19 @@ USAGE = "usage: python -m framework.inspect {comm|trace} [hydra overrides, e.g. 
 
 def build_for_one_step(cfg_container: dict, out_dir: str):
     """In every rank: the run built up to the optimizer, and its first batch."""
-    cfg = OmegaConf.create(cfg_container)
-    cfg.pipeline = STAGES[: STAGES.index("optimizer") + 1]
-    run = build_and_run(cfg, out_dir)
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="optimizer")
     return run, next(iter(run.dataloader))
-
-
-class _CollectiveCount(TorchDispatchMode):
-    """Counts each c10d collective by op, named as torch's CommDebugMode names them. (CommDebugMode
-    itself fails on a module run twice in one step: micro-batches, a reused submodule.)"""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = collective_name(func)
-        if name:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]:
     """Runs in every rank: one counted step."""
     run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
-    with _CollectiveCount() as comm:
+    totals: Dict[str, List[int]] = {}
+    with CollectiveRecorder(counted(totals, lambda op, dim: op)):
         forward_backward(run, inputs, targets)
         run.optimizer.step()
     dist.destroy_process_group()
-    return dict(comm.counts)
-
-
-def collective_name(func) -> Optional[str]:
-    """`namespace.op` of a c10d collective, functional or in-place, as torch's CommDebugMode names
-    it (`c10d_functional.all_reduce`, `c10d.allreduce_`); None for any other op (waits, wrappers
-    and barriers included)."""
-    namespace, _, name = func._schema.name.partition("::")
-    if namespace not in ("_c10d_functional", "c10d") or any(w in name for w in ("wait", "wrap", "barrier")):
-        return None
-    return f"{namespace.lstrip('_')}.{name}"
-
-
-def group_name(args) -> Optional[str]:
-    """The group of a collective: c10d's in-place collectives pass it boxed, first; functional ones name it last."""
-    boxed = [arg for arg in args if isinstance(arg, torch.ScriptObject)]
-    if boxed:
-        return dist.ProcessGroup.unbox(boxed[0]).group_name
-    names = [arg for arg in args if isinstance(arg, str)]
-    return names[-1] if names else None
-
-
-class _CollectiveLog(TorchDispatchMode):
-    """Appends each c10d collective (not the waits) to the current module event, with the mesh
-    dim of its group."""
-
-    def __init__(self, events: List[dict], dim_of_group: Dict[str, str]):
-        super().__init__()
-        self.events, self.dim_of_group = events, dim_of_group
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = collective_name(func)
-        if name:
-            op = name.split(".")[1]
-            self.events[-1]["collectives"].append(f"{op}[{self.dim_of_group.get(group_name(args), '?')}]")
-        return func(*args, **(kwargs or {}))
+    return {op: count for op, (count, _) in totals.items()}
 
 
 def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
@@ -120,7 +66,10 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
     tracker = ModTracker()
     tracker.register_user_hooks(pre_fw_hook=enter("forward"), pre_bw_hook=enter("backward"))
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    with tracker, _CollectiveLog(events, dim_of_group):
+    def record(op: str, dim: str, _bytes: int) -> None:  # into the current module pass
+        events[-1]["collectives"].append(f"{op.split('.')[1]}[{dim}]")
+
+    with tracker, CollectiveRecorder(record, dim_of_group):
         forward_backward(run, inputs, targets)
         events.append({"pass": "step", "module": "optimizer", "collectives": []})
         run.optimizer.step()

@@ -27,12 +27,11 @@ from torch.distributed.tensor import DTensor, Placement
 from framework.checkpoint.manager import DataPosition
 from framework.cli import command_status, compose_config
 from framework.config.errors import ConfigError
-from framework.config.schema import STAGES
 from framework.config.validate import check_model_and_plan, validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
 from framework.parallel.plan import matching_modules
-from framework.training.builder import STAGE_FUNCTIONS, build_and_run
+from framework.training.builder import build_and_run
 from framework.training.run import Run
 from framework.training.loop import batches, local_value, mean_over_dp, train_step
 
@@ -71,9 +70,7 @@ def build_one_process(cfg: DictConfig, out_dir: str) -> Run:
     cfg.parallel.dp_dim = cfg.parallel.tp_dim = None
     cfg.parallel.dp_strategy = "replicate"
     run = Run(cfg=cfg, out_dir=out_dir, dp={"size": 1, "rank": 0}, tp={"size": 1, "rank": 0})
-    for stage in STAGES[STAGES.index("model"): STAGES.index("optimizer") + 1]:
-        STAGE_FUNCTIONS[stage](run)
-    return run
+    return build_and_run(cfg, out_dir, start="model", through="optimizer", run=run)
 
 
 def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -> dict:
@@ -82,9 +79,8 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
     replica 0) and, on rank 0, each step's global loss, full gradients and full parameters
     after the optimizer step."""
     cfg = OmegaConf.create(cfg_container)
-    cfg.pipeline = STAGES[: STAGES.index("optimizer") + 1]
     cfg.data.micro_batch_size = None  # one forward per step for the hooks; accumulation sums the same gradients
-    run = build_one_process(cfg, out_dir) if one_process else build_and_run(cfg, out_dir)
+    run = build_one_process(cfg, out_dir) if one_process else build_and_run(cfg, out_dir, through="optimizer")
     model = run.module
     inputs_seen: Dict[str, Piece] = {}
     outputs_seen: Dict[str, Piece] = {}

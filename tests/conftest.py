@@ -25,6 +25,14 @@ import framework.cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))  # the venv's
+
+# Overrides the tests share.
+QUIET = ["trainer.progress_bar=false", "logger.tensorboard=false"]
+TEST_MODELS = "allowed_targets=[framework,torch.nn,torch.optim,tests]"  # models in tests/workers.py
+# The tiny LM on a 64 KB slice of the byte corpus, 8 sequences of 32 bytes per step.
+TINY_LM = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dataset.seq_len=32",
+           "data.global_batch_size=8", "trainer.progress_bar=false"]
 
 
 def compose_config(overrides: List[str] = ()) -> DictConfig:

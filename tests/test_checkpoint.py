@@ -19,15 +19,13 @@ from framework.config.validate import validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models import SeedMLP
-from tests.conftest import compose_config, processes_with_marker, run_cli
+from tests.conftest import QUIET, TEST_MODELS, TORCHRUN, compose_config, processes_with_marker, run_cli
 from tests.reference import max_relative_error, reference_training
 from tests.workers import output_after_loading
 
-QUIET = ["trainer.progress_bar=false", "logger.tensorboard=false"]
 # The seed MLP with AdamW (optimizer state to save and reshard), 20 steps, a checkpoint every 5.
 SEED = ["mesh=2x2", "optim=adamw", "optim.lr=0.01", "trainer.max_steps=20", "trainer.log_every=5",
         "checkpoint.every=5", *QUIET]
-TEST_MODELS = "allowed_targets=[framework,torch.nn,torch.optim,tests]"
 
 
 def _run(overrides, out_dir) -> dict:
@@ -175,7 +173,6 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_which_auto_resumes(
     assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [5, 10, 15, 20]
 
 
-TORCHRUN = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "torchrun")
 
 
 @pytest.mark.timeout(300)

@@ -2,15 +2,13 @@
 recipes, rank failure, torchrun."""
 import json
 import math
-import os
-import shutil
 import uuid
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import processes_with_marker, run_cli
+from tests.conftest import TEST_MODELS, TORCHRUN, processes_with_marker, run_cli
 
 FAST = ["trainer.progress_bar=false"]
 
@@ -67,7 +65,7 @@ def test_seed_mesh_recipe_prints_the_seed_layout_and_stops(tmp_path):
 def test_a_failing_rank_ends_every_process_and_is_named(tmp_path):
     # With a restart: the failure of each attempt is one line, the tracebacks are in the logs.
     marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"
-    result = run_cli(["allowed_targets=[framework,torch.nn,torch.optim,tests]", "model._target_=tests.workers.FailOnRank",
+    result = run_cli([TEST_MODELS, "model._target_=tests.workers.FailOnRank",
                       "+model.fail_rank=1", "launcher.max_restarts=1", "checkpoint.every=5", *FAST,
                       f"hydra.run.dir={tmp_path / 'job'}"], env={marker: "1"})
     assert result.returncode == 1
@@ -83,7 +81,6 @@ def test_a_failing_rank_ends_every_process_and_is_named(tmp_path):
     assert not (tmp_path / "job" / "summary.json").exists()
 
 
-TORCHRUN = shutil.which("torchrun", path=str(Path(__file__).resolve().parents[1] / ".venv" / "bin")) or "torchrun"
 
 
 @pytest.mark.timeout(240)

@@ -3,10 +3,9 @@ the plan, against what `framework.inspect comm` counts on each rank."""
 import pytest
 
 from framework.inspect import count_collectives, first_difference, on_ranks, trace_of_one_step
-from tests.conftest import run_cli
+from tests.conftest import TINY_LM, run_cli
 
-TINY = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dataset.seq_len=32",
-        "data.global_batch_size=8", "trainer.progress_bar=false"]
+TINY = TINY_LM
 LAYERS = 2  # conf/model/lm_tiny.yaml
 
 

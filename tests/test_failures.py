@@ -13,7 +13,7 @@ import pytest
 
 from framework.launch.local import RankFailed, spawn_ranks
 from framework.launch.zygote import zygote_socket
-from tests.conftest import ROOT, processes_with_marker, run_cli
+from tests.conftest import ROOT, TEST_MODELS, processes_with_marker, run_cli
 
 ZYGOTE = [sys.executable, "-m", "framework.launch.zygote"]
 
@@ -62,7 +62,7 @@ def test_a_stuck_step_fails_fast_naming_each_ranks_stage_and_collective_with_sta
     marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"
     out = tmp_path / "job"
     stall_timeout_s = 4
-    result = run_cli(["mesh=2x1", "allowed_targets=[framework,torch.nn,torch.optim,tests]",
+    result = run_cli(["mesh=2x1", TEST_MODELS,
                       "model._target_=tests.workers.BlockOnRank", "+model.rank=1", "+model.at=3",
                       f"trainer.stall_timeout_s={stall_timeout_s}", "trainer.progress_bar=false",
                       f"hydra.run.dir={out}"], env={marker: "1"}, timeout=100)

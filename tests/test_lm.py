@@ -9,16 +9,14 @@ from framework.launch.handoff import rank_config
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models.transformer import Transformer
 from framework.config.validate import validate
-from tests.conftest import compose_config
+from tests.conftest import TINY_LM, compose_config
 from tests.test_dryrun import tiny_lm_elements_per_rank_under_tp2
 from tests.reference import max_relative_error, reference_training
 from tests.workers import train_and_report
 
 # The tiny LM on a 64 KB slice of the corpus; SGD so any gradient error shows in the loss.
-TINY = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dataset.seq_len=32",
-        "data.global_batch_size=8", "trainer.warmup_steps=0", "trainer.lr_decay=constant",
-        "trainer.grad_clip=null", "trainer.eval_every=null", "trainer.progress_bar=false",
-        "logger.tensorboard=false", "optim=sgd", "~optim.betas", "optim.lr=0.5"]
+TINY = [*TINY_LM, "trainer.warmup_steps=0", "trainer.lr_decay=constant", "trainer.grad_clip=null",
+        "trainer.eval_every=null", "logger.tensorboard=false", "optim=sgd", "~optim.betas", "optim.lr=0.5"]
 STEPS = 10
 
 

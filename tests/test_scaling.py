@@ -3,7 +3,6 @@ rank's world, and a sweep submitted through Hydra's submitit launcher (its local
 import json
 import socket
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -11,9 +10,9 @@ import pytest
 
 from framework.config.errors import ConfigError
 from framework.launch.slurm import job_shape, master_port, world_from_job
-from tests.conftest import ROOT, compose_config, run_cli
+from tests.conftest import ROOT, TORCHRUN, compose_config, run_cli
 from tests.reference import reference_training
-from tests.test_cli import TORCHRUN
+
 
 FAST = ["trainer.progress_bar=false", "trainer.max_steps=4", "logger.tensorboard=false"]
 

@@ -8,11 +8,10 @@ from hydra.errors import ConfigCompositionException
 
 from framework.launch.local import launch_local
 from framework.models.transformer import Transformer
-from tests.conftest import compose_config
+from tests.conftest import QUIET, compose_config
 from tests.reference import max_relative_error, reference_training
 from tests.test_lm import TINY, shape_under_tp2
 
-QUIET = ["trainer.progress_bar=false", "logger.tensorboard=false"]
 STEPS = 20
 SEED_BYTES = 4 * (48 * 12 + 48 + 48 * 48 + 48 + 12 * 48 + 12)  # the seed MLP's fp32 parameters, on 1x1
 

@@ -11,10 +11,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.report import SweepReport, sweep_rows, write_report
-from tests.conftest import processes_with_marker, run_cli
+from tests.conftest import TEST_MODELS, processes_with_marker, run_cli
 
 FAST = ["trainer.max_steps=4", "trainer.progress_bar=false"]
-FAIL_ON_RANK_1 = ["allowed_targets=[framework,torch.nn,torch.optim,tests]", "model._target_=tests.workers.FailOnRank",
+FAIL_ON_RANK_1 = [TEST_MODELS, "model._target_=tests.workers.FailOnRank",
                   "+model.fail_rank=1"]
 
 

@@ -5,10 +5,10 @@ import os
 import pytest
 
 from framework.launch.threads import threads_per_rank
-from tests.conftest import run_cli
+from tests.conftest import TEST_MODELS, run_cli
 
 CORES = len(os.sched_getaffinity(0))
-REPORT = ["allowed_targets=[framework,torch.nn,torch.optim,tests]", "model._target_=tests.workers.ReportThreads",
+REPORT = [TEST_MODELS, "model._target_=tests.workers.ReportThreads",
           "trainer.max_steps=1", "trainer.progress_bar=false", "logger.tensorboard=false"]
 
 

@@ -7,11 +7,10 @@ from hydra.utils import instantiate
 from framework.launch.handoff import rank_config
 from framework.launch.local import RankFailed, launch_local, spawn_ranks
 from framework.data import SyntheticRegression
-from tests.conftest import compose_config
+from tests.conftest import QUIET, TEST_MODELS, compose_config
 from tests.reference import max_relative_error, reference_training
 from tests.workers import data_parallel_gradients, seed_literal_ddp_then_tp, train_and_report
 
-QUIET = ["trainer.progress_bar=false", "logger.tensorboard=false"]
 PARITY_STEPS = 20
 
 
@@ -88,7 +87,7 @@ def test_clip_by_global_norm_with_mixed_dtensor_and_plain_parameters(tmp_path):
 def test_a_parameter_no_replica_uses_stays_untouched_as_in_one_process(tmp_path):
     """AdamW's weight decay moves any parameter that has a gradient, even a zero one; like one
     process (and DDP), an unused layer must get none and stay as initialised."""
-    cfg = compose_config(["mesh=2x2", "allowed_targets=[framework,torch.nn,torch.optim,tests]",
+    cfg = compose_config(["mesh=2x2", TEST_MODELS,
                           "model._target_=tests.workers.WithUnusedLayer", "optim=adamw", "trainer.max_steps=3",
                           *QUIET])
     reference = reference_training(cfg)
@@ -131,7 +130,7 @@ def test_torch_ddp_then_tp_diverges_which_is_why_data_parallel_syncs_itself(tmp_
 
 @pytest.mark.timeout(180)
 def test_the_replica_check_fails_the_run_naming_a_parameter_that_drifted_on_one_rank(tmp_path):
-    cfg = compose_config(["mesh=2x2", "allowed_targets=[framework,torch.nn,torch.optim,tests]",
+    cfg = compose_config(["mesh=2x2", TEST_MODELS,
                           "model._target_=tests.workers.DriftOnRank", "trainer.max_steps=10",
                           "trainer.check_replicas_every=5", *QUIET])
     with pytest.raises(RankFailed, match=r"RuntimeError: replica check at step 5: parameter scale differs across "

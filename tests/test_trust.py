@@ -14,7 +14,7 @@ from framework.checkpoint.safe_load import load_checkpoint
 from framework.cli import check_before_hydra
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
-from tests.conftest import compose_config, run_cli
+from tests.conftest import TEST_MODELS, compose_config, run_cli
 from tests.test_checkpoint import SEED, _copy, straight  # noqa: F401 (the fixture)
 
 
@@ -74,7 +74,7 @@ def test_a_recipe_cannot_make_anything_run(route, mode, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_the_allowlist_widens_only_from_the_command_line_or_the_environment(tmp_path, monkeypatch):
-    for overrides in (["allowed_targets=[framework,torch.nn,torch.optim,tests]"], []):
+    for overrides in ([TEST_MODELS], []):
         if not overrides:
             monkeypatch.setenv("FRAMEWORK_ALLOWED_TARGETS", "tests")
         validate(compose_config([*overrides, "model._target_=tests.workers.FailOnRank"]))

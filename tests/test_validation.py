@@ -4,7 +4,7 @@ import torch
 
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
-from tests.conftest import run_cli, compose_config
+from tests.conftest import TEST_MODELS, compose_config, run_cli
 
 BAD_CONFIGS = [
     (["mesh.dim_names=[dp]"], r"mesh.dim_names=\['dp'\]: give one name per dim of mesh.shape=\[2, 2\]"),
@@ -105,7 +105,7 @@ def test_cuda_without_a_gpu_is_refused_before_any_rank_starts():
     ["mesh.ranks_per_host=1", "parallel.allow_tp_across_hosts=true"],
     ["mesh.ranks_per_host=2"],
     ["mesh.dim_names=[col,row]", "parallel.dp_dim=col", "parallel.tp_dim=row"],
-    ["allowed_targets=[framework,torch.nn,torch.optim,tests]", "model._target_=tests.workers.FailOnRank"],
+    [TEST_MODELS, "model._target_=tests.workers.FailOnRank"],
     ["mesh=2x2x1", "parallel.dp_strategy=hsdp"],
     ["mesh=2x1x2", "parallel.dp_strategy=hsdp"],
     ["mesh=2x2x1", "parallel.dp_strategy=fsdp"],

@@ -7,9 +7,8 @@ import pytest
 
 from framework.config.errors import ConfigError
 from framework.verify import compose_config, verify
-from tests.conftest import run_cli
+from tests.conftest import TEST_MODELS, run_cli
 
-TEST_MODELS = "allowed_targets=[framework,torch.nn,torch.optim,tests]"
 LM = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dataset.seq_len=32",
       "data.global_batch_size=8"]
 

@@ -12,7 +12,6 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from framework.config.schema import STAGES
 from framework.training.builder import build_and_run
 from framework.models import SeedMLP, Transformer
 from framework.models.transformer import Attention, rotary
@@ -130,9 +129,7 @@ class KillInSave(SeedMLP):
 def output_after_loading(cfg_container: dict, out_dir: str, inputs: torch.Tensor) -> torch.Tensor:
     """Build the run up to its checkpoint stage (which loads checkpoint.resume or init_from),
     then the sharded model's output on `inputs`."""
-    cfg = OmegaConf.create(cfg_container)
-    cfg.pipeline = STAGES[: STAGES.index("checkpoint") + 1]
-    run = build_and_run(cfg, out_dir)
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="checkpoint")
     with torch.no_grad():
         output = run.model(inputs)
     dist.destroy_process_group()

@@ -165,8 +165,16 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
 assert list(STAGE_FUNCTIONS) == STAGES
 
 
-def build_and_run(cfg: DictConfig, out_dir: str) -> Run:
-    run = Run(cfg=cfg, out_dir=out_dir)
-    for name in cfg.pipeline:
-        STAGE_FUNCTIONS[name](run)
+def build_and_run(cfg: DictConfig, out_dir: str, through: Optional[str] = None, start: Optional[str] = None,
+                  run: Optional[Run] = None, replace: Optional[Dict[str, Callable[[Run], None]]] = None) -> Run:
+    """Run cfg.pipeline's stages in order (framework.train), or the stages up to and including
+    `through` whatever the pipeline (the commands that build a run without training it: verify,
+    inspect, dryrun), from `start` on. `run` may come with what the skipped stages would have
+    set (verify's one-process reference has no process group or mesh), and `replace` may stand
+    in for a stage (the dry run builds its model on meta)."""
+    run = run or Run(cfg=cfg, out_dir=out_dir)
+    stages = {**STAGE_FUNCTIONS, **(replace or {})}
+    names = list(cfg.pipeline) if through is None else STAGES[: STAGES.index(through) + 1]
+    for name in names[names.index(start) if start else 0:]:
+        stages[name](run)
     return run
