@@ -6,7 +6,6 @@ process group (resharding whatever mesh and plan saved them into whole tensors),
 gets `model.state_dict()`: the model's own keys, loadable with
 `model.load_state_dict(torch.load("OUT.pt"))` anywhere. Bad input exits 2 with one line.
 """
-import os
 import sys
 import warnings
 from typing import List
@@ -14,6 +13,7 @@ from typing import List
 import torch
 from omegaconf import OmegaConf
 
+from framework.atomic import atomic_file
 from framework.checkpoint.compat import check_model_keys
 from framework.checkpoint.layout import CheckpointError, read_meta, resolve
 from framework.checkpoint.safe_load import load_checkpoint
@@ -41,9 +41,8 @@ def export(checkpoint: str, out_path: str) -> str:
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_checkpoint(state, path, no_dist=True)
-    tmp = out_path + ".tmp"
-    torch.save(state["model"], tmp)
-    os.replace(tmp, out_path)
+    with atomic_file(out_path, "wb") as f:
+        torch.save(state["model"], f)
     return path
 
 

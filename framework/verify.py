@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement
 
-from framework.checkpoint.manager import DataPosition
+from framework.data.loader import DataPosition, batches
 from framework.cli import command_status, compose_config
 from framework.config.errors import ConfigError
 from framework.config.validate import check_model_and_plan, validate
@@ -33,7 +33,7 @@ from framework.launch.local import spawn_ranks
 from framework.parallel.plan import matching_modules
 from framework.training.builder import build_and_run
 from framework.training.run import Run
-from framework.training.loop import batches, local_value, mean_over_dp, train_step
+from framework.training.loop import local_value, mean_over_dp, train_step
 
 USAGE = ("usage: python -m framework.verify [hydra overrides, e.g. recipe=lm_2d model=lm_tiny mesh=1x2]\n"
          "exit 0: the configured run matches one process; 1: it does not; 2: a config error")

@@ -4,6 +4,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils.data import DataLoader
 
+from framework.atomic import atomic_file
 from framework.data import SyntheticRegression
 from framework.data.loader import build_sampler
 from framework.config.errors import ConfigError
@@ -13,8 +14,8 @@ from framework.models import SeedMLP
 from framework.parallel.data_parallel import BUCKET_BYTES, _buckets
 from framework.parallel.tensor_parallel import to_placement
 from framework.parallel.plan import check_layout, matching_modules
-from framework.checkpoint.manager import DataPosition
-from framework.training.loop import batches, lr_multiplier
+from framework.data.loader import DataPosition, batches
+from framework.training.loop import lr_multiplier
 from framework.training.metrics import mfu
 from tests.conftest import compose_config
 
@@ -105,3 +106,16 @@ def test_mesh_roles_come_from_the_config_alone():
     assert (roles.dp_dims, roles.dp_size, roles.tp_size) == (["dp"], 1, 4)
     roles = MeshRoles.from_config(compose_config(["mesh.shape=[4]", "mesh.dim_names=[tp]", "parallel.dp_dim=null"]))
     assert (roles.dp_dims, roles.dp_size, roles.tp_size) == ([], 1, 4)
+
+
+def test_an_atomic_file_appears_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_file(str(path)) as f:
+            f.write("half")
+            raise RuntimeError("killed mid-write")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    with atomic_file(str(path)) as f:
+        f.write("new")
+    assert path.read_text() == "new"

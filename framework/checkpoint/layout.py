@@ -12,6 +12,8 @@ import re
 import shutil
 from typing import List, Optional, Tuple
 
+from framework.atomic import atomic_file
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 PARTIAL_PREFIX = ".partial_"
 META_FILE = "framework.json"
@@ -106,10 +108,8 @@ def read_meta(path: str) -> dict:
 def write_meta_and_publish(partial: str, final: str, meta: dict) -> None:
     """Rank 0, once every rank's files are in `partial`: add framework.json, then make the
     checkpoint visible under its final name in one rename."""
-    tmp = os.path.join(partial, META_FILE + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_file(os.path.join(partial, META_FILE)) as f:
         json.dump(meta, f, indent=1)
-    os.replace(tmp, os.path.join(partial, META_FILE))
     if os.path.isdir(final):  # a run resumed from an older checkpoint reaches this step again
         shutil.rmtree(final)
     os.rename(partial, final)

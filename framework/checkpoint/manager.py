@@ -38,6 +38,7 @@ from framework.checkpoint.layout import (
     write_meta_and_publish,
 )
 from framework.checkpoint.safe_load import load_checkpoint
+from framework.data.loader import DataPosition
 
 log = logging.getLogger("framework")
 
@@ -45,14 +46,6 @@ log = logging.getLogger("framework")
 def restart_count() -> int:
     """How often the elastic agent (self-launched or torchrun) restarted this job's ranks."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-@dataclass
-class DataPosition:
-    """Where the global batch order stands: the epoch and the global samples consumed in it.
-    Independent of the DP size: a new DP size skips samples / DP of its replica's indices."""
-    epoch: int = 0
-    samples: int = 0
 
 
 @dataclass

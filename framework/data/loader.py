@@ -1,4 +1,5 @@
-"""The DP-derived DistributedSampler and the StatefulDataLoader over it.
+"""The DP-derived DistributedSampler, the StatefulDataLoader over it, and the global position
+in the batch order that a checkpoint saves and a resume continues from.
 
 The sampler's replicas are the DP submesh: num_replicas is its size and rank this process's
 coordinate on the DP dim, so every rank of a TP group draws the same batch and DP replicas
@@ -7,6 +8,8 @@ r, r+dp, r+2dp, ... of the permutation's slice [t*G, (t+1)*G): the union over re
 same global batch for every DP size, which is what makes mesh shapes comparable step by step.
 """
 import warnings
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -34,3 +37,26 @@ def build_dataloader(dataset: Dataset, sampler: DistributedSampler, per_replica_
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StatefulDataLoader(dataset, batch_size=per_replica_batch, sampler=sampler, drop_last=True,
                                   num_workers=num_workers, generator=torch.Generator().manual_seed(0))
+
+
+@dataclass
+class DataPosition:
+    """Where the global batch order stands: the epoch and the global samples consumed in it.
+    Independent of the DP size: a new DP size skips samples / DP of its replica's indices."""
+    epoch: int = 0
+    samples: int = 0
+
+
+def batches(sampler, dataloader, position: DataPosition, global_batch: int) -> Iterator:
+    """Endless batches from `position` on, which advances as batches are taken. Each pass over
+    the data is one epoch, with set_epoch before it so every epoch gets its own (seeded)
+    permutation; a resumed epoch skips the samples its global position says were consumed
+    (this replica's share of them, whatever the DP size)."""
+    while True:
+        sampler.set_epoch(position.epoch)
+        sampler.load_state_dict({"yielded": position.samples // sampler.num_replicas})
+        for batch in dataloader:
+            position.samples += global_batch
+            yield batch
+        position.epoch += 1
+        position.samples = 0

@@ -9,14 +9,14 @@ import logging
 import math
 import time
 from contextlib import nullcontext
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from framework.checkpoint.manager import DataPosition
+from framework.data.loader import DataPosition, batches
 from framework.parallel.data_parallel import DataParallel
 from framework.parallel.fully_shard import no_gradient_sync
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
@@ -26,21 +26,6 @@ from framework.training.run import Run
 from framework.training.watchdog import StallWatchdog
 
 log = logging.getLogger("framework")
-
-def batches(sampler, dataloader, position: DataPosition, global_batch: int) -> Iterator:
-    """Endless batches from `position` on, which advances as batches are taken. Each pass over
-    the data is one epoch, with set_epoch before it so every epoch gets its own (seeded)
-    permutation; a resumed epoch skips the samples its global position says were consumed
-    (this replica's share of them, whatever the DP size)."""
-    while True:
-        sampler.set_epoch(position.epoch)
-        sampler.load_state_dict({"yielded": position.samples // sampler.num_replicas})
-        for batch in dataloader:
-            position.samples += global_batch
-            yield batch
-        position.epoch += 1
-        position.samples = 0
-
 
 def lr_multiplier(step: int, warmup_steps: int, max_steps: int, decay: str) -> float:
     """For 0-based step `step`: linear warmup over warmup_steps, then constant, or cosine decay

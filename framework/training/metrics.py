@@ -12,6 +12,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from framework.atomic import atomic_file
 from framework.checkpoint.manager import restart_count
 from framework.parallel.mesh import layout_table
 from framework.training.logger import TensorBoardLogger
@@ -45,13 +46,6 @@ def memory_per_rank(run: Run) -> dict:
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return {f"rank{run.rank}": mine,
             "max_over_ranks": dict(zip(mine, (int(v) for v in largest.tolist())))}
-
-
-def write_json_atomically(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 class Metrics:
@@ -169,4 +163,5 @@ class Metrics:
                 cfg.trainer.max_steps,
             )
             self.tb.close()
-        write_json_atomically(os.path.join(self.run.out_dir, "summary.json"), summary)
+        with atomic_file(os.path.join(self.run.out_dir, "summary.json")) as f:
+            json.dump(summary, f, indent=2)

@@ -19,6 +19,8 @@ import time
 from types import FrameType
 from typing import Optional
 
+from framework.atomic import atomic_file
+
 log = logging.getLogger("framework")
 
 # How long a rank that reported waits for the others before it exits: stuck ranks stopped
@@ -112,9 +114,8 @@ class StallWatchdog:
                   "every thread's stack follows", idle, self.timeout_s, report["stage"], report["blocked_in"])
         with open(log_path, "a") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
-        with open(report_path(self.out_dir, self.rank) + ".tmp", "w") as f:
+        with atomic_file(report_path(self.out_dir, self.rank)) as f:
             json.dump(report, f)
-        os.replace(report_path(self.out_dir, self.rank) + ".tmp", report_path(self.out_dir, self.rank))
         time.sleep(REPORT_GRACE_S)
         EXIT_LOCK.acquire()
         logging.shutdown()
