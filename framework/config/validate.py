@@ -14,7 +14,6 @@ from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_
 from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.errors import ConfigError
 from framework.config.trust import check_targets
-from framework.parallel.mesh import submesh_ranks
 from framework.parallel.roles import MeshRoles
 from framework.parallel.plan import check_output_layout, check_plan
 
@@ -29,50 +28,15 @@ def check_known_keys(cfg: DictConfig) -> None:
 
 
 def check_mesh(cfg: DictConfig) -> None:
-    shape, names = list(cfg.mesh.shape), list(cfg.mesh.dim_names)
-    if len(shape) != len(names):
-        raise ConfigError("mesh.dim_names", names, f"give one name per dim of mesh.shape={shape}")
-    if len(set(names)) != len(names):
-        raise ConfigError("mesh.dim_names", names, "dim names must be unique")
-    for name, size in zip(names, shape):
-        if size < 1:
-            raise ConfigError("mesh.shape", shape, f"dim {name!r} has size {size}; every size must be >= 1")
+    """The mesh's dims and roles (framework.parallel.roles), its host and backend settings, and
+    what the DP strategy needs of the roles."""
+    roles = MeshRoles.from_config(cfg)
+    roles.check()
     if cfg.mesh.ranks_per_host is not None and cfg.mesh.ranks_per_host < 1:
         raise ConfigError("mesh.ranks_per_host", cfg.mesh.ranks_per_host, "must be >= 1, or null for all ranks on one host")
     if cfg.mesh.device_type == "cpu" and cfg.mesh.backend == "nccl":
         raise ConfigError("mesh.backend", "nccl", "nccl needs mesh.device_type=cuda; use gloo (or auto) on cpu")
-    dp, tp, replicate = cfg.parallel.dp_dim, cfg.parallel.tp_dim, cfg.parallel.dp_replicate_dim
-    for key, name in (("parallel.dp_dim", dp), ("parallel.tp_dim", tp)):
-        if name is not None and name not in names:
-            raise ConfigError(key, name, f"name one of the mesh dims {names}, or null for no such parallelism")
-    if dp is not None and dp == tp:
-        raise ConfigError("parallel.tp_dim", tp, "DP and TP need different mesh dims")
-    if replicate in (dp, tp):
-        raise ConfigError("parallel.dp_replicate_dim", replicate, "must differ from parallel.dp_dim and parallel.tp_dim")
-    if replicate in names and (dp is None or names.index(replicate) > names.index(dp)):
-        raise ConfigError("mesh.dim_names", names,
-                          f"the DP replica dim {replicate!r} (parallel.dp_replicate_dim) needs the DP dim "
-                          f"parallel.dp_dim={dp!r} inside it, as in conf/mesh/2x2x1.yaml: [dp_replicate, dp, tp]")
-    for name, size in zip(names, shape):
-        if name not in (dp, tp, replicate) and size > 1:
-            raise ConfigError("mesh.shape", shape,
-                              f"dim {name!r} has size {size} but no role; set parallel.dp_dim or "
-                              f"parallel.tp_dim to it, or make it size 1")
-    check_dp_strategy(cfg)
-
-
-def check_dp_strategy(cfg: DictConfig) -> None:
-    strategy, names = cfg.parallel.dp_strategy, list(cfg.mesh.dim_names)
-    dp_dims = MeshRoles.from_config(cfg).dp_dims
-    if strategy == "fsdp" and not dp_dims:
-        raise ConfigError("parallel.dp_strategy", "fsdp",
-                          "shards over the DP ranks, and parallel.dp_dim is null; name a DP mesh dim "
-                          "(mesh=4x1 or 2x2), or use dp_strategy=replicate")
-    if strategy == "hsdp" and len(dp_dims) != 2:
-        raise ConfigError("parallel.dp_strategy", "hsdp",
-                          f"needs two DP dims, parallel.dp_replicate_dim={cfg.parallel.dp_replicate_dim!r} (replicas) "
-                          f"outside parallel.dp_dim={cfg.parallel.dp_dim!r} (shards), and mesh.dim_names={names} has "
-                          f"{dp_dims}; use mesh=2x2x1 or mesh=2x1x2, or dp_strategy=fsdp")
+    roles.check_strategy(cfg.parallel.dp_strategy)
 
 
 def check_ranks_per_node(cfg: DictConfig) -> None:
@@ -92,31 +56,6 @@ def check_threads(cfg: DictConfig) -> None:
     if threads is not None and threads < 1:
         raise ConfigError("launcher.threads_per_rank", threads,
                           "must be >= 1, or null for this host's cores shared out among its ranks")
-
-
-def check_tp_placement(cfg: DictConfig, ranks_per_host: int) -> None:
-    """TP exchanges activations every layer: keep its group on the innermost dim, inside one host.
-    torch >= 2.9 no longer refuses an outer TP dim, so the framework does."""
-    shape, names, tp = list(cfg.mesh.shape), list(cfg.mesh.dim_names), cfg.parallel.tp_dim
-    if MeshRoles.from_config(cfg).tp_size == 1:
-        return
-    tp_index = names.index(tp)
-    inner_dims = [n for n, s in zip(names[tp_index + 1:], shape[tp_index + 1:]) if s > 1]
-    if inner_dims and cfg.parallel.enforce_tp_innermost:
-        raise ConfigError("mesh.dim_names", names,
-                          f"the TP dim {tp!r} must be innermost (last of the dims larger than 1) so its "
-                          f"ranks are neighbours; reorder the mesh, or set "
-                          f"parallel.enforce_tp_innermost=false to keep {inner_dims} inside it anyway")
-    if cfg.parallel.allow_tp_across_hosts:
-        return
-    for rank in range(math.prod(shape)):
-        group = submesh_ranks(shape, rank, tp_index)
-        hosts = sorted({r // ranks_per_host for r in group})
-        if len(hosts) > 1:
-            raise ConfigError("mesh.shape", shape,
-                              f"TP group {group} spans hosts {hosts} ({ranks_per_host} ranks per host); "
-                              f"make the TP size divide the ranks per host, or set "
-                              f"parallel.allow_tp_across_hosts=true")
 
 
 # (stage, stage it must come after, why): the orders torch needs, named when a pipeline breaks them
@@ -303,7 +242,8 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or mesh_size
     check_ranks_per_node(cfg)
     check_threads(cfg)
-    check_tp_placement(cfg, per_host)
+    MeshRoles.from_config(cfg).check_tp_placement(per_host, cfg.parallel.enforce_tp_innermost,
+                                                  cfg.parallel.allow_tp_across_hosts)
     check_devices(cfg, per_host)
     check_targets(cfg)
     check_trainer_and_data(cfg)

@@ -1,6 +1,7 @@
 """Which mesh dim plays which role, and how large each role is: made from the config alone
 (no process group), so validation, the dry run and the builder read the same answer
-(torchtitan's ParallelDims). Once the DeviceMesh exists, it also picks each role's submesh.
+(torchtitan's ParallelDims). It checks the roles (before launch: validate calls it), and once
+the DeviceMesh exists it picks each role's submesh.
 
 Roles: `tp` (parallel.tp_dim), `dp` (parallel.dp_dim) and, when the mesh has a dim named
 parallel.dp_replicate_dim, the outer DP dim of hsdp; data parallelism spans both DP dims,
@@ -12,6 +13,9 @@ from typing import List, Optional, Tuple
 
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
+
+from framework.config.errors import ConfigError
+from framework.parallel.mesh import submesh_ranks
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,73 @@ class MeshRoles:
     def from_config(cls, cfg: DictConfig) -> "MeshRoles":
         p = cfg.parallel
         return cls(tuple(cfg.mesh.shape), tuple(cfg.mesh.dim_names), p.dp_dim, p.tp_dim, p.dp_replicate_dim)
+
+    def check(self) -> None:
+        """The mesh's dims and sizes, and every role on a dim of its own (a dim larger than 1
+        without a role would be a silent replica)."""
+        shape, names = list(self.shape), list(self.dim_names)
+        if len(shape) != len(names):
+            raise ConfigError("mesh.dim_names", names, f"give one name per dim of mesh.shape={shape}")
+        if len(set(names)) != len(names):
+            raise ConfigError("mesh.dim_names", names, "dim names must be unique")
+        for name, size in zip(names, shape):
+            if size < 1:
+                raise ConfigError("mesh.shape", shape, f"dim {name!r} has size {size}; every size must be >= 1")
+        dp, tp, replicate = self.dp_dim, self.tp_dim, self.dp_replicate_dim
+        for key, name in (("parallel.dp_dim", dp), ("parallel.tp_dim", tp)):
+            if name is not None and name not in names:
+                raise ConfigError(key, name, f"name one of the mesh dims {names}, or null for no such parallelism")
+        if dp is not None and dp == tp:
+            raise ConfigError("parallel.tp_dim", tp, "DP and TP need different mesh dims")
+        if replicate in (dp, tp):
+            raise ConfigError("parallel.dp_replicate_dim", replicate,
+                              "must differ from parallel.dp_dim and parallel.tp_dim")
+        if replicate in names and (dp is None or names.index(replicate) > names.index(dp)):
+            raise ConfigError("mesh.dim_names", names,
+                              f"the DP replica dim {replicate!r} (parallel.dp_replicate_dim) needs the DP dim "
+                              f"parallel.dp_dim={dp!r} inside it, as in conf/mesh/2x2x1.yaml: [dp_replicate, dp, tp]")
+        for name, size in zip(names, shape):
+            if name not in (dp, tp, replicate) and size > 1:
+                raise ConfigError("mesh.shape", shape,
+                                  f"dim {name!r} has size {size} but no role; set parallel.dp_dim or "
+                                  f"parallel.tp_dim to it, or make it size 1")
+
+    def check_strategy(self, strategy: str) -> None:
+        """fsdp needs DP ranks to shard over; hsdp a replica dim outside the shard dim."""
+        if strategy == "fsdp" and not self.dp_dims:
+            raise ConfigError("parallel.dp_strategy", "fsdp",
+                              "shards over the DP ranks, and parallel.dp_dim is null; name a DP mesh dim "
+                              "(mesh=4x1 or 2x2), or use dp_strategy=replicate")
+        if strategy == "hsdp" and len(self.dp_dims) != 2:
+            raise ConfigError("parallel.dp_strategy", "hsdp",
+                              f"needs two DP dims, parallel.dp_replicate_dim={self.dp_replicate_dim!r} (replicas) "
+                              f"outside parallel.dp_dim={self.dp_dim!r} (shards), and mesh.dim_names="
+                              f"{list(self.dim_names)} has {self.dp_dims}; use mesh=2x2x1 or mesh=2x1x2, or "
+                              f"dp_strategy=fsdp")
+
+    def check_tp_placement(self, ranks_per_host: int, enforce_innermost: bool, allow_across_hosts: bool) -> None:
+        """TP exchanges activations every layer: keep its group on the innermost dim, inside one
+        host. torch >= 2.9 no longer refuses an outer TP dim, so the framework does."""
+        if self.tp_size == 1:
+            return
+        shape, names, tp = list(self.shape), list(self.dim_names), self.tp_dim
+        tp_index = names.index(tp)
+        inner_dims = [n for n, s in zip(names[tp_index + 1:], shape[tp_index + 1:]) if s > 1]
+        if inner_dims and enforce_innermost:
+            raise ConfigError("mesh.dim_names", names,
+                              f"the TP dim {tp!r} must be innermost (last of the dims larger than 1) so its "
+                              f"ranks are neighbours; reorder the mesh, or set "
+                              f"parallel.enforce_tp_innermost=false to keep {inner_dims} inside it anyway")
+        if allow_across_hosts:
+            return
+        for rank in range(self.world):
+            group = submesh_ranks(shape, rank, tp_index)
+            hosts = sorted({r // ranks_per_host for r in group})
+            if len(hosts) > 1:
+                raise ConfigError("mesh.shape", shape,
+                                  f"TP group {group} spans hosts {hosts} ({ranks_per_host} ranks per host); "
+                                  f"make the TP size divide the ranks per host, or set "
+                                  f"parallel.allow_tp_across_hosts=true")
 
     @property
     def world(self) -> int:
