@@ -72,29 +72,30 @@ class Checkpointer:
         return bool(self.every) and (step % self.every == 0 or step == self.cfg.trainer.max_steps)
 
     def save(self, run, step: int, position: DataPosition, history: Dict[str, Any]) -> float:
-        """Write checkpoint `step`; return the seconds training was blocked."""
+        """Write checkpoint `step` and record it in the history (the only writer of save
+        records: the step, the seconds training was blocked, and once published the seconds
+        until the files were all written); return the blocking seconds."""
         start = time.perf_counter()
         self.wait()  # at most one save in flight
+        entry = {"step": step, "blocking_s": None}
+        history["checkpoints"].append(entry)
         state = self._state_dict(run)
         partial, final = partial_dir(self.dir, step), step_dir(self.dir, step)
         meta = self._meta(run, step, position, history)
-        entry = history["checkpoints"][-1]  # the loop's record of this save: gets total_s when published
         if self.async_group is None:
             dcp.save(state, checkpoint_id=partial)  # returns once every rank's files and .metadata are written
-            blocking = self._record_blocking(meta, start)
+            self._record_blocking(entry, meta, start)
             self._publish(partial, final, meta, entry, start)
         else:
             future = dcp.async_save(state, checkpoint_id=partial, process_group=self.async_group)
-            blocking = self._record_blocking(meta, start)
+            self._record_blocking(entry, meta, start)
             self.in_flight = (future, partial, final, meta, entry, start)
-        return blocking
+        return entry["blocking_s"]
 
     @staticmethod
-    def _record_blocking(meta: dict, start: float) -> float:
-        """The save's own entry in the history it carries gets its blocking seconds."""
-        blocking = time.perf_counter() - start
-        meta["history"]["checkpoints"][-1]["blocking_s"] = blocking
-        return blocking
+    def _record_blocking(entry: dict, meta: dict, start: float) -> None:
+        """The save's record, in the history and in the copy of it the checkpoint carries."""
+        entry["blocking_s"] = meta["history"]["checkpoints"][-1]["blocking_s"] = time.perf_counter() - start
 
     def poll(self) -> None:
         """Publish a finished async save without waiting for one that is still writing."""

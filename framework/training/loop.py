@@ -171,7 +171,7 @@ def train(run: Run) -> Optional[dict]:
         watchdog.finished()  # the step, and its evaluation
         if saving:
             watchdog.stage(f"step {step}: checkpoint save")
-            save(run, step, position, history, metrics)
+            metrics.saved(step, run.checkpointer.save(run, step, position, history))  # it records the save
             watchdog.finished()
         else:
             run.checkpointer.poll()
@@ -189,11 +189,3 @@ def evaluate_and_log(run: Run, device: torch.device, step: int, history: dict, m
     history["val_losses"].append([step, evaluate(run, device)])
     metrics.scalars(step, {"val_loss": history["val_losses"][-1][1]})
     return time.perf_counter() - start
-
-
-def save(run: Run, step: int, position: DataPosition, history: dict, metrics: Metrics) -> None:
-    """A checkpoint at `step`; its record (blocking seconds) goes into the history it saves
-    (an async save publishes the history as it is now)."""
-    history["checkpoints"].append({"step": step, "blocking_s": None})
-    history["checkpoints"][-1]["blocking_s"] = run.checkpointer.save(run, step, position, history)
-    metrics.saved(step, history["checkpoints"][-1]["blocking_s"])
