@@ -194,7 +194,10 @@ def run_client(path: str, module: str, args: list) -> None:
 
     def relay(number: int, _frame) -> None:
         relayed.append(number)
-        os.kill(pid, number)
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:  # the rank ended and was reaped already: its status is on its way
+            pass
 
     for sig in _RELAYED:
         signal.signal(sig, relay)
