@@ -46,9 +46,9 @@ def _headline(failure) -> str:
     return headline(failure.message["message"] if isinstance(failure.message, dict) else failure.message)
 
 
-def lost_peer(headline: str) -> bool:
+def lost_peer(error_line: str) -> bool:
     """An error of a collective whose peer died: the consequence of another rank's failure."""
-    return bool(_PEER_LOST.search(headline))
+    return bool(_PEER_LOST.search(error_line))
 
 
 def _is_consequence(failure) -> bool:

@@ -15,7 +15,6 @@ class Run:
     cfg: DictConfig
     out_dir: str
     rank: int = 0
-    roles: MeshRoles = None  # which mesh dim plays which role (from cfg)
     mesh: Any = None
     dp_mesh: Any = None  # the DP ranks as one 1-D mesh (two DP dims flattened); None without DP
     dp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on dp_mesh
@@ -32,9 +31,10 @@ class Run:
     resumed: Any = None  # framework.checkpoint.manager.Resumed, when the run continues a checkpoint
     summary: Optional[dict] = None
 
-    def __post_init__(self) -> None:
-        if self.roles is None:
-            self.roles = MeshRoles.from_config(self.cfg)
+    @property
+    def roles(self) -> MeshRoles:
+        """Which mesh dim plays which role, from cfg (verify's reference clears the roles first)."""
+        return MeshRoles.from_config(self.cfg)
 
     @property
     def module(self) -> nn.Module:
