@@ -41,7 +41,7 @@ from framework.parallel.collectives import CollectiveRecorder, counted
 from framework.parallel.mesh import coordinates
 from framework.cli import command_status, compose_config
 from framework.training.builder import build_and_run
-from framework.training.loop import forward_backward
+from framework.training.trainer import Trainer
 from framework.training.memory import state_bytes
 from framework.training.run import Run
 
@@ -140,7 +140,7 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
         totals: Dict[Tuple[str, str], List[int]] = {}
         collectives = CollectiveRecorder(counted(totals, lambda op, dim: (op, dim)), run.group_labels(), "other")
         with collectives, torch.autograd.graph.saved_tensors_hooks(activations.pack, lambda tensor: tensor):
-            forward_backward(run, inputs, targets)
+            Trainer(run).forward_backward(inputs, targets)
             run.optimizer.step()
         sizes = state_bytes(run.module, run.optimizer)
         return RankReport(

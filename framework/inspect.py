@@ -26,7 +26,7 @@ from framework.training.builder import build_and_run
 from framework.cli import command_status, compose_config
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
-from framework.training.loop import forward_backward
+from framework.training.trainer import Trainer
 from framework.config.validate import validate
 
 USAGE = "usage: python -m framework.inspect {comm|trace} [hydra overrides, e.g. recipe=lm_2d mesh=1x2]"
@@ -43,7 +43,7 @@ def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]
     run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
     totals: Dict[str, List[int]] = {}
     with CollectiveRecorder(counted(totals, lambda op, dim: op)):
-        forward_backward(run, inputs, targets)
+        Trainer(run).forward_backward(inputs, targets)
         run.optimizer.step()
     dist.destroy_process_group()
     return {op: count for op, (count, _) in totals.items()}
@@ -70,7 +70,7 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
         events[-1]["collectives"].append(f"{op.split('.')[1]}[{dim}]")
 
     with tracker, CollectiveRecorder(record, dim_of_group):
-        forward_backward(run, inputs, targets)
+        Trainer(run).forward_backward(inputs, targets)
         events.append({"pass": "step", "module": "optimizer", "collectives": []})
         run.optimizer.step()
     dist.destroy_process_group()

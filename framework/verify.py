@@ -33,7 +33,7 @@ from framework.launch.local import spawn_ranks
 from framework.parallel.plan import matching_modules
 from framework.training.builder import build_and_run
 from framework.training.run import Run
-from framework.training.loop import local_value, mean_over_dp, train_step
+from framework.training.trainer import Trainer, local_value, mean_over_dp
 
 USAGE = ("usage: python -m framework.verify [hydra overrides, e.g. recipe=lm_2d model=lm_tiny mesh=1x2]\n"
          "exit 0: the configured run matches one process; 1: it does not; 2: a config error")
@@ -92,12 +92,13 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
         hooks.append(module.register_forward_hook(partial(_keep_output, outputs_seen, name)))
         hooks.append(module.register_forward_hook(lambda m, a, o, name=name: order.append(name)))
     data = batches(run.sampler, run.dataloader, DataPosition(), cfg.data.global_batch_size)
+    trainer = Trainer(run)
     steps = []
     for step in range(cfg.verify.steps):
         inputs, targets = next(data)
         grads: Dict[str, torch.Tensor] = {}
         # before clipping: one wrong gradient changes the global norm, and so every clipped one
-        loss, _ = train_step(run, inputs, targets, measure_norm=False, on_gradients=lambda: grads.update(
+        loss, _ = trainer.train_step(inputs, targets, measure_norm=False, on_gradients=lambda: grads.update(
             {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}))
         if step == 0:
             for hook in hooks:

@@ -15,7 +15,7 @@ from framework.parallel.data_parallel import BUCKET_BYTES, _buckets
 from framework.parallel.tensor_parallel import to_placement
 from framework.parallel.plan import check_layout, matching_modules
 from framework.data.loader import DataPosition, batches
-from framework.training.loop import lr_multiplier
+from framework.training.schedule import lr_multiplier
 from framework.training.metrics import mfu
 from tests.conftest import compose_config
 

@@ -1,18 +1,19 @@
-"""Saving and loading inside the ranks, with torch.distributed.checkpoint (DCP).
+"""Saving and loading inside the ranks, with torch.distributed.checkpoint (DCP), over the
+parts of a run that follow torch's Stateful protocol (torchtitan's checkpoint manager is the
+model): the model and the optimizer go into DCP's files, the LR scheduler and the TrainState
+(step, data position, history) into framework.json (layout.py) with the config, the mesh and
+the versions.
 
-Model and optimizer go through DCP's get_state_dict / set_state_dict over the model inside
-the DataParallel wrapper, so keys are the model's own names and TP parameters are DTensors
-that each rank writes as its own shards with their global layout (replicated tensors once).
-DCP reshards on load, so a checkpoint loads into another mesh shape or plan. Besides them the
-DCP files hold every rank's RNG state (`rng.rank<N>`); framework.json (layout.py) holds the
-step, the data position, the LR scheduler, the history summary.json reports, the config,
-the mesh and the versions.
+Model and optimizer go through DCP's get_/set_model_state_dict and get_/set_optimizer_state_dict
+over the model inside the DataParallel wrapper, so keys are the model's own names and TP
+parameters are DTensors that each rank writes as its own shards with their global layout
+(replicated tensors once). DCP reshards on load, so a checkpoint loads into another mesh shape
+or plan. Besides them the DCP files hold every rank's RNG state (`rng.rank<N>`).
 
 Saves are synchronous or, with checkpoint.async_save, DCP's async_save over a gloo group of
 their own (a background thread's collectives must not interleave with the training step's):
 at most one is in flight, and the last one finishes before the run ends.
 """
-import copy
 import logging
 import os
 import time
@@ -24,7 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
 
 from framework.checkpoint.compat import checkpoint_dir
 from framework.checkpoint.layout import (
@@ -39,6 +47,7 @@ from framework.checkpoint.layout import (
 )
 from framework.checkpoint.safe_load import load_checkpoint
 from framework.data.loader import DataPosition
+from framework.training.state import TrainState
 
 log = logging.getLogger("framework")
 
@@ -50,17 +59,47 @@ def restart_count() -> int:
 
 @dataclass
 class Resumed:
-    """What a loaded checkpoint gives the loop besides the model and optimizer state."""
+    """Which checkpoint a run continues, for summary.json (its state went into the parts)."""
     path: str
     step: int
-    position: DataPosition
-    history: Dict[str, Any]
     load_s: float
 
 
+class ModelState(Stateful):
+    """The model's state dict by its own parameter names, DTensor shards as they are."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> Dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState(Stateful):
+    """The optimizer's state keyed by parameter names (not positions), so it reshards too."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> Dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
 class Checkpointer:
-    def __init__(self, cfg: DictConfig, out_dir: str, rank: int):
+    """Saves and loads the parts given: `model` (the module inside any DP wrapper), `optimizer`,
+    `scheduler` and `state`; the only writer of checkpoints and of their records."""
+
+    def __init__(self, cfg: DictConfig, out_dir: str, rank: int, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState):
         self.cfg, self.rank = cfg, rank
+        self.model, self.optimizer = ModelState(model), OptimizerState(model, optimizer)
+        self.scheduler, self.state = scheduler, state
         self.every = cfg.checkpoint.every
         self.dir = checkpoint_dir(cfg, out_dir)
         self.in_flight = None  # an async save: (future, then what _publish takes)
@@ -71,17 +110,17 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.cfg.trainer.max_steps)
 
-    def save(self, run, step: int, position: DataPosition, history: Dict[str, Any]) -> float:
-        """Write checkpoint `step` and record it in the history (the only writer of save
-        records: the step, the seconds training was blocked, and once published the seconds
-        until the files were all written); return the blocking seconds."""
+    def save(self, step: int) -> float:
+        """Write checkpoint `step` and record it in the TrainState's history (the save's step,
+        the seconds training was blocked, and once published the seconds until the files were
+        all written); return the blocking seconds."""
         start = time.perf_counter()
         self.wait()  # at most one save in flight
         entry = {"step": step, "blocking_s": None}
-        history["checkpoints"].append(entry)
-        state = self._state_dict(run)
+        self.state.history["checkpoints"].append(entry)
+        state = self._dcp_state()
         partial, final = partial_dir(self.dir, step), step_dir(self.dir, step)
-        meta = self._meta(run, step, position, history)
+        meta = self._meta()
         if self.async_group is None:
             dcp.save(state, checkpoint_id=partial)  # returns once every rank's files and .metadata are written
             self._record_blocking(entry, meta, start)
@@ -119,19 +158,15 @@ class Checkpointer:
         removed = keep_newest(self.dir, self.cfg.checkpoint.keep_last)
         log.info("checkpoint %s saved%s", final, f"; removed {removed}" if removed else "")
 
-    @staticmethod
-    def _state_dict(run) -> Dict[str, Any]:
-        model_state, optim_state = get_state_dict(run.module, run.optimizer)
-        return {"model": model_state, "optim": optim_state, f"rng.rank{run.rank}": torch.get_rng_state()}
+    def _dcp_state(self) -> Dict[str, Any]:
+        return {"model": self.model, "optim": self.optimizer, f"rng.rank{self.rank}": torch.get_rng_state()}
 
-    def _meta(self, run, step: int, position: DataPosition, history: Dict[str, Any]) -> dict:
-        cfg = self.cfg
+    def _meta(self) -> dict:
+        cfg, state = self.cfg, self.state.state_dict()
+        state["data"]["global_batch_size"] = cfg.data.global_batch_size
         return {
-            "step": step,
-            "data": {"epoch": position.epoch, "samples": position.samples,
-                     "global_batch_size": cfg.data.global_batch_size},
-            "scheduler": run.scheduler.state_dict(),
-            "history": copy.deepcopy(history),  # an async save publishes it later, as it is now
+            **state,
+            "scheduler": self.scheduler.state_dict(),
             "mesh": {"shape": list(cfg.mesh.shape), "dim_names": list(cfg.mesh.dim_names)},
             "world_size": dist.get_world_size(),
             "config": OmegaConf.to_container(cfg, resolve=True),
@@ -159,36 +194,31 @@ class Checkpointer:
         dist.broadcast_object_list(choice, src=0)
         return choice[0], choice[1]
 
-    def load(self, run, path: str) -> Resumed:
-        """Model, optimizer, scheduler, data position and history from `path`; the RNG states
-        too when the world is the same (another world's ranks are other processes)."""
+    def load(self, path: str) -> Resumed:
+        """Every part from `path`; the RNG states too when the world is the same (another
+        world's ranks are other processes)."""
         start = time.perf_counter()
         meta = read_meta(path)
-        model_state, optim_state = get_state_dict(run.module, run.optimizer)
-        state = {"model": model_state, "optim": optim_state}
         same_world = meta["world_size"] == dist.get_world_size() and meta["mesh"]["shape"] == list(self.cfg.mesh.shape)
-        rng_key = f"rng.rank{run.rank}"
-        if same_world:
-            state[rng_key] = torch.get_rng_state()
+        state = self._dcp_state()
+        if not same_world:
+            del state[f"rng.rank{self.rank}"]
         load_checkpoint(state, path)
-        set_state_dict(run.module, run.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
         if same_world:
-            torch.set_rng_state(state[rng_key])
-        run.scheduler.load_state_dict(meta["scheduler"])
-        position = DataPosition(meta["data"]["epoch"], meta["data"]["samples"])
+            torch.set_rng_state(state[f"rng.rank{self.rank}"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.state.load_state_dict(meta)
         if self.cfg.checkpoint.reset_data:
-            position = DataPosition(position.epoch + (position.samples > 0), 0)
-            if run.rank == 0:
-                log.info("checkpoint.reset_data: the data restarts at the start of epoch %d", position.epoch)
-        return Resumed(path, meta["step"], position, meta["history"], time.perf_counter() - start)
+            position = self.state.position
+            self.state.position = DataPosition(position.epoch + (position.samples > 0), 0)
+            if self.rank == 0:
+                log.info("checkpoint.reset_data: the data restarts at the start of epoch %d", self.state.position.epoch)
+        return Resumed(path, meta["step"], time.perf_counter() - start)
 
-    def load_model_only(self, run, path: str) -> None:
+    def load_model_only(self, path: str) -> None:
         """checkpoint.init_from: the weights start a new run (step 0, fresh optimizer and data)."""
         read_meta(path)
-        state = {"model": run.module.state_dict()}
-        load_checkpoint(state, path)
-        set_model_state_dict(run.module, state["model"])
+        load_checkpoint({"model": self.model}, path)
 
     def close(self) -> None:
         self.wait()

@@ -112,7 +112,13 @@ def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     """Start prod(mesh.shape) ranks as `python -m framework.launch.worker` processes, each handed the
     resolved config; return rank 0's summary (None when the pipeline stops before training).
     Separate processes (not a spawned function) let the agent see every failed rank; forks of a
-    zygote that imported the framework once (framework.launch.zygote) make them start in ms."""
+    zygote that imported the framework once (framework.launch.zygote) make them start in ms.
+
+    Two fast starts stay, each for what the other cannot do: a command rank is the same program
+    torchrun runs (framework.launch.worker), and the zygote starts with the CLI, so its imports
+    overlap Hydra's and validation's; a function rank (verify, inspect, tests) returns a value,
+    which the agent hands back only from multiprocessing's processes, forked by its forkserver
+    once the first rank starts."""
     config_path = write_resolved_config(cfg, out_dir)
     try:
         spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.zygote", zygote_socket(),

@@ -1,2 +1,4 @@
-"""The run itself: its state (run), the stages that build it in order (builder), the loop
-(loop) and rank 0's TensorBoard logging (logger)."""
+"""The run itself: its state (run), the stages that build it in order (builder), the Trainer
+with its train_step and loop (trainer), what it carries across checkpoints (state), the LR
+schedule (schedule), its measurements and reports (metrics, memory, logger) and the stall
+watchdog (watchdog)."""

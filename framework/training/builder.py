@@ -21,7 +21,9 @@ from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
 from framework.parallel.tensor_parallel import apply_tp
-from framework.training.loop import lr_multiplier, train
+from framework.training.schedule import build_scheduler
+from framework.training.state import TrainState
+from framework.training.trainer import Trainer
 from framework.training.run import Run
 
 log = logging.getLogger("framework")
@@ -121,20 +123,21 @@ def stage_optimizer(run: Run) -> None:
     t = run.cfg.trainer
     run.loss_fn = instantiate(run.cfg.data.loss)
     run.optimizer = instantiate(run.cfg.optim)(run.model.parameters())
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(
-        run.optimizer, lambda step: lr_multiplier(step, t.warmup_steps, t.max_steps, t.lr_decay))
+    run.scheduler = build_scheduler(run.optimizer, t.warmup_steps, t.max_steps, t.lr_decay)
 
 
 def stage_checkpoint(run: Run) -> None:
     """Before the first step: continue a checkpoint (model, optimizer, schedule, data position,
     history; after an elastic restart, the newest one), or start from init_from's weights."""
-    run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank)
+    run.state = TrainState()
+    run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank, run.module, run.optimizer, run.scheduler,
+                                    run.state)
     path, kind = run.checkpointer.source()
     if kind == "resume":
-        run.resumed = run.checkpointer.load(run, path)
+        run.resumed = run.checkpointer.load(path)
         message = f"resumed from {path} (step {run.resumed.step})"
     elif kind == "init":
-        run.checkpointer.load_model_only(run, path)
+        run.checkpointer.load_model_only(path)
         message = f"model weights from {path}; optimizer, schedule and data start fresh"
     else:
         message = f"fresh start (no checkpoint to resume in {run.checkpointer.dir})" if run.cfg.checkpoint.resume \
@@ -146,7 +149,7 @@ def stage_checkpoint(run: Run) -> None:
 
 
 def stage_trainer(run: Run) -> None:
-    run.summary = train(run)
+    run.summary = Trainer(run).train()
 
 
 STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {

@@ -27,6 +27,7 @@ class Run:
     loss_fn: Any = None
     optimizer: Any = None
     scheduler: Any = None
+    state: Any = None  # framework.training.state.TrainState: step, data position, history
     checkpointer: Any = None  # framework.checkpoint.manager.Checkpointer
     resumed: Any = None  # framework.checkpoint.manager.Resumed, when the run continues a checkpoint
     summary: Optional[dict] = None

@@ -1,0 +1,191 @@
+"""The Trainer: one train_step (forward and backward, clip, optimizer, schedule) that the loop,
+verify, inspect and the dry run share, evaluation, and the loop that steps, evaluates, saves
+and logs. What it measures and reports is framework.training.metrics; what it carries across a
+checkpoint is framework.training.state.
+
+Losses stay on their ranks until a logging step; then one all-reduce over the DP group turns
+the pending per-replica losses into global-batch losses (TP ranks already agree), so the hot
+path has no extra collective.
+"""
+import logging
+import time
+from contextlib import nullcontext
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from framework.data.loader import batches
+from framework.parallel.data_parallel import DataParallel
+from framework.parallel.fully_shard import no_gradient_sync
+from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
+from framework.parallel.replica_check import check_replicas
+from framework.training.metrics import Metrics
+from framework.training.run import Run
+from framework.training.watchdog import StallWatchdog
+
+log = logging.getLogger("framework")
+
+
+def paused_gradient_sync(model):
+    """Micro-batches before the last add up their gradients without syncing them over DP."""
+    return model.no_sync() if isinstance(model, DataParallel) else no_gradient_sync(model)
+
+
+def local_value(loss: torch.Tensor) -> torch.Tensor:
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
+
+
+def mean_over_dp(run: Run, values: List[torch.Tensor]) -> List[float]:
+    """Mean over DP replicas of each per-replica value: the global-batch value."""
+    stacked = torch.stack(values)
+    if run.dp["size"] > 1:
+        dist.all_reduce(stacked, group=run.dp_group)
+        stacked /= run.dp["size"]
+    return stacked.cpu().tolist()
+
+
+class Trainer:
+    """Trains a run the builder built (framework.training.builder): train_step is one optimizer
+    step; train() is the loop from the run's TrainState to trainer.max_steps."""
+
+    def __init__(self, run: Run):
+        self.run, self.cfg = run, run.cfg
+        self.device = torch.device(run.cfg.mesh.device_type)
+
+    # -- one step -----------------------------------------------------------------------
+
+    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and loss, under autocast with trainer.mixed_precision=bf16 (fp32 master
+        weights: autocast casts per op, and its fp32 ops, the loss among them, stay fp32); logits
+        the plan leaves sharded on the vocabulary (output_layouts shard(-1), use_local_output
+        false) get torch's loss_parallel instead of a gather."""
+        run, cfg = self.run, self.cfg
+        # fsdp / hsdp: FSDP2's MixedPrecisionPolicy casts instead (framework.parallel.fully_shard)
+        bf16 = cfg.trainer.mixed_precision == "bf16" and cfg.parallel.dp_strategy == "replicate"
+        with torch.autocast(cfg.mesh.device_type, dtype=torch.bfloat16) if bf16 else nullcontext():
+            logits = run.model(inputs)
+            sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
+            with loss_parallel() if sharded else nullcontext():
+                return run.loss_fn(logits, targets)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Zero the gradients, then forward, loss and backward (gradients come out final).
+        With data.micro_batch_size, per micro-batch: each loss is weighted by its share of the
+        batch so the gradients add up to the whole batch's, and the DP strategy finalizes them
+        (TP partials, DP average) once, after the last. Returns the replica batch's loss."""
+        self.run.optimizer.zero_grad(set_to_none=True)
+        size = self.cfg.data.micro_batch_size or len(inputs)
+        chunks = list(zip(inputs.split(size), targets.split(size)))
+        total = None
+        for i, (micro_inputs, micro_targets) in enumerate(chunks):
+            loss = self.compute_loss(micro_inputs, micro_targets)
+            if len(chunks) > 1:
+                loss = loss * (len(micro_inputs) / len(inputs))
+            with nullcontext() if i == len(chunks) - 1 else paused_gradient_sync(self.run.model):
+                with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
+                    loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, measure_norm: bool,
+                   on_gradients: Callable[[], None] = lambda: None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One optimizer step: forward_backward, `on_gradients` (verify reads them before
+        clipping spreads one wrong gradient over all), trainer.grad_clip's clipping (or, when
+        `measure_norm`, the global gradient norm alone), the optimizer and the LR schedule.
+        Returns the replica batch's loss and the norm (None when neither was asked for)."""
+        run = self.run
+        loss = self.forward_backward(inputs, targets)
+        on_gradients()
+        clip = self.cfg.trainer.grad_clip
+        if clip is not None:
+            norm = clip_grad_norm(run.model.parameters(), clip)
+        else:
+            norm = global_grad_norm(run.model.parameters()) if measure_norm else None
+        run.optimizer.step()
+        run.scheduler.step()
+        return loss, norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over trainer.eval_batches batches of the held-out split, over all replicas."""
+        run = self.run
+        run.model.eval()
+        data = iter(run.val_dataloader)
+        losses = [local_value(self.compute_loss(*(t.to(self.device) for t in next(data))))
+                  for _ in range(min(self.cfg.trainer.eval_batches, len(run.val_dataloader)))]
+        run.model.train()
+        return sum(mean_over_dp(run, losses)) / len(losses)
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def train(self) -> Optional[dict]:
+        """Steps from the one after the TrainState's (step 1, or the one after a resumed
+        checkpoint) to trainer.max_steps, saving where checkpoint.every says; the history
+        (losses, grad norms, validation losses, step times, saves) continues the checkpoint's.
+        A resumed checkpoint at or past max_steps leaves nothing to do: None, and no summary."""
+        run, trainer, state = self.run, self.cfg.trainer, self.run.state
+        if state.step >= trainer.max_steps:
+            if run.rank == 0:
+                log.info("nothing to train: resumed at step %d and trainer.max_steps=%d", state.step, trainer.max_steps)
+            return None
+        data = batches(run.sampler, run.dataloader, state.position, self.cfg.data.global_batch_size)
+        self.metrics = Metrics(run, state.step + 1, state.history["step_times_s"])
+        self.watchdog = StallWatchdog(trainer.stall_timeout_s, run.rank, run.out_dir)
+        self.pending: List[torch.Tensor] = []  # per-replica losses not yet averaged over DP
+        run.model.train()
+        for step in range(state.step + 1, trainer.max_steps + 1):
+            state.step = step
+            logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
+            self.watchdog.stage(f"step {step}: data, forward and backward")
+            inputs, targets = (t.to(self.device) for t in next(data))
+            lr = run.optimizer.param_groups[0]["lr"]
+            loss, grad_norm = self.train_step(inputs, targets, logging_step, on_gradients=lambda: self.watchdog.stage(
+                f"step {step}: gradient norm, optimizer step"))
+            self.pending.append(local_value(loss))
+            self._after_step(step, logging_step, grad_norm)
+            if logging_step:
+                history = state.history
+                self.metrics.log_step(step, history["losses"][-1], lr, history["grad_norms"][-1])
+        self.watchdog.stage("waiting for the last checkpoint save")
+        run.checkpointer.close()  # the last async save finishes before the run ends
+        self.watchdog.close()  # (a rank that raises exits, and its watchdog thread with it)
+        return self.metrics.summary(state.history)
+
+    def _after_step(self, step: int, logging_step: bool, grad_norm: Optional[torch.Tensor]) -> None:
+        """What follows a step, each when due: the replica check, evaluation, the losses'
+        all-reduce into the history, the checkpoint save (or publishing a finished async one)."""
+        run, trainer, history = self.run, self.cfg.trainer, self.run.state.history
+        # replicate only: fsdp holds one shard per DP rank; hsdp's replicas of a shard are not compared yet
+        if trainer.check_replicas_every and self.cfg.parallel.dp_strategy == "replicate" \
+                and step % trainer.check_replicas_every == 0:
+            self.watchdog.stage(f"step {step}: replica check")
+            check_replicas(run.module, run.dp_group, step)
+        if trainer.eval_every and step % trainer.eval_every == 0:
+            self.watchdog.stage(f"step {step}: evaluation")
+            self.metrics.exclude(self._evaluate_and_log(step))
+        self.metrics.step_done()
+        saving = run.checkpointer.due(step)
+        if logging_step or saving:  # a checkpoint holds every loss up to its step
+            self.watchdog.stage(f"step {step}: loss all-reduce")
+            history["losses"] += mean_over_dp(run, self.pending)
+            self.pending = []
+        if logging_step:
+            history["grad_norms"].append(float(grad_norm))
+        self.watchdog.finished()  # the step, and its evaluation
+        if saving:
+            self.watchdog.stage(f"step {step}: checkpoint save")
+            self.metrics.saved(step, run.checkpointer.save(step))  # it records the save
+            self.watchdog.finished()
+        else:
+            run.checkpointer.poll()
+
+    def _evaluate_and_log(self, step: int) -> float:
+        """The validation loss at `step`, into the history and TensorBoard; returns its seconds."""
+        start = time.perf_counter()
+        history = self.run.state.history
+        history["val_losses"].append([step, self.evaluate()])
+        self.metrics.scalars(step, {"val_loss": history["val_losses"][-1][1]})
+        return time.perf_counter() - start
