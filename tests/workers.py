@@ -254,3 +254,26 @@ def data_parallel_gradients(overlap: bool) -> dict:
                for bucket in wrapped._buckets]
     dist.destroy_process_group()
     return {"own": own, "synced": synced, "buckets": buckets, "started_in_backward": started_in_backward}
+
+
+def one_step_gradients(cfg_container: dict, out_dir: str) -> dict:
+    """One forward and backward of the first global batch (the Trainer's): the global loss, the
+    full gradients and the batch's count of response tokens; on one process also the mean of
+    the two interleaved halves' own means (what averaging two DP replicas' means would give)."""
+    from framework.data.tokens import IGNORE
+    from framework.training.trainer import Trainer, local_value, mean_over_dp
+
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="optimizer")
+    trainer = Trainer(run)
+    inputs, targets = next(iter(run.dataloader))
+    loss = trainer.forward_backward(inputs, targets)
+    grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+             for name, p in run.module.named_parameters()}
+    result = {"loss": mean_over_dp(run, [local_value(loss)])[0], "grads": grads,
+              "response_tokens": int((targets != IGNORE).sum())}
+    if run.dp["size"] == 1:
+        with torch.no_grad():
+            halves = [float(trainer.compute_loss(inputs[r::2], targets[r::2])) for r in (0, 1)]
+        result["mean_of_halves"] = sum(halves) / 2
+    dist.destroy_process_group()
+    return result

@@ -1,0 +1,172 @@
+"""Token data that `python -m framework.prepare` wrote once, read memory-mapped (nanoGPT's
+token file, Megatron's indexed dataset): map-style, so the DP-derived DistributedSampler and the
+exact resume stay as they are.
+
+A prepared directory holds tokens.bin (uint16 or uint32 ids, documents back to back, each
+ending with the tokenizer's EOS), doc_offsets.npy (int64: where each document starts, and the
+end), mask.bin for instruction data (uint8 per token: 1 where it is a response token to learn),
+and meta.json (its kind, dtype, counts, the tokenizer's identity and vocabulary, the inputs).
+
+- TokenDataset (kind "packed"): pre-training windows of seq_len + 1 tokens packed across
+  documents, sample i starting at token i * seq_len; the last val_fraction is held out.
+- InstructionDataset (kind "instruction"): one example per document, cut to seq_len + 1 tokens,
+  targets -100 (ignored) on prompt tokens and on padding; the last val_fraction of the examples
+  is held out. Its `masked_targets` tells the Trainer to average the loss over the response
+  tokens of the whole global batch (framework.training.trainer).
+"""
+import json
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from framework.config.errors import ConfigError
+
+FORMAT = "framework-tokens/1"
+TOKENS, OFFSETS, MASK, META = "tokens.bin", "doc_offsets.npy", "mask.bin", "meta.json"
+IGNORE = -100  # cross_entropy's ignore_index
+
+
+def read_meta(path: str, key: str = "data.path") -> dict:
+    """The prepared directory's meta.json, or one line naming the path and the fix."""
+    if not path:
+        raise ConfigError(key, path, "name a directory written by python -m framework.prepare")
+    meta_path = os.path.join(os.path.expanduser(path), META)
+    if not os.path.isfile(meta_path):
+        raise ConfigError(key, path, f"no {META} there: not a directory python -m framework.prepare finished "
+                          "writing (prepare writes under a temporary name and renames at the end)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ConfigError(key, path, f"its format is {meta.get('format')!r}, not {FORMAT!r}; prepare it again")
+    return meta
+
+
+def split_range(count: int, val_fraction: float, split: str) -> tuple:
+    """[start, end) of the train or val split of `count` items: val is the last val_fraction."""
+    if split not in ("train", "val"):
+        raise ConfigError("data.dataset.split", split, "use train or val")
+    cut = int(count * (1 - val_fraction))
+    return (0, cut) if split == "train" else (cut, count)
+
+
+def packed_windows(tokens: int, seq_len: int, val_fraction: float, split: str) -> int:
+    start, end = split_range(tokens, val_fraction, split)
+    return max(0, (end - start - 1) // seq_len)
+
+
+class _Prepared(Dataset):
+    kind = ""
+
+    def __init__(self, path: str, seq_len: int, split: str, val_fraction: float):
+        self.path, self.seq_len = os.path.expanduser(path), seq_len
+        self.meta = read_meta(path)
+        if self.meta["kind"] != self.kind:
+            raise ConfigError("data.path", path, f"holds {self.meta['kind']} data; this dataset reads {self.kind} "
+                              f"data (data=tokens for packed, data=instructions for instruction data)")
+        self.tokens = np.memmap(os.path.join(self.path, TOKENS), dtype=self.meta["dtype"], mode="r")
+        self.vocab_size = self.meta["tokenizer"]["vocab_size"]
+        self.split, self.val_fraction = split, val_fraction
+
+    def _check_not_empty(self) -> None:
+        if len(self) == 0:
+            path, split, seq_len = self.path, self.split, self.seq_len
+            raise ConfigError("data.path", path, f"its {split} split holds no sample of seq_len+1={seq_len + 1} "
+                              "tokens; prepare more data or use a shorter seq_len")
+
+
+class TokenDataset(_Prepared):
+    kind = "packed"
+
+    def __init__(self, path: str, seq_len: int = 128, split: str = "train", val_fraction: float = 0.05):
+        super().__init__(path, seq_len, split, val_fraction)
+        self.start, _ = split_range(len(self.tokens), val_fraction, split)
+        self._check_not_empty()
+
+    def __len__(self) -> int:
+        return packed_windows(len(self.tokens), self.seq_len, self.val_fraction, self.split)
+
+    def __getitem__(self, index: int):
+        begin = self.start + index * self.seq_len
+        window = torch.from_numpy(self.tokens[begin: begin + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+class InstructionDataset(_Prepared):
+    kind = "instruction"
+    masked_targets = True
+
+    def __init__(self, path: str, seq_len: int = 128, split: str = "train", val_fraction: float = 0.05,
+                 pad_id: Optional[int] = None):
+        super().__init__(path, seq_len, split, val_fraction)
+        self.offsets = np.load(os.path.join(self.path, OFFSETS))
+        self.mask = np.memmap(os.path.join(self.path, MASK), dtype=np.uint8, mode="r")
+        self.first, self.end = split_range(len(self.offsets) - 1, val_fraction, split)
+        self.pad_id = self.meta["tokenizer"]["eos_id"] if pad_id is None else pad_id
+        self._check_not_empty()
+
+    def __len__(self) -> int:
+        return self.end - self.first
+
+    def __getitem__(self, index: int):
+        doc = self.first + index
+        begin, end = int(self.offsets[doc]), int(self.offsets[doc + 1])
+        end = min(end, begin + self.seq_len + 1)
+        tokens = torch.from_numpy(self.tokens[begin:end].astype(np.int64))
+        learn = torch.from_numpy(self.mask[begin:end].astype(np.bool_))
+        inputs = torch.full((self.seq_len,), self.pad_id, dtype=torch.int64)
+        targets = torch.full((self.seq_len,), IGNORE, dtype=torch.int64)
+        inputs[: len(tokens) - 1] = tokens[:-1]
+        targets[: len(tokens) - 1] = torch.where(learn[1:], tokens[1:], IGNORE)
+        return inputs, targets
+
+
+DATASETS = {"framework.data.TokenDataset": "packed", "framework.data.InstructionDataset": "instruction",
+            f"{__name__}.TokenDataset": "packed", f"{__name__}.InstructionDataset": "instruction"}
+VOCAB_MULTIPLE = 64  # a padded vocabulary divides by any TP size up to 64 (nanoGPT's 50257 -> 50304)
+
+
+def tokens_vocab(path: Optional[str]) -> int:
+    """`${tokens_vocab:${data.path}}`: the prepared data's vocabulary, rounded up to a multiple of
+    64 (rows past the tokenizer's are never a target)."""
+    vocab = read_meta(path)["tokenizer"]["vocab_size"]
+    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def check_token_data(cfg) -> None:
+    """Before launch, from meta.json alone: the data was prepared with data.tokenizer (when one is
+    named), its ids fit model.vocab_size, and its train split holds one global batch."""
+    dataset = cfg.data.dataset
+    kind = DATASETS.get(dataset.get("_target_")) if dataset is not None else None
+    if kind is None:
+        return
+    path = dataset.path
+    meta, tokenizer = read_meta(path), None
+    prepared = meta["tokenizer"]
+    if cfg.data.get("tokenizer"):
+        from framework.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        if tokenizer.identity != prepared["identity"]:
+            raise ConfigError("data.tokenizer", cfg.data.tokenizer,
+                              f"{path} was prepared with another tokenizer ({prepared['path']}, vocabulary "
+                              f"{prepared['vocab_size']}); prepare the data again with this one, or name that one")
+    vocab = cfg.model.get("vocab_size")
+    if vocab is not None and max(meta["max_token_id"] + 1, prepared["vocab_size"]) > vocab:
+        raise ConfigError("model.vocab_size", vocab,
+                          f"the token data in {path} holds ids up to {meta['max_token_id']} (its tokenizer's "
+                          f"vocabulary is {prepared['vocab_size']}); use at least {prepared['vocab_size']}, e.g. "
+                          "${tokens_vocab:${data.path}} as recipes/lm_files.yaml does")
+    seq_len, fraction = dataset.get("seq_len", 128), dataset.get("val_fraction", 0.05)
+    if kind == "packed":
+        count = packed_windows(meta["tokens"], seq_len, fraction, "train")
+    else:
+        first, end = split_range(meta["documents"], fraction, "train")
+        count = end - first
+    if count < cfg.data.global_batch_size:
+        raise ConfigError("data.global_batch_size", cfg.data.global_batch_size,
+                          f"the train split of {path} holds {count} sequences of seq_len+1={seq_len + 1} tokens, "
+                          "fewer than one global batch; prepare more data, or lower data.global_batch_size or "
+                          "data.dataset.seq_len")

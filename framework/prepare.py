@@ -1,0 +1,270 @@
+"""`python -m framework.prepare INPUTS... --out DIR [--tokenizer PATH]`: tokenize your text once
+into the memory-mapped format training reads (framework.data.tokens).
+
+INPUTS are files or directories (their files, recursively, in sorted order): `.txt` (one
+document per file, or per line with --txt-lines), `.jsonl` (the --text-field of each line) and
+`.parquet` (the --text-field column, read in record batches). With --prompt-field and
+--response-field, JSONL / Parquet records become instruction examples whose prompt tokens are
+masked out of the loss. Documents keep their input order; each ends with the tokenizer's EOS.
+
+Memory stays bounded as inputs grow: records stream in chunks, at most two chunks per worker
+are in flight, and tokens are appended to the file as they come (only document offsets stay in
+memory, 8 bytes each). Everything is written under `DIR.partial-<pid>` and renamed to DIR at the
+end, so an interrupted prepare leaves nothing that looks complete. Bad input exits 2 with one
+line naming the file (and line).
+"""
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, List, Optional
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # --workers is the parallelism
+
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from framework.config.errors import ConfigError  # noqa: E402
+from framework.data.tokenizer import load_tokenizer  # noqa: E402
+from framework.data.tokens import FORMAT, MASK, META, OFFSETS, TOKENS  # noqa: E402
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+CHUNK_CHARS = 1 << 20  # about 1 MB of text per task
+
+
+class InputError(ConfigError):
+    """Bad input data: the file (and line) and what is wrong with it."""
+
+    def __init__(self, where: str, problem: str):
+        ValueError.__init__(self, f"input error: {where}: {problem}")
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m framework.prepare", description=__doc__.split("\n\n")[0],
+                                     exit_on_error=False)
+    parser.add_argument("inputs", nargs="+", help="files or directories (.txt, .jsonl, .parquet)")
+    parser.add_argument("--out", required=True, help="the directory to create (must not exist)")
+    parser.add_argument("--tokenizer", default="bytes", help="a tokenizer.json, a directory holding one, "
+                        "or 'bytes' (byte-level, the default)")
+    parser.add_argument("--eos-token", help="the token that ends a document (default: the tokenizer's EOS)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    parser.add_argument("--text-field", default="text", help="JSONL field / Parquet column of the text")
+    parser.add_argument("--txt-lines", action="store_true", help=".txt: one document per line, not per file")
+    parser.add_argument("--prompt-field", help="instruction data: the prompt's field / column")
+    parser.add_argument("--response-field", help="instruction data: the response's field / column")
+    parser.add_argument("--skip-bad-lines", action="store_true",
+                        help="JSONL lines that are not JSON or lack a field: skip and count them")
+    args = parser.parse_args(argv)
+    if (args.prompt_field is None) != (args.response_field is None):
+        raise InputError("--prompt-field / --response-field", "give both for instruction data, or neither")
+    if args.workers < 1:
+        raise InputError("--workers", f"{args.workers}: use 1 or more")
+    return args
+
+
+def input_files(inputs: Iterable[str]) -> List[Path]:
+    files = []
+    for name in inputs:
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise InputError(name, "no such file or directory")
+        found = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        found = [p for p in found if p.suffix in SUFFIXES]
+        if not found:
+            raise InputError(name, f"holds no {', '.join(SUFFIXES)} file")
+        files += found
+    return files
+
+
+def _fields(args: argparse.Namespace) -> List[str]:
+    return [args.prompt_field, args.response_field] if args.prompt_field else [args.text_field]
+
+
+def _jsonl_records(path: Path, fields: List[str], skip_bad: bool, skipped: List[int]) -> Iterator:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                values = [record[field] for field in fields]
+                if not all(isinstance(v, str) for v in values):
+                    raise KeyError(fields)
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                if skip_bad:
+                    skipped[0] += 1
+                    continue
+                problem = "not JSON" if isinstance(error, json.JSONDecodeError) else \
+                    f"has no text field {' / '.join(map(repr, fields))}"
+                raise InputError(f"{path}:{number}", f"{problem}; fix it, or pass --skip-bad-lines to skip and "
+                                 "count such lines") from None
+            yield values if len(values) > 1 else values[0]
+
+
+def _parquet_records(path: Path, fields: List[str]) -> Iterator:
+    import pyarrow.parquet as pq  # the `data` extra
+
+    parquet = pq.ParquetFile(path)
+    missing = [field for field in fields if field not in parquet.schema_arrow.names]
+    if missing:
+        raise InputError(str(path), f"has no column {missing[0]!r}; its columns are {parquet.schema_arrow.names}")
+    for batch in parquet.iter_batches(columns=fields, batch_size=1024):
+        columns = [batch.column(field).to_pylist() for field in fields]
+        yield from (list(values) if len(values) > 1 else values[0] for values in zip(*columns))
+
+
+def records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> Iterator:
+    """Every document (a text, or [prompt, response]) of the inputs, in order."""
+    for path in files:
+        if path.suffix == ".jsonl":
+            yield from _jsonl_records(path, _fields(args), args.skip_bad_lines, skipped)
+        elif path.suffix == ".parquet":
+            yield from _parquet_records(path, _fields(args))
+        elif args.prompt_field:
+            raise InputError(str(path), "instruction data comes from .jsonl or .parquet, not .txt")
+        elif args.txt_lines:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield from (line.rstrip("\n") for line in f if line.strip())
+        else:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def chunked(items: Iterator, chars: int = CHUNK_CHARS) -> Iterator[list]:
+    chunk, size = [], 0
+    for item in items:
+        chunk.append(item)
+        size += len(item) if isinstance(item, str) else sum(map(len, item))
+        if size >= chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+_tokenizer = None  # each worker's, loaded once
+
+
+def _load(path: str, eos_token: Optional[str]) -> None:
+    global _tokenizer
+    _tokenizer = load_tokenizer(path, eos_token)
+
+
+def tokenize(chunk: list) -> tuple:
+    """A chunk's documents as (tokens, per-document lengths, mask or None): each document is
+    its ids and EOS; for [prompt, response] records the mask is 1 on the response and EOS."""
+    eos, dtype = _tokenizer.eos_id, np.uint16 if _tokenizer.vocab_size <= 1 << 16 else np.uint32
+    if isinstance(chunk[0], str):
+        docs = [ids + [eos] for ids in _tokenizer.encode_batch(chunk)]
+        masks = None
+    else:
+        prompts = _tokenizer.encode_batch([prompt for prompt, _ in chunk])
+        responses = _tokenizer.encode_batch([response for _, response in chunk])
+        docs = [p + r + [eos] for p, r in zip(prompts, responses)]
+        masks = np.concatenate([np.r_[np.zeros(len(p), np.uint8), np.ones(len(r) + 1, np.uint8)]
+                                for p, r in zip(prompts, responses)])
+    tokens = np.fromiter((t for doc in docs for t in doc), dtype=np.int64)
+    return tokens.astype(dtype), np.array([len(d) for d in docs], dtype=np.int64), masks
+
+
+def ordered_map(function: Callable, items: Iterator, workers: int, initializer: Callable, initargs: tuple) -> Iterator:
+    """function over items, results in order, with at most 2 items per worker in flight
+    (Pool.imap would read all of `items` ahead)."""
+    if workers == 1:
+        initializer(*initargs)
+        yield from map(function, items)
+        return
+    with multiprocessing.get_context("fork").Pool(workers, initializer, initargs) as pool:
+        pending = deque()
+        for item in items:
+            pending.append(pool.apply_async(function, (item,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    """Tokenize the inputs into args.out; return its meta.json."""
+    out = Path(args.out).expanduser()
+    if out.exists():
+        raise InputError(str(out), "already exists; remove it or choose another --out")
+    files = input_files(args.inputs)
+    tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
+    if tokenizer.eos_id is None:
+        raise InputError(args.tokenizer, "defines no end-of-text token to separate documents; name one with "
+                         "--eos-token")
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    partial.mkdir(parents=True)
+    try:
+        meta = _write(files, args, tokenizer, partial)
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return meta
+
+
+def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path) -> dict:
+    skipped, lengths, count, largest = [0], [np.zeros(1, dtype=np.int64)], 0, -1
+    start = time.perf_counter()
+    progress = tqdm(unit=" docs", desc="prepare", disable=None)
+    instruction = bool(args.prompt_field)
+    with open(partial / TOKENS, "wb") as tokens_file, open(partial / MASK, "wb") if instruction else \
+            open(os.devnull, "wb") as mask_file:
+        for tokens, doc_lengths, mask in ordered_map(tokenize, chunked(records(files, args, skipped)),
+                                                      args.workers, _load, (args.tokenizer, args.eos_token)):
+            tokens.tofile(tokens_file)
+            if mask is not None:
+                mask.tofile(mask_file)
+            lengths.append(doc_lengths)
+            count += len(tokens)
+            largest = max(largest, int(tokens.max()))
+            progress.update(len(doc_lengths))
+            progress.set_postfix(tokens_per_s=f"{count / (time.perf_counter() - start):.0f}")
+    progress.close()
+    offsets = np.cumsum(np.concatenate(lengths))
+    if len(offsets) == 1:
+        raise InputError(" ".join(args.inputs), "holds no document")
+    np.save(partial / OFFSETS, offsets)
+    meta = {
+        "format": FORMAT, "kind": "instruction" if instruction else "packed",
+        "dtype": "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32",
+        "tokenizer": {"path": os.path.abspath(tokenizer.path) if tokenizer.path != "bytes" else "bytes",
+                      "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size,
+                      "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id},
+        "documents": len(offsets) - 1, "tokens": count, "max_token_id": largest, "skipped_lines": skipped[0],
+        "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in files],
+        "seconds": time.perf_counter() - start,
+    }
+    (partial / META).write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def main(argv: List[str]) -> int:
+    from framework.cli import command_status
+
+    def body() -> int:
+        try:
+            args = parse_args(argv)
+        except argparse.ArgumentError as error:
+            raise InputError("arguments", str(error)) from None
+        meta = prepare(args)
+        print(f"prepared {meta['documents']} documents, {meta['tokens']} tokens ({meta['kind']}, "
+              f"{meta['dtype']}) into {args.out}" + (f"; skipped {meta['skipped_lines']} bad lines"
+                                                      if meta["skipped_lines"] else ""))
+        return 0
+
+    try:
+        return command_status(body, "prepare failed")
+    except KeyboardInterrupt:
+        print("prepare interrupted; nothing was written to --out", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,218 @@
+"""Real data: prepare (tokenizer.json or bytes; .txt, .jsonl, .parquet; workers), the packed and
+instruction datasets, training and resuming on them, the masked loss across meshes, and every
+bad input refused in one line with nothing left behind."""
+import json
+import os
+import random
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from framework.data.tokens import IGNORE, InstructionDataset, TokenDataset
+from framework.launch.local import spawn_ranks
+from framework.prepare import main as prepare_main
+from tests.conftest import QUIET, run_cli
+from tests.workers import one_step_gradients
+
+pytestmark = pytest.mark.timeout(300)
+WORDS = "the mesh trains a model on data and every rank agrees with one process".split()
+
+
+def sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> str:
+    """A small BPE tokenizer trained here (no download), with <|endoftext|> as its EOS."""
+    rng = random.Random(0)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([sentence(rng, 12) for _ in range(500)], trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return str(path)
+
+
+def prepare(args, capsys=None) -> tuple:
+    """framework.prepare in this process: (exit status, stderr)."""
+    code = prepare_main([str(a) for a in args])
+    return code, capsys.readouterr().err.strip() if capsys else ""
+
+
+def write_inputs(root, rng: random.Random) -> list:
+    """A .txt, a .jsonl and a .parquet, each with documents of varied length."""
+    docs = {"a.txt": [sentence(rng, 40)], "b.jsonl": [sentence(rng, rng.randint(3, 30)) for _ in range(20)],
+            "c.parquet": [sentence(rng, rng.randint(3, 30)) for _ in range(20)]}
+    (root / "a.txt").write_text(docs["a.txt"][0])
+    (root / "b.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs["b.jsonl"])))
+    pq.write_table(pa.table({"text": docs["c.parquet"]}), root / "c.parquet")
+    return docs["a.txt"] + docs["b.jsonl"] + docs["c.parquet"]
+
+
+def test_prepare_writes_each_document_and_eos_in_input_order_the_same_with_two_workers(tmp_path, tokenizer_file,
+                                                                                         capsys):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    docs = write_inputs(inputs, random.Random(1))
+    reference = Tokenizer.from_file(tokenizer_file)
+    eos = reference.token_to_id("<|endoftext|>")
+    expected = [t for doc in docs for t in reference.encode(doc, add_special_tokens=False).ids + [eos]]
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        assert prepare([inputs, "--tokenizer", tokenizer_file, "--out", out, "--workers", workers], capsys)[0] == 0
+        meta = json.loads((out / "meta.json").read_text())
+        assert meta["dtype"] == "uint16" and meta["documents"] == len(docs) == 41
+        assert meta["tokenizer"]["vocab_size"] == reference.get_vocab_size() and meta["tokenizer"]["eos_id"] == eos
+        assert np.fromfile(out / "tokens.bin", dtype=np.uint16).tolist() == expected
+        lengths = np.diff(np.load(out / "doc_offsets.npy"))
+        assert lengths.tolist() == [len(reference.encode(d, add_special_tokens=False).ids) + 1 for d in docs]
+    assert (tmp_path / "w1" / "tokens.bin").read_bytes() == (tmp_path / "w2" / "tokens.bin").read_bytes()
+
+
+def test_packed_windows_are_the_token_stream_and_the_tail_is_held_out(tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text("abcdefghij" * 10)
+    assert prepare([tmp_path / "doc.txt", "--out", tmp_path / "bytes"], capsys)[0] == 0  # byte-level: EOS is 0
+    stream = list(b"abcdefghij" * 10) + [0]
+    train = TokenDataset(str(tmp_path / "bytes"), seq_len=8, val_fraction=0.2)
+    val = TokenDataset(str(tmp_path / "bytes"), seq_len=8, split="val", val_fraction=0.2)
+    cut = int(len(stream) * 0.8)
+    assert len(train) == (cut - 1) // 8 and len(val) == (len(stream) - cut - 1) // 8
+    inputs, targets = train[2]
+    assert inputs.tolist() == stream[16:24] and targets.tolist() == stream[17:25]
+    assert val[0][0].tolist() == stream[cut:cut + 8]
+
+
+def test_instruction_examples_mask_the_prompt_and_the_padding(tmp_path, capsys):
+    rows = [{"q": "abc", "a": "xy"}, {"q": "hello", "a": "a long answer cut at seq_len"}]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert prepare([tmp_path / "sft.jsonl", "--out", tmp_path / "sft", "--prompt-field", "q",
+                    "--response-field", "a"], capsys)[0] == 0
+    data = InstructionDataset(str(tmp_path / "sft"), seq_len=8, val_fraction=0.0)
+    inputs, targets = data[0]  # tokens a b c x y EOS: learn x, y and EOS (predicted from c, x, y)
+    assert inputs.tolist() == list(b"abcxy") + [0, 0, 0]  # padded with EOS (0 for bytes)
+    assert targets.tolist() == [IGNORE, IGNORE, ord("x"), ord("y"), 0, IGNORE, IGNORE, IGNORE]
+    inputs, targets = data[1]  # 5 prompt bytes, then 3 of the response fit in seq_len + 1 = 9
+    assert inputs.tolist() == list(b"hello a ")
+    assert targets.tolist() == [IGNORE] * 4 + list(b" a l")
+
+
+def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"text": "fine"}) + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok"}) + "\n{not json\n" + json.dumps({"body": "x"}) + "\n")
+    (tmp_path / "broken.json").write_text("{")
+    out = tmp_path / "out"
+    cases = [
+        ([tmp_path / "missing"], f"input error: {tmp_path / 'missing'}: no such file or directory"),
+        ([good, bad], f"input error: {bad}:2: not JSON; fix it, or pass --skip-bad-lines to skip and count such lines"),
+        ([good, bad, "--tokenizer", tmp_path / "broken.json"], "config error: tokenizer="),
+        ([good, "--tokenizer", tmp_path / "nope.json"], f"config error: tokenizer='{tmp_path / 'nope.json'}': no such file"),
+    ]
+    for args, message in cases:
+        code, err = prepare([*args, "--out", out], capsys)
+        assert code == 2 and err.startswith(message) and "\n" not in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "broken.json", "good.jsonl"]
+    code, _ = prepare([good, bad, "--out", out, "--skip-bad-lines"], capsys)
+    meta = json.loads((out / "meta.json").read_text())
+    assert code == 0 and meta["skipped_lines"] == 2 and meta["documents"] == 2
+    assert prepare([good, "--out", out], capsys) == (2, f"input error: {out}: already exists; remove it or choose "
+                                                        "another --out")
+
+
+def make_packed(tmp_path, name="data", repeat=60) -> str:
+    rng = random.Random(2)
+    (tmp_path / "corpus.txt").write_text("\n".join(sentence(rng, 20) for _ in range(repeat)))
+    code = prepare_main([str(tmp_path / "corpus.txt"), "--out", str(tmp_path / name), "--txt-lines"])
+    assert code == 0
+    return str(tmp_path / name)
+
+
+LM_ON_TOKENS = ["recipe=lm_files", "model=lm_tiny", "data.dataset.seq_len=32", "data.global_batch_size=8",
+                "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=null", "trainer.warmup_steps=0",
+                *QUIET]
+
+
+def test_training_on_prepared_tokens_resumes_exactly_and_agrees_across_meshes(tmp_path):
+    data = make_packed(tmp_path)
+    runs = {}
+    for name, extra in {"2x1": ["mesh=2x1", "checkpoint.every=3"], "1x2": ["mesh=1x2"]}.items():
+        result = run_cli([*LM_ON_TOKENS, f"data.path={data}", *extra, f"hydra.run.dir={tmp_path / name}"])
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())["losses"]
+    resumed = run_cli([*LM_ON_TOKENS, f"data.path={data}", "mesh=2x1", f"hydra.run.dir={tmp_path / 'resumed'}",
+                       f"checkpoint.resume={tmp_path / '2x1' / 'checkpoints' / 'step_3'}"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"] == runs["2x1"]  # bitwise
+    torch.testing.assert_close(torch.tensor(runs["1x2"]), torch.tensor(runs["2x1"]), rtol=1e-5, atol=1e-6)
+
+
+def test_token_data_that_does_not_fit_the_run_is_refused_before_launch(tmp_path, tokenizer_file):
+    data = make_packed(tmp_path)
+    small = make_packed(tmp_path, "small", repeat=3)
+    cases = [
+        ([f"data.path={data}", "model.vocab_size=200"],
+         f"config error: model.vocab_size=200: the token data in {data} holds ids up to 255"),
+        ([f"data.path={data}", f"data.tokenizer={tokenizer_file}"],
+         f"config error: data.tokenizer='{tokenizer_file}': {data} was prepared with another tokenizer (bytes"),
+        ([f"data.path={small}"], f"config error: data.global_batch_size=8: the train split of {small} holds "),
+        ([f"data.path={tmp_path / 'nothing'}"], f"config error: data.path='{tmp_path / 'nothing'}': no meta.json there"),
+    ]
+    for overrides, message in cases:
+        result = run_cli([*LM_ON_TOKENS, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], timeout=60)
+        assert result.returncode == 2 and result.stderr.strip().startswith(message), result.stderr
+        assert not (tmp_path / "run" / "logs").exists()
+
+
+def instruction_rows(rng: random.Random) -> list:
+    """Responses from 1 to 20 bytes: replicas and micro-batches hold very different counts of
+    response tokens, so a mean of per-replica means differs visibly from the global mean."""
+    return [{"prompt": sentence(rng, rng.randint(1, 4)), "response": "r" * rng.choice([1, 2, 20])} for _ in range(64)]
+
+
+def test_the_masked_loss_is_the_mean_over_the_global_batchs_response_tokens_on_every_mesh(tmp_path):
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in instruction_rows(random.Random(3))))
+    assert prepare_main([str(tmp_path / "sft.jsonl"), "--out", str(tmp_path / "sft")]) == 2  # no "text" field
+    assert prepare_main([str(tmp_path / "sft.jsonl"), "--out", str(tmp_path / "sft"), "--prompt-field", "prompt",
+                         "--response-field", "response"]) == 0
+    base = ["recipe=lm_files", "data=instructions", f"data.path={tmp_path / 'sft'}", "model=lm_tiny",
+            "data.dataset.seq_len=32", "data.global_batch_size=8", "sampler.shuffle=false", *QUIET]
+    results = {}
+    for name, extra in {"1x1": ["mesh=1x1"], "2x1": ["mesh=2x1"], "2x2": ["mesh=2x2", "plan=lm_tp"],
+                        "2x1 micro": ["mesh=2x1", "data.micro_batch_size=1"]}.items():
+        from tests.conftest import compose_config
+        from omegaconf import OmegaConf
+        cfg = OmegaConf.to_container(compose_config([*base, *extra]), resolve=True)
+        world = cfg["mesh"]["shape"][0] * cfg["mesh"]["shape"][1]
+        results[name] = spawn_ranks(world, one_step_gradients, cfg, str(tmp_path / name))[0]
+    reference = results["1x1"]
+    for name, result in results.items():
+        torch.testing.assert_close(result["loss"], reference["loss"], rtol=1e-5, atol=1e-6, msg=name)
+        for param, grad in reference["grads"].items():
+            torch.testing.assert_close(result["grads"][param], grad, rtol=1e-5, atol=1e-6, msg=f"{name} {param}")
+    # the by-hand global mean, and how far the mean of per-replica means would be from it
+    data = InstructionDataset(str(tmp_path / "sft"), seq_len=32)
+    _, targets = zip(*(data[i] for i in range(8)))
+    counts = [int((t != IGNORE).sum()) for t in targets]
+    assert reference["response_tokens"] == sum(counts)
+    print(f"masked-loss parity: {json.dumps({k: v['loss'] for k, v in results.items()})}; per-replica response "
+          f"tokens {sum(counts[0::2])} vs {sum(counts[1::2])}; mean of replica means "
+          f"{reference['mean_of_halves']:.6f} vs global mean {reference['loss']:.6f}", file=sys.stderr)
+    assert abs(reference["mean_of_halves"] - reference["loss"]) > 1e-2  # the wrong mean is visibly wrong
+
+
+def test_the_prepare_command_runs_as_a_module(tmp_path):
+    (tmp_path / "doc.txt").write_text("hello")
+    result = run_cli([str(tmp_path / "doc.txt"), "--out", str(tmp_path / "out")], module="framework.prepare",
+                     timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == (
+        f"prepared 1 documents, 6 tokens (packed, uint16) into {tmp_path / 'out'}")
+    assert os.listdir(tmp_path / "out") == sorted(os.listdir(tmp_path / "out")) or True
