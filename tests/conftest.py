@@ -12,12 +12,15 @@ How tests compare numbers (the rule for every new test):
   Never tighter: 1e-6 / 1e-7 passed on one CPU and failed by one ulp on another.
 - No wall-clock assertions: timings belong in bench/. A hang is caught by the test's timeout.
 """
+import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Dict, List
+
+import pytest
 
 from omegaconf import DictConfig
 
@@ -33,6 +36,22 @@ TEST_MODELS = "allowed_targets=[framework,torch.nn,torch.optim,tests]"  # models
 # The tiny LM on a 64 KB slice of the byte corpus, 8 sequences of 32 bytes per step.
 TINY_LM = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dataset.seq_len=32",
            "data.global_batch_size=8", "trainer.progress_bar=false"]
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory) -> Dict[str, str]:
+    """Byte-level token data as framework.prepare writes it: "packed" (about 80 KB of text) and
+    "instruction" (400 prompt / response records)."""
+    from framework.prepare import main as prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    (root / "text.txt").write_text("".join(f"line {i}: the mesh trains one model\n" for i in range(2000)))
+    (root / "chat.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}?", "response": "a" * (i % 7 + 1)}) + "\n"
+                                             for i in range(400)))
+    assert prepare([str(root / "text.txt"), "--out", str(root / "packed")]) == 0
+    assert prepare([str(root / "chat.jsonl"), "--out", str(root / "instruction"), "--prompt-field", "prompt",
+                    "--response-field", "response"]) == 0
+    return {"packed": str(root / "packed"), "instruction": str(root / "instruction")}
 
 
 def compose_config(overrides: List[str] = ()) -> DictConfig:

@@ -23,18 +23,25 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
           ("plan", "seed_sequential_rowwise_colwise"): ["model=seed_sequential"],
           **{(group, name): ["recipe=lm_2d", f"{group}={name}"]
              for group, name in [("model", "lm_tiny"), ("model", "lm_small"), ("plan", "lm_tp"), ("plan", "lm_tp_sp"),
-                                 ("plan", "lm_tp_sp_loss_parallel"), ("data", "byte_corpus")]}}
+                                 ("plan", "lm_tp_sp_loss_parallel"), ("data", "byte_corpus")]},
+          ("data", "tokens"): ["recipe=lm_files"], ("data", "instructions"): ["recipe=lm_files", "data=instructions"]}
+# Configs that read prepared token data: which kind (the `prepared` fixture's).
+PREPARED = {("data", "tokens"): "packed", ("data", "instructions"): "instruction", ("recipe", "lm_files"): "packed"}
+
+
+def data_path(group: str, option: str, prepared: dict) -> list:
+    return [f"data.path={prepared[PREPARED[group, option]]}"] if (group, option) in PREPARED else []
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_every_group_option_composes_and_validates(group, option):
-    cfg = compose_config([f"{group}={option}", *PAIRED.get((group, option), [])])
+def test_every_group_option_composes_and_validates(group, option, prepared):
+    cfg = compose_config([f"{group}={option}", *PAIRED.get((group, option), []), *data_path(group, option, prepared)])
     validate(cfg)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_composes_and_validates(recipe):
-    cfg = compose_config([f"recipe={recipe}"])
+def test_every_recipe_composes_and_validates(recipe, prepared):
+    cfg = compose_config([f"recipe={recipe}", *data_path("recipe", recipe, prepared)])
     validate(cfg)
 
 

@@ -11,12 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from framework.data.tokens import IGNORE, InstructionDataset, TokenDataset
 from framework.launch.local import spawn_ranks
 from framework.prepare import main as prepare_main
-from tests.conftest import QUIET, run_cli
+from tests.conftest import QUIET, compose_config, run_cli
 from tests.workers import one_step_gradients
 
 pytestmark = pytest.mark.timeout(300)
@@ -99,9 +100,9 @@ def test_instruction_examples_mask_the_prompt_and_the_padding(tmp_path, capsys):
     inputs, targets = data[0]  # tokens a b c x y EOS: learn x, y and EOS (predicted from c, x, y)
     assert inputs.tolist() == list(b"abcxy") + [0, 0, 0]  # padded with EOS (0 for bytes)
     assert targets.tolist() == [IGNORE, IGNORE, ord("x"), ord("y"), 0, IGNORE, IGNORE, IGNORE]
-    inputs, targets = data[1]  # 5 prompt bytes, then 3 of the response fit in seq_len + 1 = 9
-    assert inputs.tolist() == list(b"hello a ")
-    assert targets.tolist() == [IGNORE] * 4 + list(b" a l")
+    inputs, targets = data[1]  # 5 prompt bytes, then 4 of the response fit in seq_len + 1 = 9
+    assert inputs.tolist() == list(b"helloa l")
+    assert targets.tolist() == [IGNORE] * 4 + list(b"a lo")
 
 
 def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, capsys):
@@ -157,13 +158,13 @@ def test_training_on_prepared_tokens_resumes_exactly_and_agrees_across_meshes(tm
 
 def test_token_data_that_does_not_fit_the_run_is_refused_before_launch(tmp_path, tokenizer_file):
     data = make_packed(tmp_path)
-    small = make_packed(tmp_path, "small", repeat=3)
+    small = make_packed(tmp_path, "small", repeat=1)
     cases = [
         ([f"data.path={data}", "model.vocab_size=200"],
-         f"config error: model.vocab_size=200: the token data in {data} holds ids up to 255"),
+         f"config error: model.vocab_size=200: the token data in {data} holds ids up to 121 (its tokenizer's vocabulary is 256); use at least 256"),
         ([f"data.path={data}", f"data.tokenizer={tokenizer_file}"],
          f"config error: data.tokenizer='{tokenizer_file}': {data} was prepared with another tokenizer (bytes"),
-        ([f"data.path={small}"], f"config error: data.global_batch_size=8: the train split of {small} holds "),
+        ([f"data.path={small}"], "config error: data.global_batch_size=8: the dataset's train split has only 3 samples; lower the batch "),
         ([f"data.path={tmp_path / 'nothing'}"], f"config error: data.path='{tmp_path / 'nothing'}': no meta.json there"),
     ]
     for overrides, message in cases:
@@ -186,10 +187,9 @@ def test_the_masked_loss_is_the_mean_over_the_global_batchs_response_tokens_on_e
     base = ["recipe=lm_files", "data=instructions", f"data.path={tmp_path / 'sft'}", "model=lm_tiny",
             "data.dataset.seq_len=32", "data.global_batch_size=8", "sampler.shuffle=false", *QUIET]
     results = {}
-    for name, extra in {"1x1": ["mesh=1x1"], "2x1": ["mesh=2x1"], "2x2": ["mesh=2x2", "plan=lm_tp"],
-                        "2x1 micro": ["mesh=2x1", "data.micro_batch_size=1"]}.items():
-        from tests.conftest import compose_config
-        from omegaconf import OmegaConf
+    for name, extra in {"1x1": ["mesh=1x1"], "2x1": ["mesh=2x1"], "2x2": ["mesh=2x2", "plan=lm_tp_sp_loss_parallel"],
+                        "2x1 micro": ["mesh=2x1", "data.micro_batch_size=1"],
+                        "fsdp 2x1": ["mesh=2x1", "parallel.dp_strategy=fsdp"]}.items():
         cfg = OmegaConf.to_container(compose_config([*base, *extra]), resolve=True)
         world = cfg["mesh"]["shape"][0] * cfg["mesh"]["shape"][1]
         results[name] = spawn_ranks(world, one_step_gradients, cfg, str(tmp_path / name))[0]
@@ -215,4 +215,4 @@ def test_the_prepare_command_runs_as_a_module(tmp_path):
                      timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == (
         f"prepared 1 documents, 6 tokens (packed, uint16) into {tmp_path / 'out'}")
-    assert os.listdir(tmp_path / "out") == sorted(os.listdir(tmp_path / "out")) or True
+    assert sorted(os.listdir(tmp_path / "out")) == ["doc_offsets.npy", "meta.json", "tokens.bin"]

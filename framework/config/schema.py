@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 # The builder's stages, in the only order it accepts (framework.training.builder runs them).
 STAGES = [
@@ -89,6 +90,8 @@ class DataConfig:
     global_batch_size: int = 24
     micro_batch_size: Optional[int] = None
     num_workers: int = 0
+    path: Optional[str] = None  # prepared token data (data=tokens / instructions): framework.prepare's --out
+    tokenizer: Optional[str] = None  # the tokenizer.json the model is meant for: other data is refused
     dataset: Any = None
     loss: Any = None
 
@@ -213,5 +216,14 @@ def did_you_mean(key: str, known: List[str]) -> str:
     return f"{section or 'the config'} has {', '.join(known)}"
 
 
+def _tokens_vocab(path: Optional[str]) -> int:
+    from framework.data.tokens import tokens_vocab  # numpy and the dataset only when a config asks
+
+    return tokens_vocab(path)
+
+
 def register_schema() -> None:
+    """The schema, and the resolver configs may use: `${tokens_vocab:${data.path}}`."""
     ConfigStore.instance().store(name="config_schema", node=Config)
+    if not OmegaConf.has_resolver("tokens_vocab"):
+        OmegaConf.register_new_resolver("tokens_vocab", _tokens_vocab)

@@ -14,6 +14,7 @@ from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_
 from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.errors import ConfigError
 from framework.config.trust import check_targets
+from framework.data.tokens import check_token_data
 from framework.parallel.roles import MeshRoles
 from framework.parallel.plan import check_output_layout, check_plan
 
@@ -247,6 +248,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     check_devices(cfg, per_host)
     check_targets(cfg)
     check_trainer_and_data(cfg)
+    check_token_data(cfg)
     check_checkpoint_keys(cfg)
     if deep:
         model = check_model_and_plan(cfg)

@@ -1,6 +1,9 @@
-"""Datasets (config `_target_`s: framework.data.SyntheticRegression, framework.data.ByteCorpus)
-and the DP-derived sampler and loader over them (framework.data.loader)."""
+"""Datasets (config `_target_`s: framework.data.SyntheticRegression, framework.data.ByteCorpus,
+framework.data.TokenDataset, framework.data.InstructionDataset), the tokenizers framework.prepare
+and runs name (framework.data.tokenizer), and the DP-derived sampler and loader over them
+(framework.data.loader)."""
 from framework.data.corpus import ByteCorpus
 from framework.data.synthetic import SyntheticRegression
+from framework.data.tokens import InstructionDataset, TokenDataset
 
-__all__ = ["ByteCorpus", "SyntheticRegression"]
+__all__ = ["ByteCorpus", "InstructionDataset", "SyntheticRegression", "TokenDataset"]

@@ -123,8 +123,8 @@ class InstructionDataset(_Prepared):
         return inputs, targets
 
 
-DATASETS = {"framework.data.TokenDataset": "packed", "framework.data.InstructionDataset": "instruction",
-            f"{__name__}.TokenDataset": "packed", f"{__name__}.InstructionDataset": "instruction"}
+DATASETS = ("framework.data.TokenDataset", "framework.data.InstructionDataset", f"{__name__}.TokenDataset",
+            f"{__name__}.InstructionDataset")
 VOCAB_MULTIPLE = 64  # a padded vocabulary divides by any TP size up to 64 (nanoGPT's 50257 -> 50304)
 
 
@@ -137,13 +137,13 @@ def tokens_vocab(path: Optional[str]) -> int:
 
 def check_token_data(cfg) -> None:
     """Before launch, from meta.json alone: the data was prepared with data.tokenizer (when one is
-    named), its ids fit model.vocab_size, and its train split holds one global batch."""
+    named) and its ids fit model.vocab_size. (That each split holds a global batch is
+    framework.config.validate's check_dataset, as for every dataset.)"""
     dataset = cfg.data.dataset
-    kind = DATASETS.get(dataset.get("_target_")) if dataset is not None else None
-    if kind is None:
+    if dataset is None or dataset.get("_target_") not in DATASETS:
         return
     path = dataset.path
-    meta, tokenizer = read_meta(path), None
+    meta = read_meta(path)
     prepared = meta["tokenizer"]
     if cfg.data.get("tokenizer"):
         from framework.data.tokenizer import load_tokenizer
@@ -159,14 +159,3 @@ def check_token_data(cfg) -> None:
                           f"the token data in {path} holds ids up to {meta['max_token_id']} (its tokenizer's "
                           f"vocabulary is {prepared['vocab_size']}); use at least {prepared['vocab_size']}, e.g. "
                           "${tokens_vocab:${data.path}} as recipes/lm_files.yaml does")
-    seq_len, fraction = dataset.get("seq_len", 128), dataset.get("val_fraction", 0.05)
-    if kind == "packed":
-        count = packed_windows(meta["tokens"], seq_len, fraction, "train")
-    else:
-        first, end = split_range(meta["documents"], fraction, "train")
-        count = end - first
-    if count < cfg.data.global_batch_size:
-        raise ConfigError("data.global_batch_size", cfg.data.global_batch_size,
-                          f"the train split of {path} holds {count} sequences of seq_len+1={seq_len + 1} tokens, "
-                          "fewer than one global batch; prepare more data, or lower data.global_batch_size or "
-                          "data.dataset.seq_len")

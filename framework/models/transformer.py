@@ -110,8 +110,10 @@ class Transformer(nn.Module):
 
 
 class NextTokenLoss(nn.Module):
-    """Cross entropy of logits (batch, seq, vocab) against targets (batch, seq)."""
+    """Cross entropy of logits (batch, seq, vocab) against targets (batch, seq); targets of -100
+    (instruction data's prompt and padding) are ignored. `reduction="sum"` is how the Trainer
+    averages masked data over the whole global batch's counted tokens."""
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction=reduction)
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.data.loader import batches
+from framework.data.tokens import IGNORE
 from framework.parallel.data_parallel import DataParallel
 from framework.parallel.fully_shard import no_gradient_sync
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
@@ -57,7 +58,7 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------
 
-    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor, **loss_kwargs) -> torch.Tensor:
         """Forward and loss, under autocast with trainer.mixed_precision=bf16 (fp32 master
         weights: autocast casts per op, and its fp32 ops, the loss among them, stay fp32); logits
         the plan leaves sharded on the vocabulary (output_layouts shard(-1), use_local_output
@@ -69,26 +70,45 @@ class Trainer:
             logits = run.model(inputs)
             sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
             with loss_parallel() if sharded else nullcontext():
-                return run.loss_fn(logits, targets)
+                return run.loss_fn(logits, targets, **loss_kwargs)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Zero the gradients, then forward, loss and backward (gradients come out final).
         With data.micro_batch_size, per micro-batch: each loss is weighted by its share of the
         batch so the gradients add up to the whole batch's, and the DP strategy finalizes them
-        (TP partials, DP average) once, after the last. Returns the replica batch's loss."""
+        (TP partials, DP average) once, after the last. Data with masked targets (instruction
+        data) weighs every counted token alike instead: each micro-batch's loss is its sum over
+        its counted tokens divided by the global batch's count (one all-reduce of a number over
+        DP), times the DP size the gradient average divides by. Returns the replica's share of
+        the global-batch loss, whose mean over DP is the global-batch loss."""
         self.run.optimizer.zero_grad(set_to_none=True)
         size = self.cfg.data.micro_batch_size or len(inputs)
         chunks = list(zip(inputs.split(size), targets.split(size)))
+        per_token = self._per_token_scale(targets) if getattr(self.run.dataset, "masked_targets", False) else None
         total = None
         for i, (micro_inputs, micro_targets) in enumerate(chunks):
-            loss = self.compute_loss(micro_inputs, micro_targets)
-            if len(chunks) > 1:
-                loss = loss * (len(micro_inputs) / len(inputs))
+            if per_token is not None:
+                loss = self.compute_loss(micro_inputs, micro_targets, reduction="sum") * per_token
+            else:
+                loss = self.compute_loss(micro_inputs, micro_targets)
+                if len(chunks) > 1:
+                    loss = loss * (len(micro_inputs) / len(inputs))
             with nullcontext() if i == len(chunks) - 1 else paused_gradient_sync(self.run.model):
                 with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
                     loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total
+
+    def _per_token_scale(self, targets: torch.Tensor) -> float:
+        """DP size over the global batch's count of targets that count (not -100): a micro-batch's
+        summed loss times this, summed over micro-batches and averaged over DP, is the mean over
+        every counted token of the global batch, however they fall on replicas and micro-batches."""
+        if targets.is_meta:  # the dry run: no values to count
+            return self.run.dp["size"] / targets.numel()
+        count = (targets != IGNORE).sum().double()
+        if self.run.dp["size"] > 1:
+            dist.all_reduce(count, group=self.run.dp_group)
+        return self.run.dp["size"] / max(1.0, count.item())
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, measure_norm: bool,
                    on_gradients: Callable[[], None] = lambda: None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
