@@ -154,6 +154,11 @@ def test_training_on_prepared_tokens_resumes_exactly_and_agrees_across_meshes(tm
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"] == runs["2x1"]  # bitwise
     torch.testing.assert_close(torch.tensor(runs["1x2"]), torch.tensor(runs["2x1"]), rtol=1e-5, atol=1e-6)
+    other_mesh = run_cli([*LM_ON_TOKENS, f"data.path={data}", "mesh=1x2", f"hydra.run.dir={tmp_path / 'other'}",
+                          f"checkpoint.resume={tmp_path / '2x1' / 'checkpoints' / 'step_3'}"])
+    assert other_mesh.returncode == 0, other_mesh.stderr[-2000:]
+    losses = json.loads((tmp_path / "other" / "summary.json").read_text())["losses"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["2x1"]), rtol=1e-5, atol=1e-6)
 
 
 def test_token_data_that_does_not_fit_the_run_is_refused_before_launch(tmp_path, tokenizer_file):

@@ -55,6 +55,7 @@ class Trainer:
     def __init__(self, run: Run):
         self.run, self.cfg = run, run.cfg
         self.device = torch.device(run.cfg.mesh.device_type)
+        self.masked = getattr(run.dataset, "masked_targets", False)  # instruction data: targets -100 don't count
 
     # -- one step -----------------------------------------------------------------------
 
@@ -84,7 +85,7 @@ class Trainer:
         self.run.optimizer.zero_grad(set_to_none=True)
         size = self.cfg.data.micro_batch_size or len(inputs)
         chunks = list(zip(inputs.split(size), targets.split(size)))
-        per_token = self._per_token_scale(targets) if getattr(self.run.dataset, "masked_targets", False) else None
+        per_token = self._per_token_scale(targets) if self.masked else None
         total = None
         for i, (micro_inputs, micro_targets) in enumerate(chunks):
             if per_token is not None:
@@ -128,13 +129,20 @@ class Trainer:
         run.scheduler.step()
         return loss, norm
 
+    def _batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A replica's share of the global-batch loss, as forward_backward weighs it."""
+        if self.masked:
+            return self.compute_loss(inputs, targets, reduction="sum") * self._per_token_scale(targets)
+        return self.compute_loss(inputs, targets)
+
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over trainer.eval_batches batches of the held-out split, over all replicas."""
+        """Mean over trainer.eval_batches batches of the held-out split of each global batch's
+        loss (over its counted tokens, for masked data)."""
         run = self.run
         run.model.eval()
         data = iter(run.val_dataloader)
-        losses = [local_value(self.compute_loss(*(t.to(self.device) for t in next(data))))
+        losses = [local_value(self._batch_loss(*(t.to(self.device) for t in next(data))))
                   for _ in range(min(self.cfg.trainer.eval_batches, len(run.val_dataloader)))]
         run.model.train()
         return sum(mean_over_dp(run, losses)) / len(losses)
