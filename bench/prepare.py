@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-prepare-"))
+    work.mkdir(parents=True, exist_ok=True)
     corpus, tokenizer = work / "corpus.jsonl", work / "tokenizer.json"
     if not corpus.exists():
         make_corpus(corpus, args.mb)

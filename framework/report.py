@@ -28,8 +28,14 @@ FORMATS = {"final_loss": "{:.6g}", "best_val_loss": "{:.6g}", "samples_per_s": "
 
 
 def record_failure(job_dir: str, line: str) -> None:
-    """A sweep job's error line, for the report: the job returns instead of ending the sweep."""
-    Path(job_dir, ERROR_FILE).write_text(line + "\n")
+    """A sweep job's error line, for the report: the job returns instead of ending the sweep.
+    The first failure is kept (on SLURM every task records its own; the first is the cause,
+    the others mostly lost their peer)."""
+    try:
+        with open(Path(job_dir, ERROR_FILE), "x") as f:
+            f.write(line + "\n")
+    except FileExistsError:
+        pass
 
 
 def number(value: Any) -> Any:

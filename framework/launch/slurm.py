@@ -11,12 +11,16 @@ point the plugin's launcher names at them.
 """
 import math
 import os
+import socket
+import subprocess
 import zlib
 from typing import Dict, Optional, Tuple
 
 from omegaconf import DictConfig
 
+from framework.config.errors import ConfigError
 from framework.config.validate import check_ranks_per_node, validate
+from framework.launch.local import RankFailed
 
 INSTALL = "pip install -e '.[slurm]' (hydra-submitit-launcher)"
 
@@ -45,8 +49,20 @@ def world_from_job() -> Dict[str, str]:
 
     job = submitit.JobEnvironment()
     return {"RANK": str(job.global_rank), "WORLD_SIZE": str(job.num_tasks), "LOCAL_RANK": str(job.local_rank),
-            "LOCAL_WORLD_SIZE": str(job.num_tasks // job.num_nodes), "MASTER_ADDR": job.hostnames[0],
+            "LOCAL_WORLD_SIZE": str(job.num_tasks // job.num_nodes), "MASTER_ADDR": node_address(job.hostnames[0]),
             "MASTER_PORT": str(master_port(job.job_id))}
+
+
+def node_address(node: str) -> str:
+    """The node's name where it resolves, else the NodeAddr slurm.conf gives it (clusters whose
+    node names are not host names, several slurmd on one host)."""
+    try:
+        socket.getaddrinfo(node, None)
+        return node
+    except socket.gaierror:
+        result = subprocess.run(["scontrol", "-o", "show", "node", node], capture_output=True, text=True, timeout=60)
+        fields = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+        return fields.get("NodeAddr", node)
 
 
 def join_job_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
@@ -59,8 +75,14 @@ def join_job_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     from framework.launch.worker import run_rank
 
     os.environ.update(world_from_job())
-    validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), ranks_per_host=int(os.environ["LOCAL_WORLD_SIZE"]),
-             out_dir=out_dir)
-    if os.environ["RANK"] == "0":
-        write_resolved_config(cfg, out_dir)
-    return run_rank(rank_config(cfg), out_dir)
+    try:
+        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), ranks_per_host=int(os.environ["LOCAL_WORLD_SIZE"]),
+                 out_dir=out_dir)
+        if os.environ["RANK"] == "0":
+            write_resolved_config(cfg, out_dir)
+        return run_rank(rank_config(cfg), out_dir)
+    except ConfigError:
+        raise
+    except Exception as error:  # this task is the rank: its failure is the job's (recorded, the sweep goes on)
+        one_line = " ".join(str(error).split())[:500]
+        raise RankFailed(f"rank {os.environ['RANK']} failed: {type(error).__name__}: {one_line}") from error

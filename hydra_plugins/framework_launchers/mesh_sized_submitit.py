@@ -1,18 +1,25 @@
 """The submitit plugin's launchers, except that each job of a sweep is submitted with its own
-nodes and tasks per node, from its mesh (framework.launch.slurm.job_shape). Hydra only
-instantiates launchers found in the hydra_plugins namespace, hence this module's home.
-Without the plugin (the `slurm` extra), the same names say which pip command installs it.
+nodes and tasks per node, from its mesh (framework.launch.slurm.job_shape). On SLURM, every job's
+allocation is tested before any is submitted, and the launcher watches the jobs itself
+(framework.launch.slurm_watch: state changes on the console, hopeless jobs cancelled, no sacct);
+a job that ended without a result (cancelled, timed out, never started) is recorded in its job
+dir, so the sweep report lists it. Hydra only instantiates launchers found in the hydra_plugins
+namespace, hence this module's home. Without the plugin (the `slurm` extra), the same names say
+which pip command installs it.
 """
 import sys
 from pathlib import Path
 from typing import Any, List, Sequence, Tuple
 
 from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from framework.config.errors import ConfigError
 from framework.launch.slurm import INSTALL, job_shape
+from framework.launch.slurm_watch import sbatch_refusal, watch
+from framework.report import record_failure
 
 try:
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -38,6 +45,9 @@ else:
             import submitit
 
             shapes = [self._job_shape(overrides) for overrides in job_overrides]  # all before any is submitted
+            if self._EXECUTOR == "slurm":
+                for overrides, shape in zip(job_overrides, shapes):
+                    self._check_allocation(overrides, *shape)
             Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
             executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"],
                                              **{f"{self._EXECUTOR}_max_num_timeout": self.params.get("max_num_timeout", 0)})
@@ -50,7 +60,53 @@ else:
                 executor.update_parameters(**params, nodes=nodes, tasks_per_node=per_node)
                 jobs.append(executor.submit(self, list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
                                             Singleton.get_state()))
-            return [job.results()[0] for job in jobs]
+            if self._EXECUTOR != "slurm":
+                return [job.results()[0] for job in jobs]
+            labels = {job.job_id: f"job {idx}: {' '.join(overrides)}"
+                      for idx, (job, overrides) in enumerate(zip(jobs, job_overrides), start=initial_job_idx)}
+            ended = watch(labels)
+            return [job.results()[0] if job.paths.result_pickle.exists() else
+                    self._unfinished(overrides, idx, ended[job.job_id])
+                    for idx, (job, overrides) in enumerate(zip(jobs, job_overrides), start=initial_job_idx)]
+
+        def _check_allocation(self, overrides: Sequence[str], nodes: int, per_node: int) -> None:
+            """sbatch --test-only on the job's allocation: one that Slurm can never grant is a config
+            error (exit 2) before anything is submitted, not a job pending forever."""
+            extra = [f"--time={self.params['timeout_min']}"] if self.params.get("timeout_min") else []
+            if self.params.get("gpus_per_node"):
+                extra.append(f"--gpus-per-node={self.params['gpus_per_node']}")
+            refusal = sbatch_refusal(self.params.get("partition"), nodes, per_node, extra)
+            if refusal:
+                print(f"config error: {nodes} node(s) x {per_node} task(s) in partition "
+                      f"{self.params.get('partition') or '(default)'}: Slurm cannot run it: {refusal} "
+                      f"(job {' '.join(overrides)}); pick another partition, launcher.ranks_per_node or mesh",
+                      file=sys.stderr)
+                sys.exit(2)
+
+        def _unfinished(self, overrides: Sequence[str], idx: int, how: str) -> JobReturn:
+            """A job that left no result (cancelled, timed out, never started): its error line in its
+            job dir, with the configs Hydra would have saved there, so the sweep report lists it."""
+            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(sweep_config):
+                sweep_config.hydra.job.num = idx
+                sweep_config.hydra.runtime.output_dir = str(Path(str(self.config.hydra.sweep.dir),
+                                                                str(sweep_config.hydra.sweep.subdir)))
+            job_dir = Path(sweep_config.hydra.runtime.output_dir)
+            (job_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+            if not (job_dir / ".hydra" / "hydra.yaml").exists():
+                hydra_node = OmegaConf.create({"hydra": OmegaConf.to_container(sweep_config.hydra, resolve=False)})
+                OmegaConf.save(hydra_node, job_dir / ".hydra" / "hydra.yaml")
+                with open_dict(sweep_config):
+                    del sweep_config["hydra"]
+                OmegaConf.save(sweep_config, job_dir / ".hydra" / "config.yaml")
+            line = how if "can never start" in how else f"slurm job ended {how} before the run finished"
+            record_failure(str(job_dir), line)
+            print(line, file=sys.stderr)
+            # COMPLETED, as framework.train's own failed jobs return: a FAILED one would end the sweep
+            # in Hydra before the report (which reads error.txt) is written.
+            result = JobReturn(overrides=list(overrides), working_dir=str(job_dir), status=JobStatus.COMPLETED)
+            result.return_value = None
+            return result
 
         def _job_shape(self, overrides: Sequence[str]) -> Tuple[int, int]:
             """A job that cannot be sized is a config error: its one line and exit 2 (as
