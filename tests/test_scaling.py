@@ -70,6 +70,9 @@ def test_each_job_is_sized_from_its_mesh_and_ranks_per_node():
     assert job_shape(compose_config(["mesh=2x2"])) == (1, 4)  # null: every rank on one node
     with pytest.raises(ConfigError, match=r"launcher.ranks_per_node=3: must divide the mesh size 4 "):
         job_shape(compose_config(["mesh=2x2", "launcher.ranks_per_node=3"]))
+    with pytest.raises(ConfigError, match=r"launcher.max_restarts=2: restarts are the self-launcher's .*: set 0, "
+                                          r"and continue a failed job with checkpoint.resume="):
+        job_shape(compose_config(["mesh=2x2", "launcher.max_restarts=2"]))
 
 
 @pytest.mark.timeout(400)

@@ -30,8 +30,14 @@ def in_submitit_job() -> bool:
 
 
 def job_shape(cfg: DictConfig) -> Tuple[int, int]:
-    """(nodes, tasks per node) for a job of this config's mesh."""
+    """(nodes, tasks per node) for a job of this config's mesh; refuses what a submitit job
+    cannot do."""
     check_ranks_per_node(cfg)
+    if cfg.launcher.max_restarts:
+        raise ConfigError("launcher.max_restarts", cfg.launcher.max_restarts,
+                          "restarts are the self-launcher's (its elastic agent); a submitit job's tasks are its "
+                          "ranks, which nothing restarts: set 0, and continue a failed job with "
+                          "checkpoint.resume=<its checkpoints dir>")
     world = math.prod(cfg.mesh.shape)
     per_node = cfg.launcher.ranks_per_node or world
     return world // per_node, per_node
