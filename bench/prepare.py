@@ -92,11 +92,18 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=200)
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench-prepare-"))
+    if args.work:
+        run(Path(args.work), args.mb)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-prepare-") as work:  # ~450 MB: removed afterwards
+            run(Path(work), args.mb)
+
+
+def run(work: Path, megabytes: int) -> None:
     work.mkdir(parents=True, exist_ok=True)
     corpus, tokenizer = work / "corpus.jsonl", work / "tokenizer.json"
     if not corpus.exists():
-        make_corpus(corpus, args.mb)
+        make_corpus(corpus, megabytes)
     make_tokenizer(corpus, tokenizer)
     results = []
     for workers in (1, 2):

@@ -85,37 +85,56 @@ def _fields(args: argparse.Namespace) -> List[str]:
     return [args.prompt_field, args.response_field] if args.prompt_field else [args.text_field]
 
 
+def _jsonl_problem(line: bytes, fields: List[str]):
+    """(the record's values, None) or (None, what is wrong with the line)."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    except json.JSONDecodeError:
+        return None, "not JSON"
+    if not isinstance(record, dict) or any(field not in record for field in fields):
+        return None, f"has no field {' / '.join(map(repr, fields))}"
+    values = [record[field] for field in fields]
+    if not all(isinstance(v, str) for v in values):
+        return None, f"its {' / '.join(map(repr, fields))} is not a string"
+    return values, None
+
+
 def _jsonl_records(path: Path, fields: List[str], skip_bad: bool, skipped: List[int]) -> Iterator:
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-                values = [record[field] for field in fields]
-                if not all(isinstance(v, str) for v in values):
-                    raise KeyError(fields)
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                if skip_bad:
-                    skipped[0] += 1
-                    continue
-                problem = "not JSON" if isinstance(error, json.JSONDecodeError) else \
-                    f"has no text field {' / '.join(map(repr, fields))}"
+            values, problem = _jsonl_problem(line, fields)
+            if problem and skip_bad:
+                skipped[0] += 1
+                continue
+            if problem:
                 raise InputError(f"{path}:{number}", f"{problem}; fix it, or pass --skip-bad-lines to skip and "
-                                 "count such lines") from None
+                                 "count such lines")
             yield values if len(values) > 1 else values[0]
 
 
 def _parquet_records(path: Path, fields: List[str]) -> Iterator:
+    import pyarrow as pa
     import pyarrow.parquet as pq  # the `data` extra
 
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as error:
+        raise InputError(str(path), f"cannot be read as Parquet: {' '.join(str(error).split())}") from None
     missing = [field for field in fields if field not in parquet.schema_arrow.names]
     if missing:
         raise InputError(str(path), f"has no column {missing[0]!r}; its columns are {parquet.schema_arrow.names}")
+    row = 0
     for batch in parquet.iter_batches(columns=fields, batch_size=1024):
-        columns = [batch.column(field).to_pylist() for field in fields]
-        yield from (list(values) if len(values) > 1 else values[0] for values in zip(*columns))
+        for values in zip(*(batch.column(field).to_pylist() for field in fields)):
+            if not all(isinstance(v, str) for v in values):
+                raise InputError(f"{path}: row {row}", f"its {' / '.join(map(repr, fields))} is not a string "
+                                 f"({next(v for v in values if not isinstance(v, str))!r})")
+            row += 1
+            yield list(values) if len(values) > 1 else values[0]
 
 
 def records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> Iterator:

@@ -29,13 +29,18 @@ FORMATS = {"final_loss": "{:.6g}", "best_val_loss": "{:.6g}", "samples_per_s": "
 
 def record_failure(job_dir: str, line: str) -> None:
     """A sweep job's error line, for the report: the job returns instead of ending the sweep.
-    The first failure is kept (on SLURM every task records its own; the first is the cause,
-    the others mostly lost their peer)."""
+    The first failure recorded is kept: on SLURM every task records its own, and the ranks
+    that only lost their peer mostly fail later than the one that failed first."""
     try:
         with open(Path(job_dir, ERROR_FILE), "x") as f:
             f.write(line + "\n")
     except FileExistsError:
         pass
+
+
+def clear_failure(job_dir: str) -> None:
+    """Before a job runs: no error line left from an earlier sweep into the same dir."""
+    Path(job_dir, ERROR_FILE).unlink(missing_ok=True)
 
 
 def number(value: Any) -> Any:

@@ -30,7 +30,7 @@ from framework.config.validate import validate
 from framework.launch.handoff import HYDRA_ONLY, under_torchrun
 from framework.launch.local import RankFailed, launch_local
 from framework.launch.slurm import in_submitit_job
-from framework.report import record_failure
+from framework.report import clear_failure, record_failure
 
 register_schema()
 # conf/hydra/launcher/submitit_*.yaml take the submitit plugin's options as their schema, on purpose.
@@ -64,6 +64,8 @@ def hydra_app(cfg: DictConfig) -> None:
     the sweep report (Hydra re-raises it before on_multirun_end). The report lists the job and
     exits 1 (framework/report.py)."""
     out_dir = HydraConfig.get().runtime.output_dir
+    if HydraConfig.get().mode == RunMode.MULTIRUN and not in_submitit_job():
+        clear_failure(out_dir)  # a reused sweep dir (submitit's launchers clear theirs before submitting)
     try:
         launch(cfg, out_dir)
         return

@@ -111,17 +111,24 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "ok"}) + "\n{not json\n" + json.dumps({"body": "x"}) + "\n")
     (tmp_path / "broken.json").write_text("{")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(json.dumps({"text": "caf"}).encode()[:-2] + b"\xe9\"}\n")
+    nulls = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"text": ["fine", None]}), nulls)
+    inputs = ["bad.jsonl", "broken.json", "good.jsonl", "latin1.jsonl", "nulls.parquet"]
     out = tmp_path / "out"
     cases = [
         ([tmp_path / "missing"], f"input error: {tmp_path / 'missing'}: no such file or directory"),
         ([good, bad], f"input error: {bad}:2: not JSON; fix it, or pass --skip-bad-lines to skip and count such lines"),
         ([good, bad, "--tokenizer", tmp_path / "broken.json"], "config error: tokenizer="),
         ([good, "--tokenizer", tmp_path / "nope.json"], f"config error: tokenizer='{tmp_path / 'nope.json'}': no such file"),
+        ([latin1], f"input error: {latin1}:1: not UTF-8; fix it, or pass --skip-bad-lines"),
+        ([nulls], f"input error: {nulls}: row 1: its 'text' is not a string (None)"),
     ]
     for args, message in cases:
         code, err = prepare([*args, "--out", out], capsys)
         assert code == 2 and err.startswith(message) and "\n" not in err, err
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "broken.json", "good.jsonl"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == inputs
     code, _ = prepare([good, bad, "--out", out, "--skip-bad-lines"], capsys)
     meta = json.loads((out / "meta.json").read_text())
     assert code == 0 and meta["skipped_lines"] == 2 and meta["documents"] == 2

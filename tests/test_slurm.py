@@ -23,7 +23,7 @@ SLURM = ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     root = Path(f"/tmp/fwslurm-{os.getpid()}")  # short: munge's socket path has a length limit
     with slurm_cluster(root) as env:
         yield env
@@ -118,7 +118,7 @@ def test_a_pending_job_whose_reason_cannot_resolve_is_cancelled_with_one_line(cl
     old = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = cluster["SLURM_CONF"]
     try:
-        ended = watch({job_id: "by hand"}, say=lines.append)
+        ended = watch({job_id: "by hand"}, say=lines.append, grace_s=2)  # PartitionNodeLimit may also mean down nodes
     finally:
         os.environ.pop("SLURM_CONF") if old is None else os.environ.__setitem__("SLURM_CONF", old)
     # Slurm says PartitionConfig or PartitionNodeLimit (2 nodes asked of a 1-node partition)

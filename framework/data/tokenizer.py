@@ -76,8 +76,13 @@ def _special_tokens_named_beside(path: str) -> dict:
     config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
     if not os.path.isfile(config_path):
         return {}
-    with open(config_path) as f:
-        config = json.load(f)
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError("tokenizer", config_path, f"cannot be read as JSON: {_first_line(error)}") from None
+    if not isinstance(config, dict):
+        raise ConfigError("tokenizer", config_path, "is not a JSON object")
     named = {}
     for key in ("bos_token", "eos_token"):
         value = config.get(key)

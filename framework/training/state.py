@@ -14,7 +14,7 @@ def new_history() -> Dict[str, list]:
 
 @dataclass
 class TrainState:
-    step: int = 0  # the last step done; training continues with step + 1
+    step: int = 0  # the step under way, or the last done (what a checkpoint saves); a run continues with step + 1
     position: DataPosition = field(default_factory=DataPosition)
     history: Dict[str, list] = field(default_factory=new_history)
 

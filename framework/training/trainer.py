@@ -5,7 +5,8 @@ checkpoint is framework.training.state.
 
 Losses stay on their ranks until a logging step; then one all-reduce over the DP group turns
 the pending per-replica losses into global-batch losses (TP ranks already agree), so the hot
-path has no extra collective.
+path has no extra collective. (Instruction data adds one: the count of response tokens of the
+global batch, a number all-reduced over DP once per step, which its loss divides by.)
 """
 import logging
 import time
@@ -104,11 +105,11 @@ class Trainer:
         """DP size over the global batch's count of targets that count (not -100): a micro-batch's
         summed loss times this, summed over micro-batches and averaged over DP, is the mean over
         every counted token of the global batch, however they fall on replicas and micro-batches."""
-        if targets.is_meta:  # the dry run: no values to count
-            return self.run.dp["size"] / targets.numel()
         count = (targets != IGNORE).sum().double()
         if self.run.dp["size"] > 1:
             dist.all_reduce(count, group=self.run.dp_group)
+        if count.is_meta:  # the dry run (its collective recorder counted the all-reduce): no values
+            return self.run.dp["size"] / targets.numel()
         return self.run.dp["size"] / max(1.0, count.item())
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, measure_norm: bool,
@@ -129,23 +130,22 @@ class Trainer:
         run.scheduler.step()
         return loss, norm
 
-    def _batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """A replica's share of the global-batch loss, as forward_backward weighs it."""
-        if self.masked:
-            return self.compute_loss(inputs, targets, reduction="sum") * self._per_token_scale(targets)
-        return self.compute_loss(inputs, targets)
-
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean over trainer.eval_batches batches of the held-out split of each global batch's
-        loss (over its counted tokens, for masked data)."""
+        """The held-out loss over trainer.eval_batches global batches: the mean of their losses,
+        or for masked data the mean over every counted token of them all."""
         run = self.run
         run.model.eval()
         data = iter(run.val_dataloader)
-        losses = [local_value(self._batch_loss(*(t.to(self.device) for t in next(data))))
-                  for _ in range(min(self.cfg.trainer.eval_batches, len(run.val_dataloader)))]
+        sums, counts = [], []
+        for _ in range(min(self.cfg.trainer.eval_batches, len(run.val_dataloader))):
+            inputs, targets = (t.to(self.device) for t in next(data))
+            sums.append(local_value(self.compute_loss(inputs, targets, **({"reduction": "sum"} if self.masked else {}))))
+            counts.append((targets != IGNORE).sum().float() if self.masked else torch.ones(()))
         run.model.train()
-        return sum(mean_over_dp(run, losses)) / len(losses)
+        # batches' losses and counts summed here, then averaged over DP: their ratio is the global one
+        total, count = mean_over_dp(run, [torch.stack(sums).sum(), torch.stack(counts).sum()])
+        return total / max(count, 1.0)
 
     # -- the loop -----------------------------------------------------------------------
 

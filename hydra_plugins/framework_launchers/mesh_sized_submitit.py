@@ -8,18 +8,21 @@ namespace, hence this module's home. Without the plugin (the `slurm` extra), the
 which pip command installs it.
 """
 import sys
+import time
 from pathlib import Path
 from typing import Any, List, Sequence, Tuple
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from framework.config.errors import ConfigError
 from framework.launch.slurm import INSTALL, job_shape
 from framework.launch.slurm_watch import sbatch_refusal, watch
-from framework.report import record_failure
+from framework.report import clear_failure, record_failure
+
+RESULT_GRACE_S = 30.0  # how long a COMPLETED job's result file may take to show on a shared filesystem
 
 try:
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -49,6 +52,8 @@ else:
                 for overrides, shape in zip(job_overrides, shapes):
                     self._check_allocation(overrides, *shape)
             Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+            for idx, overrides in enumerate(job_overrides, start=initial_job_idx):  # a reused sweep dir's
+                clear_failure(str(self._job_config(overrides, idx).hydra.runtime.output_dir))
             executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"],
                                              **{f"{self._EXECUTOR}_max_num_timeout": self.params.get("max_num_timeout", 0)})
             # As the plugin does: its shared keys go as they are, the others with the executor's prefix.
@@ -65,17 +70,30 @@ else:
             labels = {job.job_id: f"job {idx}: {' '.join(overrides)}"
                       for idx, (job, overrides) in enumerate(zip(jobs, job_overrides), start=initial_job_idx)}
             ended = watch(labels)
-            return [job.results()[0] if job.paths.result_pickle.exists() else
-                    self._unfinished(overrides, idx, ended[job.job_id])
+            return [self._outcome(job, overrides, idx, ended[job.job_id])
                     for idx, (job, overrides) in enumerate(zip(jobs, job_overrides), start=initial_job_idx)]
 
+        def _outcome(self, job: Any, overrides: Sequence[str], idx: int, how: str) -> JobReturn:
+            """Task 0's JobReturn (it records a failed rank in the job dir itself), or, for a job
+            that left none, _unfinished's."""
+            import submitit
+
+            task = job.task(0)
+            deadline = time.monotonic() + (RESULT_GRACE_S if how == "COMPLETED" else 0)
+            while not task.paths.result_pickle.exists() and time.monotonic() < deadline:
+                time.sleep(1)  # a shared filesystem may show the file late
+            if task.paths.result_pickle.exists():
+                try:
+                    return task.results()[0]
+                except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as error:
+                    how = f"{how} ({type(error).__name__})"
+            return self._unfinished(overrides, idx, how)
+
         def _check_allocation(self, overrides: Sequence[str], nodes: int, per_node: int) -> None:
-            """sbatch --test-only on the job's allocation: one that Slurm can never grant is a config
-            error (exit 2) before anything is submitted, not a job pending forever."""
-            extra = [f"--time={self.params['timeout_min']}"] if self.params.get("timeout_min") else []
-            if self.params.get("gpus_per_node"):
-                extra.append(f"--gpus-per-node={self.params['gpus_per_node']}")
-            refusal = sbatch_refusal(self.params.get("partition"), nodes, per_node, extra)
+            """sbatch --test-only on the job's allocation, with every sbatch option the launcher
+            passes: one that Slurm can never grant is a config error (exit 2) before anything is
+            submitted, not a job pending forever."""
+            refusal = sbatch_refusal(nodes, per_node, dict(self.params))
             if refusal:
                 print(f"config error: {nodes} node(s) x {per_node} task(s) in partition "
                       f"{self.params.get('partition') or '(default)'}: Slurm cannot run it: {refusal} "
@@ -86,11 +104,7 @@ else:
         def _unfinished(self, overrides: Sequence[str], idx: int, how: str) -> JobReturn:
             """A job that left no result (cancelled, timed out, never started): its error line in its
             job dir, with the configs Hydra would have saved there, so the sweep report lists it."""
-            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            with open_dict(sweep_config):
-                sweep_config.hydra.job.num = idx
-                sweep_config.hydra.runtime.output_dir = str(Path(str(self.config.hydra.sweep.dir),
-                                                                str(sweep_config.hydra.sweep.subdir)))
+            sweep_config = self._job_config(overrides, idx)
             job_dir = Path(sweep_config.hydra.runtime.output_dir)
             (job_dir / ".hydra").mkdir(parents=True, exist_ok=True)
             if not (job_dir / ".hydra" / "hydra.yaml").exists():
@@ -107,6 +121,15 @@ else:
             result = JobReturn(overrides=list(overrides), working_dir=str(job_dir), status=JobStatus.COMPLETED)
             result.return_value = None
             return result
+
+        def _job_config(self, overrides: Sequence[str], idx: int) -> DictConfig:
+            """The job's config as Hydra composes it, with its number and job dir set."""
+            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(sweep_config):
+                sweep_config.hydra.job.num = idx
+                sweep_config.hydra.runtime.output_dir = str(Path(str(self.config.hydra.sweep.dir),
+                                                                str(sweep_config.hydra.sweep.subdir)))
+            return sweep_config
 
         def _job_shape(self, overrides: Sequence[str]) -> Tuple[int, int]:
             """A job that cannot be sized is a config error: its one line and exit 2 (as
