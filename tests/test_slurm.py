@@ -53,8 +53,10 @@ def test_a_sweep_runs_each_mesh_across_both_nodes_and_trains_what_a_self_launch_
 def test_a_job_whose_rank_fails_is_reported_and_the_other_job_finishes(cluster, tmp_path):
     sweep = tmp_path / "sweep"
     result = run_cli([*SLURM, "mesh=2x2", *FAST, TEST_MODELS, "model._target_=tests.workers.FailOnRank",
-                      "+model.fail_rank=3,99", "trainer.collective_timeout_s=20",
-                      "trainer.stall_timeout_s=10", f"hydra.sweep.dir={sweep}"],
+                      # job 0's other ranks wait for rank 3 until the collective timeout; job 1 must
+                      # not trip a watchdog while 8 ranks share 2 cores
+                      "+model.fail_rank=3,99", "trainer.collective_timeout_s=30", "trainer.stall_timeout_s=null",
+                      f"hydra.sweep.dir={sweep}"],
                      env=cluster, timeout=380)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "2 jobs, 1 failed" in result.stdout
