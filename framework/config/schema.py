@@ -45,6 +45,11 @@ class Precision(str, Enum):
     bf16 = "bf16"
 
 
+class Compile(str, Enum):
+    none = "none"
+    blocks = "blocks"  # torch.compile each of the model's `layers` (framework.training.compile)
+
+
 class DPStrategy(str, Enum):
     replicate = "replicate"  # DataParallel: a full copy per DP rank, gradients all-reduced
     fsdp = "fsdp"            # FSDP2 fully_shard over every DP rank
@@ -112,6 +117,7 @@ class TrainerConfig:
     stall_timeout_s: Optional[float] = 180
     mixed_precision: Optional[Precision] = None
     check_replicas_every: Optional[int] = 100
+    compile: Compile = Compile.none
 
 
 @dataclass

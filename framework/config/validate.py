@@ -17,6 +17,7 @@ from framework.config.trust import check_targets
 from framework.data.tokens import check_token_data
 from framework.parallel.roles import MeshRoles
 from framework.parallel.plan import check_output_layout, check_plan
+from framework.training.compile import compiled_blocks
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -132,6 +133,8 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
                           f"remove the key, or use a model that does, such as framework.models.Transformer")
     with torch.device("meta"), _SkipRandomInit():
         model = instantiate_checked(cfg.model)
+    if cfg.trainer.compile != "none":
+        compiled_blocks(model)
     plan = OmegaConf.to_container(cfg.plan, resolve=True)
     tp = MeshRoles.from_config(cfg).tp_size
     check_plan(plan, model, tp)

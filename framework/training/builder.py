@@ -24,6 +24,7 @@ from framework.parallel.tensor_parallel import apply_tp
 from framework.training.schedule import build_scheduler
 from framework.training.state import TrainState
 from framework.training.trainer import Trainer
+from framework.training.compile import apply_compile
 from framework.training.run import Run
 
 log = logging.getLogger("framework")
@@ -94,7 +95,9 @@ def stage_tensor_parallel(run: Run) -> None:
 
 
 def stage_fully_shard(run: Run) -> None:
-    """fsdp / hsdp: FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh)."""
+    """trainer.compile's blocks first (torchtitan's order: TP, compile, FSDP2); then fsdp / hsdp:
+    FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh)."""
+    apply_compile(run.module, run.cfg.trainer.compile)
     strategy = run.cfg.parallel.dp_strategy
     if strategy != "replicate":
         run.model = apply_fsdp(run.model, run.roles.sharding_mesh(run.mesh, strategy), run.cfg.trainer.mixed_precision)

@@ -1,0 +1,48 @@
+"""`trainer.compile: blocks`: torch.compile of each of the model's repeated blocks (its `layers`,
+as torchtitan compiles them), after TP and before FSDP2 wraps them.
+
+Per block, not the whole model: the blocks are one graph compiled once and reused, and DTensor's
+per-op dispatch, most of a small TP step on CPU, is traced away inside each. Only each block's
+`forward` is compiled, so its hooks (FSDP2's, and the one below) stay eager and parameter names
+(checkpoints, exports, plans) keep no `_orig_mod.` prefix: a checkpoint saved compiled resumes
+eager and back.
+"""
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+
+from framework.config.errors import ConfigError
+
+
+def compiled_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks, or a config error naming what compile needs."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ConfigError("trainer.compile", "blocks", f"{type(model).__name__} has no `layers` ModuleList of "
+                          "repeated blocks to compile; use trainer.compile=none")
+    return layers
+
+
+def _waited(value):
+    """A tensor whose collective is still in flight (TP's async redistribute of the embedding's
+    output) as a plain result: torch 2.13's compiled backward otherwise hands the redistribute a
+    plain gradient where it expects a DTensor. A copy, only for such inputs."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    return value.clone() if isinstance(local, AsyncCollectiveTensor) else value
+
+
+def _wait_for_inputs(module: nn.Module, args: tuple) -> tuple:
+    return tuple(_waited(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def apply_compile(model: nn.Module, mode: str) -> None:
+    # The dry run's model is on meta: compiling changes none of the shapes, bytes or collectives it reports.
+    if mode == "none" or any(p.is_meta for p in model.parameters()):
+        return
+    blocks = compiled_blocks(model)
+    for block in blocks:
+        block.register_forward_pre_hook(_wait_for_inputs)
+        block.forward = torch.compile(block.forward, fullgraph=True)
+    # one graph for all blocks, recompiled at most for a changed shape (evaluation's batch, say)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(blocks))
