@@ -1,8 +1,13 @@
-"""What one training step communicates, from the configured mesh's own ranks.
+"""What one training step communicates, and where a step's time goes, from the configured
+mesh's own ranks.
 
     python -m framework.inspect comm [overrides]    rank 0's collectives by type, with counts
     python -m framework.inspect trace [overrides]   per rank, the order of module forward and
                                                     backward passes with the collectives in each
+    python -m framework.inspect profile [--out=DIR] [overrides]
+                                                    per rank, torch.profiler over 3 steps after
+                                                    the first: top operators by self time, the
+                                                    share in collectives, a trace in DIR/profile/
 
 Both compose the config like framework.train (same groups, recipes and overrides; no output
 dir), start the mesh's ranks, build the model and run one step (forward, backward with the
@@ -12,8 +17,10 @@ hang or a mismatch: ranks of one group must issue that group's collectives in th
 and it says where the first pair of ranks differs.
 """
 import math
+import os
 import sys
 import tempfile
+import time
 import warnings
 from typing import Dict, List, Optional
 
@@ -26,10 +33,14 @@ from framework.training.builder import build_and_run
 from framework.cli import command_status, compose_config
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
+from framework.data.loader import DataPosition, batches
+from framework.training.profiling import format_summary, profiled, summary, trace_path
 from framework.training.trainer import Trainer
 from framework.config.validate import validate
 
-USAGE = "usage: python -m framework.inspect {comm|trace} [hydra overrides, e.g. recipe=lm_2d mesh=1x2]"
+USAGE = ("usage: python -m framework.inspect {comm|trace|profile} [--out=DIR (profile)] "
+         "[hydra overrides, e.g. recipe=lm_2d mesh=1x2]")
+PROFILED_STEPS = 3  # after a first step, which compiles and warms caches
 
 
 def build_for_one_step(cfg_container: dict, out_dir: str):
@@ -77,12 +88,35 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
     return events
 
 
-def on_ranks(function, overrides: List[str]) -> Dict[int, object]:
+def on_ranks(function, overrides: List[str], *args) -> Dict[int, object]:
     """Compose and validate like framework.train, then run `function` on every rank of the mesh."""
     cfg = compose_config(overrides)
     validate(cfg)
     with tempfile.TemporaryDirectory(prefix="framework-inspect-") as out_dir:
-        return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir)
+        return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir, *args)
+
+
+def profile_of_steps(cfg_container: dict, out_dir: str, trace_dir: str) -> dict:
+    """Runs in every rank: PROFILED_STEPS train steps after a first one, under torch.profiler."""
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="optimizer")
+    trainer = Trainer(run)
+    data = batches(run.sampler, run.dataloader, DataPosition(), run.cfg.data.global_batch_size)
+    with profiled(trace_dir, run.rank, PROFILED_STEPS) as profiler:
+        for _ in range(PROFILED_STEPS + 1):
+            trainer.train_step(*next(data), measure_norm=False)
+            profiler.step()
+    dist.destroy_process_group()
+    return summary(profiler)
+
+
+def print_profiles(argv: List[str]) -> int:
+    out = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--out=")),
+               os.path.join("outputs", "profile", time.strftime("%Y-%m-%d_%H-%M-%S")))
+    results = on_ranks(profile_of_steps, [arg for arg in argv if not arg.startswith("--out=")], os.path.abspath(out))
+    for rank in sorted(results):
+        print("\n".join(format_summary(rank, results[rank], trace_path(os.path.abspath(out), rank))))
+    print(f"open the traces in https://ui.perfetto.dev or: tensorboard --logdir {os.path.join(out, 'profile')}")
+    return 0
 
 
 def count_collectives(overrides: List[str]) -> Dict[str, int]:
@@ -122,9 +156,11 @@ def main(argv: List[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    if not argv or argv[0] not in ("comm", "trace"):
+    if not argv or argv[0] not in ("comm", "trace", "profile"):
         print(USAGE, file=sys.stderr)
         return 2
+    if argv[0] == "profile":
+        return command_status(lambda: print_profiles(argv[1:]), "profiling failed", argv, USAGE)
     if argv[0] == "trace":
         return command_status(lambda: print_traces(on_ranks(trace_of_one_step, argv[1:])) or 0, "inspection failed",
                               argv, USAGE)

@@ -118,6 +118,7 @@ class TrainerConfig:
     mixed_precision: Optional[Precision] = None
     check_replicas_every: Optional[int] = 100
     compile: Compile = Compile.none
+    profile_steps: int = 0
 
 
 @dataclass

@@ -25,6 +25,7 @@ from framework.parallel.fully_shard import no_gradient_sync
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
 from framework.parallel.replica_check import check_replicas
 from framework.training.metrics import Metrics
+from framework.training.profiling import format_summary, profiled, summary, trace_path
 from framework.training.run import Run
 from framework.training.watchdog import StallWatchdog
 
@@ -164,19 +165,25 @@ class Trainer:
         self.watchdog = StallWatchdog(trainer.stall_timeout_s, run.rank, run.out_dir)
         self.pending: List[torch.Tensor] = []  # per-replica losses not yet averaged over DP
         run.model.train()
-        for step in range(state.step + 1, trainer.max_steps + 1):
-            state.step = step
-            logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
-            self.watchdog.stage(f"step {step}: data, forward and backward")
-            inputs, targets = (t.to(self.device) for t in next(data))
-            lr = run.optimizer.param_groups[0]["lr"]
-            loss, grad_norm = self.train_step(inputs, targets, logging_step, on_gradients=lambda: self.watchdog.stage(
-                f"step {step}: gradient norm, optimizer step"))
-            self.pending.append(local_value(loss))
-            self._after_step(step, logging_step, grad_norm)
-            if logging_step:
-                history = state.history
-                self.metrics.log_step(step, history["losses"][-1], lr, history["grad_norms"][-1])
+        with profiled(run.out_dir, run.rank, trainer.profile_steps) as profiler:
+            for step in range(state.step + 1, trainer.max_steps + 1):
+                state.step = step
+                logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
+                self.watchdog.stage(f"step {step}: data, forward and backward")
+                inputs, targets = (t.to(self.device) for t in next(data))
+                lr = run.optimizer.param_groups[0]["lr"]
+                loss, grad_norm = self.train_step(inputs, targets, logging_step, on_gradients=lambda: self.watchdog.stage(
+                    f"step {step}: gradient norm, optimizer step"))
+                self.pending.append(local_value(loss))
+                self._after_step(step, logging_step, grad_norm)
+                if logging_step:
+                    history = state.history
+                    self.metrics.log_step(step, history["losses"][-1], lr, history["grad_norms"][-1])
+                if profiler:
+                    profiler.step()
+        if profiler:  # each rank's own log (rank 0's is also the console)
+            log.info("profile of steps 2-%d:\n%s", trainer.profile_steps + 1,
+                     "\n".join(format_summary(run.rank, summary(profiler), trace_path(run.out_dir, run.rank))))
         self.watchdog.stage("waiting for the last checkpoint save")
         run.checkpointer.close()  # the last async save finishes before the run ends
         self.watchdog.close()  # (a rank that raises exits, and its watchdog thread with it)

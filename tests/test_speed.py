@@ -1,7 +1,9 @@
-"""trainer.compile=blocks: per-block torch.compile trains what eager trains (1x1; TP + SP on
-1x2), its checkpoints keep the model's own names and resume eager, and a model without blocks
-is refused before launch."""
+"""Speed tools. trainer.compile=blocks: per-block torch.compile trains what eager trains (1x1;
+TP + SP on 1x2), its checkpoints keep the model's own names and resume eager, and a model without
+blocks is refused before launch. Profiling: `inspect profile` and trainer.profile_steps write
+every rank's trace and summary."""
 import json
+import re
 
 import pytest
 import torch
@@ -39,3 +41,30 @@ def test_compiling_a_model_without_blocks_is_refused_before_launch(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == ("config error: trainer.compile='blocks': SeedMLP has no `layers` ModuleList of "
                                      "repeated blocks to compile; use trainer.compile=none")
+
+
+def test_inspect_profile_writes_each_ranks_trace_and_finds_collectives_only_where_there_are_some(tmp_path):
+    tiny = [arg for arg in TINY_LM if arg != "trainer.progress_bar=false"]
+    results = {}
+    for mesh, plan in (("1x1", "none"), ("1x2", "lm_tp_sp")):
+        out = tmp_path / mesh
+        result = run_cli(["profile", f"--out={out}", *tiny, f"mesh={mesh}", f"plan={plan}"], module="framework.inspect",
+                         timeout=200)
+        assert result.returncode == 0, result.stderr[-3000:]
+        shares = re.findall(r"^rank (\d+): [\d.]+ ms per step, ([\d.]+)% of it in collectives; trace (\S+)$",
+                            result.stdout, re.MULTILINE)
+        assert [int(rank) for rank, _, _ in shares] == list(range(int(mesh[0]) * int(mesh[2])))
+        for _, _, trace in shares:
+            assert json.loads(open(trace).read())["traceEvents"]
+        results[mesh] = [float(share) for _, share, _ in shares]
+    assert results["1x1"] == [0.0]  # one process: nothing to communicate
+    assert all(share > 0 for share in results["1x2"])  # TP + SP all-gathers and reduce-scatters in every block
+
+
+def test_profile_steps_profiles_a_normal_run(tmp_path):
+    result = run_cli([*TINY_LM, *STEPS, "mesh=2x1", "plan=none", "trainer.profile_steps=2", f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    for rank in (0, 1):
+        log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
+        assert f"profile of steps 2-3:\nrank {rank}: " in log and "% of it in collectives" in log

@@ -1,0 +1,56 @@
+"""Where a step's time goes, per rank: torch.profiler over a few steps, each rank's trace
+written where TensorBoard's profiler plugin and Perfetto open it, and a short summary: the top
+operators by self time and the share of the profiled steps spent in collectives.
+
+Used by `python -m framework.inspect profile` (a few steps, nothing else) and by
+`trainer.profile_steps` inside a normal run (the steps after the first, which compiles and
+warms caches).
+"""
+import os
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional
+
+from torch.profiler import ProfilerActivity, profile, schedule
+
+# Operator names of communication: c10d's ops and gloo / nccl kernels, the functional
+# collectives DTensor issues, and DataParallel's wait for its all-reduces.
+COLLECTIVE_MARKERS = ("c10d", "gloo", "nccl", "all_reduce", "allreduce", "all_gather", "allgather",
+                      "reduce_scatter", "broadcast", "wait_tensor", "wait_for_all_reduce", "_functional_collectives")
+
+
+def trace_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, "profile", f"rank{rank}.pt.trace.json")
+
+
+@contextmanager
+def profiled(out_dir: str, rank: int, steps: int, skip_first: int = 1) -> Iterator[Optional[profile]]:
+    """torch.profiler over `steps` steps after `skip_first` (call .step() after each step);
+    the trace goes to out_dir/profile/rank<N>.pt.trace.json."""
+    if not steps:
+        yield None
+        return
+    os.makedirs(os.path.dirname(trace_path(out_dir, rank)), exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=skip_first, warmup=0, active=steps),
+                 on_trace_ready=lambda prof: prof.export_chrome_trace(trace_path(out_dir, rank))) as prof:
+        yield prof
+
+
+def summary(prof: profile, top: int = 8) -> Dict[str, object]:
+    """The top operators by self CPU time, and the share of the profiled steps' time that
+    collectives took (their self time, over the steps' total)."""
+    events = prof.key_averages()
+    steps = [e for e in events if e.key.startswith("ProfilerStep")]
+    step_us = sum(e.cpu_time_total for e in steps)
+    ops = [e for e in events if not e.key.startswith("ProfilerStep")]
+    collective_us = sum(e.self_cpu_time_total for e in ops if any(m in e.key.lower() for m in COLLECTIVE_MARKERS))
+    ranked = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {"step_ms": step_us / 1000 / max(1, sum(e.count for e in steps)),
+            "collective_share": collective_us / step_us if step_us else 0.0,
+            "top": [(e.key, e.self_cpu_time_total / 1000, e.count) for e in ranked]}
+
+
+def format_summary(rank: int, result: Dict[str, object], trace: str) -> List[str]:
+    lines = [f"rank {rank}: {result['step_ms']:.1f} ms per step, {100 * result['collective_share']:.1f}% of it in "
+             f"collectives; trace {trace}"]
+    lines += [f"    {ms:9.2f} ms  {count:6d}x  {name}" for name, ms, count in result["top"]]
+    return lines
