@@ -22,7 +22,8 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
           ("plan", "seed_linear_colwise"): ["model=seed_linear"],
           ("plan", "seed_sequential_rowwise_colwise"): ["model=seed_sequential"],
           **{(group, name): ["recipe=lm_2d", f"{group}={name}"]
-             for group, name in [("model", "lm_tiny"), ("model", "lm_small"), ("plan", "lm_tp"), ("plan", "lm_tp_sp"),
+             for group, name in [("model", "lm_tiny"), ("model", "lm_small"), ("model", "lm_bench"), ("plan", "lm_tp"),
+                                 ("plan", "lm_tp_sp"),
                                  ("plan", "lm_tp_sp_loss_parallel"), ("data", "byte_corpus")]},
           ("data", "tokens"): ["recipe=lm_files"], ("data", "instructions"): ["recipe=lm_files", "data=instructions"]}
 # Configs that read prepared token data: which kind (the `prepared` fixture's).

@@ -1,0 +1,78 @@
+"""Efficiency against this machine's own limits (issue 21), each a ratio from one run:
+
+- the machine's fp32 matmul peak, measured first: 2048 x 2048 GEMMs on all cores;
+- MFU per mesh, eager and compiled: model FLOP/s (the model's flops_per_token x tokens/s) over
+  that peak, on the compute-bound `lm_bench` model (26M parameters, 8 x 256 tokens per step);
+- distributed efficiency: a mesh's tokens/s (all its ranks on the same cores) over the best
+  one-process tokens/s of the same model.
+
+    .venv/bin/python bench/efficiency.py [--steps 6] [--meshes 1x1,2x1,1x2,2x2]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["recipe=lm_2d", "model=lm_bench", "data.dataset.seq_len=256", "data.global_batch_size=8",
+         "trainer.eval_every=null", "trainer.warmup_steps=0", "trainer.grad_clip=null", "trainer.log_every=1",
+         "trainer.progress_bar=false", "logger.tensorboard=false"]
+PLANS = {"1x1": "none", "2x1": "none", "1x2": "lm_tp_sp", "2x2": "lm_tp_sp"}
+
+
+def matmul_peak(size: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of fp32 GEMMs on all of this machine's cores (the best of `repeats`)."""
+    torch.set_num_threads(os.cpu_count())
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def tokens_per_s(mesh: str, compiled: bool, steps: int, work: Path) -> dict:
+    out = work / f"{mesh}_{'compiled' if compiled else 'eager'}"
+    subprocess.run([sys.executable, "-m", "framework.train", *MODEL, f"mesh={mesh}", f"plan={PLANS[mesh]}",
+                    f"trainer.max_steps={steps}", f"trainer.compile={'blocks' if compiled else 'none'}",
+                    f"hydra.run.dir={out}"], cwd=ROOT, check=True, capture_output=True)
+    summary = json.loads((out / "summary.json").read_text())
+    return {"tokens_per_s": summary["tokens_per_s"], "first_step_s": summary["first_step_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--meshes", default="1x1,2x1,1x2,2x2")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from framework.models import Transformer
+
+    model = Transformer(vocab_size=256, dim=512, n_layers=8, n_heads=8, hidden_dim=1408)
+    flops_per_token = model.flops_per_token(256)
+    peak = matmul_peak()
+    print(json.dumps({"matmul_peak_gflops": round(peak / 1e9, 1), "params_M": round(
+        sum(p.numel() for p in model.parameters()) / 1e6, 1), "flops_per_token_M": round(flops_per_token / 1e6, 1)}))
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="bench-efficiency-") as work:
+        for mesh in args.meshes.split(","):
+            for compiled in (False, True):
+                rows[mesh, compiled] = tokens_per_s(mesh, compiled, args.steps, Path(work))
+    best_one = max(rows[key]["tokens_per_s"] for key in rows if key[0] == "1x1")
+    for (mesh, compiled), row in rows.items():
+        print(json.dumps({"mesh": mesh, "compiled": compiled, "tokens_per_s": round(row["tokens_per_s"], 1),
+                          "mfu": round(row["tokens_per_s"] * flops_per_token / peak, 3),
+                          "distributed_efficiency": round(row["tokens_per_s"] / best_one, 3),
+                          "first_step_s": round(row["first_step_s"], 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
