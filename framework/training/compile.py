@@ -9,8 +9,6 @@ eager and back.
 """
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor
 
 from framework.config.errors import ConfigError
 
@@ -24,16 +22,19 @@ def compiled_blocks(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _waited(value):
-    """A tensor whose collective is still in flight (TP's async redistribute of the embedding's
-    output) as a plain result: torch 2.13's compiled backward otherwise hands the redistribute a
-    plain gradient where it expects a DTensor. A copy, only for such inputs."""
-    local = value._local_tensor if isinstance(value, DTensor) else value
-    return value.clone() if isinstance(local, AsyncCollectiveTensor) else value
-
-
 def _wait_for_inputs(module: nn.Module, args: tuple) -> tuple:
-    return tuple(_waited(a) if isinstance(a, torch.Tensor) else a for a in args)
+    """Inputs whose collective is still in flight (TP's async redistribute of the embedding's
+    output) as plain results: torch 2.13's compiled backward otherwise hands the redistribute a
+    plain gradient where it expects a DTensor. A copy, only for such inputs. (Imported here:
+    validation imports this module, and the launcher must not load DTensor.)"""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    def waited(value):
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        return value.clone() if isinstance(local, AsyncCollectiveTensor) else value
+
+    return tuple(waited(a) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def apply_compile(model: nn.Module, mode: str) -> None:
