@@ -18,9 +18,14 @@ def losses(out) -> list:
     return json.loads((out / "summary.json").read_text())["losses"]
 
 
-@pytest.mark.parametrize("mesh,plan", [("1x1", "none"), ("1x2", "lm_tp_sp")])
-def test_compiled_blocks_train_the_eager_model_and_their_checkpoint_resumes_eager(tmp_path, mesh, plan):
-    base = [*TINY_LM, *STEPS, f"mesh={mesh}", f"plan={plan}"]
+@pytest.mark.parametrize("mesh,plan,extra", [
+    ("1x1", "none", []),
+    ("1x2", "lm_tp_sp", []),
+    # with loss_parallel, activation checkpointing and micro-batches together
+    ("1x2", "lm_tp_sp_loss_parallel", ["model.activation_checkpointing=full", "data.micro_batch_size=2"]),
+])
+def test_compiled_blocks_train_the_eager_model_and_their_checkpoint_resumes_eager(tmp_path, mesh, plan, extra):
+    base = [*TINY_LM, *STEPS, f"mesh={mesh}", f"plan={plan}", *extra]
     eager = run_cli([*base, f"hydra.run.dir={tmp_path / 'eager'}"])
     compiled = run_cli([*base, "trainer.compile=blocks", "checkpoint.every=2", f"hydra.run.dir={tmp_path / 'compiled'}"])
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
@@ -28,7 +33,7 @@ def test_compiled_blocks_train_the_eager_model_and_their_checkpoint_resumes_eage
                                rtol=1e-5, atol=1e-6)
     summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
     assert summary["first_step_s"] > max(summary["step_times_s"][1:])  # the first step compiled
-    if mesh == "1x2":  # saved compiled, resumed eager: the same names, the same curve
+    if plan == "lm_tp_sp":  # saved compiled, resumed eager: the same names, the same curve
         resumed = run_cli([*base, f"hydra.run.dir={tmp_path / 'resumed'}",
                            f"checkpoint.resume={tmp_path / 'compiled' / 'checkpoints' / 'step_2'}"])
         assert resumed.returncode == 0, resumed.stderr[-3000:]
