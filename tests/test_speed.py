@@ -8,7 +8,11 @@ import re
 import pytest
 import torch
 
-from tests.conftest import TINY_LM, run_cli
+from omegaconf import OmegaConf
+
+from framework.launch.local import spawn_ranks
+from tests.conftest import TINY_LM, compose_config, run_cli
+from tests.workers import compiled_blocks_and_names
 
 pytestmark = pytest.mark.timeout(400)
 STEPS = ["trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=null", "logger.tensorboard=false"]
@@ -31,14 +35,21 @@ def test_compiled_blocks_train_the_eager_model_and_their_checkpoint_resumes_eage
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "compiled")), torch.tensor(losses(tmp_path / "eager")),
                                rtol=1e-5, atol=1e-6)
-    summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
-    assert summary["first_step_s"] > max(summary["step_times_s"][1:])  # the first step compiled
     if plan == "lm_tp_sp":  # saved compiled, resumed eager: the same names, the same curve
         resumed = run_cli([*base, f"hydra.run.dir={tmp_path / 'resumed'}",
                            f"checkpoint.resume={tmp_path / 'compiled' / 'checkpoints' / 'step_2'}"])
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         torch.testing.assert_close(torch.tensor(losses(tmp_path / "resumed")), torch.tensor(losses(tmp_path / "eager")),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_the_builder_compiles_each_block_in_place_keeping_the_models_names(tmp_path):
+    cfg = OmegaConf.to_container(compose_config([*TINY_LM, "mesh=1x2", "plan=lm_tp_sp", "trainer.compile=blocks"]),
+                                 resolve=True)
+    eager = dict(cfg, trainer={**cfg["trainer"], "compile": "none"})
+    compiled, plain = (spawn_ranks(2, compiled_blocks_and_names, c, str(tmp_path))[0] for c in (cfg, eager))
+    assert compiled["compiled"] == [True, True] and plain["compiled"] == [False, False]
+    assert compiled["names"] == plain["names"] and not any("_orig_mod" in name for name in compiled["names"])
 
 
 def test_compiling_a_model_without_blocks_is_refused_before_launch(tmp_path):
@@ -51,7 +62,7 @@ def test_compiling_a_model_without_blocks_is_refused_before_launch(tmp_path):
 def test_inspect_profile_writes_each_ranks_trace_and_finds_collectives_only_where_there_are_some(tmp_path):
     tiny = [arg for arg in TINY_LM if arg != "trainer.progress_bar=false"]
     results = {}
-    for mesh, plan in (("1x1", "none"), ("1x2", "lm_tp_sp")):
+    for mesh, plan in (("1x1", "none"), ("2x1", "none"), ("1x2", "lm_tp_sp")):
         out = tmp_path / mesh
         result = run_cli(["profile", f"--out={out}", *tiny, f"mesh={mesh}", f"plan={plan}"], module="framework.inspect",
                          timeout=200)
@@ -63,6 +74,7 @@ def test_inspect_profile_writes_each_ranks_trace_and_finds_collectives_only_wher
             assert json.loads(open(trace).read())["traceEvents"]
         results[mesh] = [float(share) for _, share, _ in shares]
     assert results["1x1"] == [0.0]  # one process: nothing to communicate
+    assert all(share > 0 for share in results["2x1"])  # DP's gradient all-reduces, and the waits for them
     assert all(share > 0 for share in results["1x2"])  # TP + SP all-gathers and reduce-scatters in every block
 
 

@@ -213,8 +213,10 @@ def _place_like_parameter(p: torch.Tensor) -> None:
 
 def wait_for_all_reduce(work) -> None:
     """Where a rank waits for DP's all-reduces; the stall watchdog reports it as a collective
-    (an async op's wait has no torch.distributed Python frame of its own)."""
-    work.wait()
+    (an async op's wait has no torch.distributed Python frame of its own), and the profiler
+    counts it as one (framework.training.profiling; record_function costs nothing unprofiled)."""
+    with torch.profiler.record_function("c10d::wait_for_all_reduce"):
+        work.wait()
 
 
 def _in_flat_buckets(tensors: List[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:

@@ -12,10 +12,10 @@ from typing import Dict, Iterator, List, Optional
 
 from torch.profiler import ProfilerActivity, profile, schedule
 
-# Operator names of communication: c10d's ops and gloo / nccl kernels, the functional
-# collectives DTensor issues, and DataParallel's wait for its all-reduces.
-COLLECTIVE_MARKERS = ("c10d", "gloo", "nccl", "all_reduce", "allreduce", "all_gather", "allgather",
-                      "reduce_scatter", "broadcast", "wait_tensor", "wait_for_all_reduce", "_functional_collectives")
+# Prefixes of communication operators' names: c10d's ops (DataParallel's all-reduces), the
+# functional collectives and their waits (DTensor's), the backends' own events. Prefixes, not
+# substrings: aten::broadcast_tensors is not a collective.
+COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms")
 
 
 def trace_path(out_dir: str, rank: int) -> str:
@@ -42,7 +42,7 @@ def summary(prof: profile, top: int = 8) -> Dict[str, object]:
     steps = [e for e in events if e.key.startswith("ProfilerStep")]
     step_us = sum(e.cpu_time_total for e in steps)
     ops = [e for e in events if not e.key.startswith("ProfilerStep")]
-    collective_us = sum(e.self_cpu_time_total for e in ops if any(m in e.key.lower() for m in COLLECTIVE_MARKERS))
+    collective_us = sum(e.self_cpu_time_total for e in ops if e.key.startswith(COLLECTIVE_PREFIXES))
     ranked = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return {"step_ms": step_us / 1000 / max(1, sum(e.count for e in steps)),
             "collective_share": collective_us / step_us if step_us else 0.0,
