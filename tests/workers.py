@@ -2,6 +2,7 @@
 import os
 import signal
 import threading
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -141,10 +142,10 @@ class GlobalHeadsAttention(Attention):
     is the same model; under TP each rank holds n_heads / TP heads' channels, so it splits them
     into n_heads heads of the wrong size, and trains a different model without any error."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         batch, seq = x.shape[0], x.shape[1]
         q, k, v = (w(x).view(batch, seq, self.n_heads, -1) for w in (self.wq, self.wk, self.wv))
-        q, k = rotary(q), rotary(k)
+        q, k = rotary(q, self.rope.freqs), rotary(k, self.rope.freqs)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -256,21 +257,27 @@ def data_parallel_gradients(overlap: bool) -> dict:
     return {"own": own, "synced": synced, "buckets": buckets, "started_in_backward": started_in_backward}
 
 
-def one_step_gradients(cfg_container: dict, out_dir: str) -> dict:
+def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[torch.Tensor] = None) -> dict:
     """One forward and backward of the first global batch (the Trainer's): the global loss, the
     full gradients and the batch's count of response tokens; on one process also the mean of
-    the two interleaved halves' own means (what averaging two DP replicas' means would give)."""
+    the two interleaved halves' own means (what averaging two DP replicas' means would give).
+    With `logits_of`, first the model's full logits on those tokens."""
     from framework.data.tokens import IGNORE
     from framework.training.trainer import Trainer, local_value, mean_over_dp
 
     run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="optimizer")
     trainer = Trainer(run)
+    logits = None
+    if logits_of is not None:
+        with torch.no_grad():
+            logits = run.model(logits_of)
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
     inputs, targets = next(iter(run.dataloader))
     loss = trainer.forward_backward(inputs, targets)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
              for name, p in run.module.named_parameters()}
     result = {"loss": mean_over_dp(run, [local_value(loss)])[0], "grads": grads,
-              "response_tokens": int((targets != IGNORE).sum())}
+              "response_tokens": int((targets != IGNORE).sum()), "logits": logits}
     if run.dp["size"] == 1:
         with torch.no_grad():
             halves = [float(trainer.compute_loss(inputs[r::2], targets[r::2])) for r in (0, 1)]

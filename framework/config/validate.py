@@ -15,8 +15,9 @@ from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.errors import ConfigError
 from framework.config.trust import check_targets
 from framework.data.tokens import check_token_data
+from framework.models.hf import check_weights
 from framework.parallel.roles import MeshRoles
-from framework.parallel.plan import check_output_layout, check_plan
+from framework.parallel.plan import check_output_layout, check_plan, matching_modules
 from framework.training.compile import compiled_blocks
 
 
@@ -133,6 +134,8 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
                           f"remove the key, or use a model that does, such as framework.models.Transformer")
     with torch.device("meta"), _SkipRandomInit():
         model = instantiate_checked(cfg.model)
+    if hasattr(model, "hf_path"):
+        check_hf_model(model, cfg)
     if cfg.trainer.compile != "none":
         compiled_blocks(model)
     plan = OmegaConf.to_container(cfg.plan, resolve=True)
@@ -141,6 +144,10 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     check_output_layout(plan, model, tp)
     if not plan or tp == 1:
         return model
+    must_cover = model.tp_plan_must_cover() if hasattr(model, "tp_plan_must_cover") else {}
+    for name, why in must_cover.items():
+        if not any(name in matching_modules(model, pattern) for pattern in plan):
+            raise ConfigError(f"plan.{name}", None, f"the plan has no entry for it: {why}")
     counts = dict(model.tp_sharded_counts()) if hasattr(model, "tp_sharded_counts") else {}
     if any(entry.get("style") == "sequence_parallel" for entry in plan.values()):
         counts["data.dataset.seq_len"] = cfg.data.dataset.get("seq_len")
@@ -149,6 +156,17 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
             raise ConfigError(key, count, f"the TP plan splits it across {tp} ranks; make it a multiple of {tp} "
                                           f"or pick a TP size that divides it")
     return model
+
+
+def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
+    """A Hugging Face model's safetensors match its config.json, and the sequence fits the
+    attention it implements (full attention equals a sliding window only up to the window)."""
+    check_weights(model)
+    seq_len, window = cfg.data.dataset.get("seq_len"), model.attention_window
+    if window is not None and seq_len is not None and seq_len > window:
+        raise ConfigError("data.dataset.seq_len", seq_len, f"exceeds the model's sliding_window={window} (config.json "
+                                                           f"in {model.hf_path}), which this framework does not "
+                                                           f"implement; use at most {window} tokens")
 
 
 def _accepts(callable_: Any, **options: Any) -> bool:

@@ -8,7 +8,9 @@ residual stream on the sequence (sequence parallel) without any position bookkee
 Under TP, wq/wk/wv are colwise: each rank holds n_heads / TP whole heads, which is why the
 reshapes below infer the head count (-1) from the local tensor instead of reading n_heads.
 """
-from typing import Dict
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,30 +20,94 @@ from torch.utils.checkpoint import checkpoint
 from framework.config.errors import ConfigError
 
 
-def rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles."""
-    seq, head_dim = x.shape[1], x.shape[-1]
-    freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), freqs)  # (seq, head_dim/2)
+def rotary_frequencies(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None) -> torch.Tensor:
+    """The angle per position of each channel pair (head_dim / 2 of them), in fp32; `scaling`
+    as Llama 3's rope_scaling (rope_type llama3): long wavelengths slowed by `factor`, short ones
+    kept, the band between blended (as transformers computes it)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if not scaling:
+        return freqs
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / freqs
+    scaled = torch.where(wavelength > context / low, freqs / factor, freqs)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rotary(x: torch.Tensor, freqs: torch.Tensor, start: int = 0, halves: bool = False) -> torch.Tensor:
+    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles,
+    positions counted from `start` (a KV cache's length). Pairs are (2i, 2i+1), or with `halves`
+    (i, i + head_dim/2), Hugging Face's layout, whose checkpoints' q/k weights are ordered for it."""
+    positions = torch.arange(start, start + x.shape[1], device=x.device, dtype=torch.float32)
+    angles = torch.outer(positions, freqs.to(x.device))  # (seq, head_dim/2)
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    if halves:
+        first, second = x.float().chunk(2, dim=-1)
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)
     even, odd = x.float()[..., 0::2], x.float()[..., 1::2]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).type_as(x)
 
 
-class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int):
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
+@dataclass
+class Rope:
+    """How queries and keys are rotated: the per-pair frequencies, and the pair layout."""
+    freqs: torch.Tensor
+    halves: bool = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+
+class LayerCache:
+    """One layer's keys and values of the positions decoded so far (framework.generate),
+    allocated once for `capacity` positions so each new token costs the same."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            shape = (keys.shape[0], self.capacity, *keys.shape[2:])
+            self.keys, self.values = keys.new_empty(shape), values.new_empty(shape)
+        end = self.length + keys.shape[1]
+        self.keys[:, self.length:end], self.values[:, self.length:end] = keys, values
+        self.length = end
+        return self.keys[:, :end], self.values[:, :end]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped-query heads (n_kv_heads <= n_heads; each key/value head
+    serves n_heads / n_kv_heads query heads), optional q/k/v bias (Qwen2) and per-head RMSNorm
+    of queries and keys before the rotation (Qwen3)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rope: "Rope",
+                 qkv_bias: bool = False, qk_norm: bool = False, norm_eps: Optional[float] = None):
+        super().__init__()
+        self.head_dim, self.rope = head_dim, rope
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        if qk_norm:
+            self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps)
+
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         batch, seq = x.shape[0], x.shape[1]
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
-        q, k = rotary(q), rotary(k)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        start = cache.length if cache is not None else 0
+        q, k = (rotary(t, self.rope.freqs, start, self.rope.halves) for t in (q, k))
+        mask = None
+        if cache is not None:
+            k, v = cache.extend(k, v)
+            # query i (position start + i) sees keys 0 .. start + i
+            mask = torch.arange(k.shape[1], device=x.device)[None, :] <= start + torch.arange(seq, device=x.device)[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2])
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -59,45 +125,79 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, norm_eps: Optional[float], **attention: Any):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(dim)
-        self.attention = Attention(dim, n_heads)
-        self.ffn_norm = nn.RMSNorm(dim)
+        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention = Attention(dim, norm_eps=norm_eps, **attention)
+        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.feed_forward = FeedForward(dim, hidden_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
+    """The defaults are the framework's own LMs; framework.models.hf sets the rest from a
+    Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3)."""
+
     def __init__(self, vocab_size: int = 256, dim: int = 64, n_layers: int = 2, n_heads: int = 4,
-                 hidden_dim: int = 128, activation_checkpointing: str = "none"):
+                 hidden_dim: int = 128, activation_checkpointing: str = "none", n_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, norm_eps: Optional[float] = None, rope_theta: float = 10000.0,
+                 rope_scaling: Optional[Dict[str, Any]] = None, rope_halves: bool = False, qkv_bias: bool = False,
+                 qk_norm: bool = False, tie_word_embeddings: bool = False):
         super().__init__()
-        if dim % n_heads:
+        n_kv_heads = n_kv_heads or n_heads
+        if head_dim is None and dim % n_heads:
             raise ConfigError("model.dim", dim, f"must be a multiple of model.n_heads={n_heads} (heads of equal size)")
+        if n_heads % n_kv_heads:
+            raise ConfigError("model.n_kv_heads", n_kv_heads, f"must divide model.n_heads={n_heads} (each key/value "
+                                                              f"head serves the same number of query heads)")
         if activation_checkpointing not in ("none", "full"):
             raise ConfigError("model.activation_checkpointing", activation_checkpointing,
                               "use none, or full to recompute every block's activations in backward")
-        self.n_heads = n_heads
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.recompute_blocks = activation_checkpointing == "full"
+        head_dim = head_dim or dim // n_heads
+        rope = Rope(rotary_frequencies(head_dim, rope_theta, rope_scaling), rope_halves)
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
-        self.layers = nn.ModuleList(TransformerBlock(dim, n_heads, hidden_dim) for _ in range(n_layers))
-        self.norm = nn.RMSNorm(dim)
+        self.layers = nn.ModuleList(
+            TransformerBlock(dim, hidden_dim, norm_eps, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                             rope=rope, qkv_bias=qkv_bias, qk_norm=qk_norm)
+            for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim, eps=norm_eps)
         self.output = nn.Linear(dim, vocab_size, bias=False)
+        self.tie_word_embeddings = tie_word_embeddings
+        self.tie_weights()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def tie_weights(self) -> None:
+        """With tie_word_embeddings the output projection is the embedding matrix itself (again
+        after TP replaced both with shards of the same layout)."""
+        if self.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, cache: Optional[List[LayerCache]] = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             # Activation checkpointing keeps only each block's input and recomputes the rest in
             # backward (its TP collectives included, in the same order on every rank).
-            h = checkpoint(layer, h, use_reentrant=False) if self.recompute_blocks and torch.is_grad_enabled() else layer(h)
+            if self.recompute_blocks and torch.is_grad_enabled():
+                h = checkpoint(layer, h, use_reentrant=False)
+            else:
+                h = layer(h, cache[i]) if cache is not None else layer(h)
         return self.output(self.norm(h))
 
     def tp_sharded_counts(self) -> Dict[str, int]:
         """Counts a TP plan splits whole across ranks (checked by framework.config.validate)."""
-        return {"model.n_heads": self.n_heads}
+        return {"model.n_heads": self.n_heads, "model.n_kv_heads": self.n_kv_heads}
+
+    def tp_plan_must_cover(self) -> Dict[str, str]:
+        """Modules a TP plan must name, and why (checked by framework.config.validate)."""
+        if not hasattr(self.layers[0].attention, "q_norm"):
+            return {}
+        why = ("the per-head q/k norms see only a rank's own heads under TP, so each rank's weight gradient is "
+               "partial; plan=qk_norm_tp_sp makes them replicated DTensors whose gradients TP sums")
+        return {f"layers.{i}.attention.{norm}": why for i in range(len(self.layers)) for norm in ("q_norm", "k_norm")}
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token, as PaLM (appendix B) counts them: 6 per matmul weight

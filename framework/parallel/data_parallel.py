@@ -88,8 +88,9 @@ class DataParallel(nn.Module):
 
     @torch.no_grad()
     def _broadcast_from_first_replica(self) -> None:
-        """Start every replica from the same weights, as DDP does at construction."""
-        if self.dp_size == 1:
+        """Start every replica from the same weights, as DDP does at construction. A model on
+        meta has none yet: every replica loads the same ones later (a Hugging Face model)."""
+        if self.dp_size == 1 or any(p.is_meta for p in self.module.parameters()):
             return
         src = dist.get_global_rank(self.dp_group, 0)
         tensors = [t.data for t in [*self.module.parameters(), *self.module.buffers()]]

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.checkpoint.manager import Checkpointer, restart_count
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
+from framework.models.hf import load_hf_weights
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
@@ -75,10 +76,13 @@ def stage_mesh(run: Run) -> None:
 
 
 def stage_model(run: Run) -> None:
-    """Seeded, so every rank builds the same weights (DataParallel also broadcasts them)."""
+    """Seeded, so every rank builds the same weights (DataParallel also broadcasts them). A
+    model that comes on the meta device (a Hugging Face model) is allocated only once the
+    parallel stages have sharded it, and its weights are loaded by the checkpoint stage."""
     torch.manual_seed(run.cfg.trainer.seed)
     with torch.device(run.cfg.mesh.device_type):
         run.model = instantiate(run.cfg.model)
+    run.deferred_init = hasattr(run.model, "hf_path")
 
 
 def stage_data_parallel(run: Run) -> None:
@@ -92,15 +96,24 @@ def stage_tensor_parallel(run: Run) -> None:
     if tp_mesh is not None:
         plan = OmegaConf.to_container(run.cfg.plan, resolve=True)
         run.module = apply_tp(run.module, tp_mesh, plan)
+        if hasattr(run.module, "tie_weights"):
+            run.module.tie_weights()
 
 
 def stage_fully_shard(run: Run) -> None:
     """trainer.compile's blocks first (torchtitan's order: TP, compile, FSDP2); then fsdp / hsdp:
-    FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh)."""
-    apply_compile(run.module, run.cfg.trainer.compile)
+    FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh). A deferred
+    model gets its (sharded) memory last, and each rank reads its slices of the weights (the
+    checkpoint stage replaces them when the run resumes or starts from init_from; verify and
+    inspect, which stop before it, see the real weights)."""
+    apply_compile(run.module, run.cfg.trainer.compile, run.deferred_init)
     strategy = run.cfg.parallel.dp_strategy
     if strategy != "replicate":
         run.model = apply_fsdp(run.model, run.roles.sharding_mesh(run.mesh, strategy), run.cfg.trainer.mixed_precision)
+    if run.deferred_init:
+        run.module.to_empty(device=run.cfg.mesh.device_type)
+        run.module.tie_weights()  # to_empty gives each module its own new tensor
+        load_hf_weights(run.module, run.module.hf_path)
 
 
 def stage_sampler(run: Run) -> None:
@@ -142,6 +155,8 @@ def stage_checkpoint(run: Run) -> None:
     elif kind == "init":
         run.checkpointer.load_model_only(path)
         message = f"model weights from {path}; optimizer, schedule and data start fresh"
+    elif getattr(run.module, "hf_path", None):
+        message = f"model weights from the Hugging Face model in {run.module.hf_path}"
     else:
         message = f"fresh start (no checkpoint to resume in {run.checkpointer.dir})" if run.cfg.checkpoint.resume \
             else "fresh start"

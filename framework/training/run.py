@@ -19,6 +19,7 @@ class Run:
     dp_mesh: Any = None  # the DP ranks as one 1-D mesh (two DP dims flattened); None without DP
     dp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on dp_mesh
     tp: Dict[str, int] = field(default_factory=dict)
+    deferred_init: bool = False  # a Hugging Face model: on meta until the parallel stages sharded it
     model: Any = None  # what the loop calls: DataParallel's wrapper (replicate) or the model (fsdp, hsdp)
     dataset: Any = None
     sampler: Any = None

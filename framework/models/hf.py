@@ -1,0 +1,195 @@
+"""Hugging Face Llama-family models: the architecture from config.json, the weights from
+*.safetensors, both read directly (transformers is not needed at run time).
+
+`model=hf model.path=DIR` builds framework.models.Transformer (HFTransformer) on the meta device with what
+config.json says; the parallel stages shard it, and the checkpoint stage loads each rank's own
+slices through DCP's HuggingFaceStorageReader (`load_hf_weights`), so no rank holds the whole
+model. Parameter names map one to one (`hf_name`); export writes them back (framework.export).
+Anything in config.json that changes the math and is not implemented is refused, never ignored.
+"""
+import json
+import os
+import re
+import struct
+from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
+from torch import nn
+
+from framework.config.errors import ConfigError
+from framework.models.transformer import Transformer
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+# Files a Hugging Face model directory carries besides its weights (export copies them).
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json")
+
+# our parameter name -> Hugging Face's (a layer's index is \1)
+_NAMES = [
+    (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
+    (r"norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"layers\.(\d+)\.attention_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"layers\.(\d+)\.attention\.w([qkvo])\.(weight|bias)", r"model.layers.\1.self_attn.\2_proj.\3"),
+    (r"layers\.(\d+)\.attention\.([qk])_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w1\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w2\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w3\.weight", r"model.layers.\1.mlp.up_proj.weight"),
+]
+
+
+def hf_name(name: str) -> str:
+    for ours, theirs in _NAMES:
+        if re.fullmatch(ours, name):
+            return re.sub(ours, theirs, name)
+    raise KeyError(f"{name} has no Hugging Face name")
+
+
+def hf_state_dict(state: Dict[str, Any], tied: bool) -> Dict[str, Any]:
+    """Our state_dict under Hugging Face's names; a tied output projection is left out (it is
+    the embedding, and Hugging Face files store it once)."""
+    return {hf_name(k): v for k, v in state.items() if not (tied and k == "output.weight")}
+
+
+def read_config(path: str) -> Dict[str, Any]:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ConfigError("model.path", path, "holds no config.json: point it at a Hugging Face model directory "
+                                              "(config.json, *.safetensors, tokenizer.json)")
+    try:
+        with open(config_file) as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:
+        raise ConfigError("model.path", path, f"config.json cannot be read: {error}") from None
+
+
+def _rope(config: Dict[str, Any], path: str) -> Tuple[float, Any]:
+    """(theta, llama3 scaling or None) from rope_parameters (transformers 5) or rope_theta and
+    rope_scaling (4.x)."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "llama3":
+        return theta, {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings")}
+    raise ConfigError("model.path", path, f"config.json's rope scaling type {kind!r} is not implemented "
+                                          f"(supported: default, llama3)")
+
+
+def _refuse_unimplemented(config: Dict[str, Any], path: str) -> None:
+    kind = config.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError("model.path", path, f"config.json's model_type {kind!r} is not supported; supported: "
+                                              f"{', '.join(SUPPORTED)}")
+    checks = [
+        (config.get("hidden_act", "silu") == "silu", f"hidden_act {config.get('hidden_act')!r} (only silu)"),
+        (not config.get("mlp_bias"), "mlp_bias: true"),
+        (kind != "qwen2" or not config.get("use_sliding_window"), "use_sliding_window: true"),
+        (kind != "qwen3" or not config.get("use_sliding_window"), "use_sliding_window: true"),
+        (all(t == "full_attention" for t in config.get("layer_types") or []), "layer_types other than full_attention"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            raise ConfigError("model.path", path, f"config.json sets {what}, which this framework does not implement")
+
+
+def transformer_args(config: Dict[str, Any], path: str) -> Dict[str, Any]:
+    """framework.models.Transformer's arguments for a supported config.json."""
+    _refuse_unimplemented(config, path)
+    theta, scaling = _rope(config, path)
+    kind = config["model_type"]
+    return dict(
+        vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"], n_kv_heads=config.get("num_key_value_heads"),
+        head_dim=config.get("head_dim"), hidden_dim=config["intermediate_size"], norm_eps=config["rms_norm_eps"],
+        rope_theta=theta, rope_scaling=scaling, rope_halves=True,
+        qkv_bias=kind == "qwen2" or bool(config.get("attention_bias")), qk_norm=kind == "qwen3",
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def attention_window(config: Dict[str, Any]) -> Any:
+    """Mistral's sliding window (None: every position sees all earlier ones). The framework
+    runs full attention, which equals the window's only for sequences no longer than it."""
+    return config.get("sliding_window") if config.get("model_type") == "mistral" else None
+
+
+class HFTransformer(Transformer):
+    """The model config.json in `path` describes, built on the meta device (no memory);
+    `hf_path` tells the builder to shard it, allocate it and load the weights from `path`."""
+
+    def __init__(self, path: str, activation_checkpointing: str = "none"):
+        path = os.path.abspath(os.path.expanduser(str(path)))
+        config = read_config(path)
+        with torch.device("meta"):
+            super().__init__(**transformer_args(config, path), activation_checkpointing=activation_checkpointing)
+        self.hf_path = path
+        self.attention_window = attention_window(config)
+
+
+def _safetensors_header(file: str) -> Dict[str, Any]:
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def weight_files(path: str) -> List[str]:
+    """The *.safetensors files of `path`; those an index names must all be there."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(path, name)):
+                raise ConfigError("model.path", path, f"model.safetensors.index.json names {name}, which is missing")
+        return [os.path.join(path, name) for name in files]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError("model.path", path, "holds no *.safetensors weights")
+    return [os.path.join(path, f) for f in files]
+
+
+def _stored_shapes(path: str) -> Iterator[Tuple[str, List[int]]]:
+    for file in weight_files(path):
+        try:
+            header = _safetensors_header(file)
+        except (OSError, ValueError, struct.error) as error:
+            raise ConfigError("model.path", path, f"{os.path.basename(file)} is not a safetensors file: {error}") from None
+        for name, entry in header.items():
+            yield name, entry["shape"]
+
+
+def check_weights(model: Transformer) -> None:
+    """The safetensors hold exactly the tensors the model needs, with its shapes (headers only:
+    milliseconds). Run before launch."""
+    path = model.hf_path
+    expected = {name: list(t.shape) for name, t in hf_state_dict(model.state_dict(), model.tie_word_embeddings).items()}
+    stored = dict(_stored_shapes(path))
+    for name, shape in expected.items():
+        if name not in stored:
+            raise ConfigError("model.path", path, f"the safetensors lack {name} (shape {shape}), which config.json implies")
+        if stored[name] != shape:
+            raise ConfigError("model.path", path, f"the safetensors' {name} has shape {stored[name]}, config.json "
+                                                  f"implies {shape}")
+    unexpected = sorted(set(stored) - set(expected) - {"lm_head.weight"})
+    if unexpected:
+        raise ConfigError("model.path", path, f"the safetensors hold {unexpected[0]}, which config.json's "
+                                              f"architecture has no place for")
+
+
+def load_hf_weights(module: nn.Module, path: str) -> None:
+    """Each rank reads its own slices of the safetensors into its (DTensor) parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(module)
+    tied = getattr(module, "tie_word_embeddings", False)
+    hf_state = hf_state_dict(state, tied)
+    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(path))
+    ours = {name: hf_state[hf_name(name)] for name in state if not (tied and name == "output.weight")}
+    set_model_state_dict(module, ours, options=StateDictOptions(strict=not tied))  # tied: output is the embedding

@@ -1,0 +1,51 @@
+"""Tiny random Hugging Face models of each supported architecture, made with transformers' own
+classes and save_pretrained (the reference the framework is checked against; no download)."""
+import os
+
+import torch
+
+VOCAB = 256  # byte-level data (conf/data/byte_corpus.yaml) fits
+
+ARCHITECTURES = {
+    # Llama 3 with GQA (2 key/value heads for 4 query heads) and its rope scaling
+    "llama": dict(num_key_value_heads=2, rope_theta=50000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "mistral": dict(num_key_value_heads=2, sliding_window=None),
+    "qwen2": dict(num_key_value_heads=2),  # q/k/v bias
+    "qwen3": dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),  # q/k norm, tied output
+}
+
+
+def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
+    """Save a random 2-layer `kind` model (fp32) in out_dir; return out_dir."""
+    import transformers
+
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+    options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=0,
+                   **{**ARCHITECTURES[kind], **overrides})
+    torch.manual_seed(seed)
+    model = model_class(config_class(**options))
+    with torch.no_grad():  # transformers zero-initializes biases; random ones test them
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def reference(path: str):
+    """transformers' own model of `path`, fp32, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+
+
+def all_models(root: str) -> dict:
+    return {kind: make_hf_model(kind, os.path.join(root, kind)) for kind in ARCHITECTURES}
