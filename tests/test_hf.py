@@ -105,3 +105,66 @@ def test_sharded_logits_loss_and_gradients_equal_transformers(kind, mesh, overri
     assert logits_error <= 1e-5
     assert abs(result["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
     assert grad_error <= 1e-5
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,mesh,plan", [("llama", "2x2", "lm_tp"), ("mistral", "1x2", "lm_tp_sp"),
+                                            ("qwen2", "1x2", "lm_tp_sp_loss_parallel"),
+                                            ("qwen3", "1x2", "qk_norm_tp_sp")])
+def test_verify_passes_for_each_shipped_plan(kind, mesh, plan, hf_dirs):
+    config = hf_config(hf_dirs[kind])  # the same overrides, on verify's command line
+    result = run_cli(["recipe=lm_2d", "model=hf", f"model.path={hf_dirs[kind]}", f"mesh={mesh}", f"plan={plan}",
+                      "data.dataset.max_bytes=65536", f"data.dataset.seq_len={config.data.dataset.seq_len}",
+                      "data.global_batch_size=8"], module="framework.verify")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verify: OK" in result.stdout
+
+
+def _rewrite_config(path: str, **changes) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def _copy(hf_dirs, kind, tmp_path) -> str:
+    return shutil.copytree(hf_dirs[kind], tmp_path / kind)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("no_config", "holds no config.json"),
+    ("model_type", r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"),
+    ("rope", r"rope scaling type 'yarn' is not implemented"),
+    ("window", r"data.dataset.seq_len=32: exceeds the model's sliding_window=16"),
+    ("sliding_qwen", r"sets use_sliding_window: true"),
+    ("shape", r"the safetensors' model.embed_tokens.weight has shape \[256, 64\], config.json implies \[512, 64\]"),
+    ("missing_shard", r"model.safetensors.index.json names model-00002-of-00002.safetensors, which is missing"),
+    ("kv_heads", r"model.n_kv_heads=2: the TP plan splits it across 4 ranks"),
+])
+def test_bad_model_directory_is_refused_before_launch_naming_what(case, match, hf_dirs, tmp_path):
+    kind = {"window": "mistral", "sliding_qwen": "qwen2"}.get(case, "llama")
+    path = str(_copy(hf_dirs, kind, tmp_path))
+    overrides = []
+    if case == "no_config":
+        os.remove(os.path.join(path, "config.json"))
+    elif case == "model_type":
+        _rewrite_config(path, model_type="gpt2")
+    elif case == "rope":
+        _rewrite_config(path, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    elif case == "window":
+        _rewrite_config(path, sliding_window=16)
+    elif case == "sliding_qwen":
+        _rewrite_config(path, use_sliding_window=True, sliding_window=16)
+    elif case == "shape":
+        _rewrite_config(path, vocab_size=512)
+    elif case == "missing_shard":
+        weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                      "lm_head.weight": "model-00002-of-00002.safetensors"}
+        os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00002.safetensors"))
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    elif case == "kv_heads":
+        overrides = ["mesh=1x4", "plan=lm_tp_sp"]
+    with pytest.raises(ConfigError, match=match):
+        validate(hf_config(path, *overrides))
