@@ -1,4 +1,7 @@
-"""`python -m framework.export CHECKPOINT OUT.pt`: a checkpoint's model as one plain state_dict.
+"""`python -m framework.export CHECKPOINT OUT.pt`: a checkpoint's model as one plain state_dict;
+`python -m framework.export CHECKPOINT OUT_DIR --format hf`: a Hugging Face model directory
+(framework/models/hf_export.py) that transformers' from_pretrained loads, for a model that came
+from one (model=hf).
 
 CHECKPOINT is a step_N dir (or a checkpoints dir, meaning its newest). The model its saved
 config names is built in this one process, DCP loads the sharded weights into it with no
@@ -6,12 +9,14 @@ process group (resharding whatever mesh and plan saved them into whole tensors),
 gets `model.state_dict()`: the model's own keys, loadable with
 `model.load_state_dict(torch.load("OUT.pt"))` anywhere. Bad input exits 2 with one line.
 """
+import argparse
 import sys
 import warnings
-from typing import List
+from typing import List, Tuple
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from framework.atomic import atomic_file
 from framework.checkpoint.compat import check_model_keys
@@ -21,12 +26,10 @@ from framework.config.errors import ConfigError
 from framework.config.schema import Config
 from framework.config.trust import check_targets
 from framework.config.validate import instantiate_checked
+from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, check_hf_out, save_hf
 
-USAGE = "usage: python -m framework.export CHECKPOINT OUT.pt"
-
-
-def export(checkpoint: str, out_path: str) -> str:
-    """Write the checkpoint's full model state_dict to out_path (atomically); return the
+def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
+    """The checkpoint's model, built in this process with whole tensors; its saved config; the
     checkpoint dir used."""
     path = resolve(checkpoint, directory="")
     cfg = OmegaConf.create(read_meta(path)["config"])
@@ -36,29 +39,48 @@ def export(checkpoint: str, out_path: str) -> str:
     check_targets(cfg)
     with torch.device("cpu"):
         model = instantiate_checked(cfg.model)
+    if any(p.is_meta for p in model.parameters()):  # a Hugging Face model comes on meta
+        model.to_empty(device="cpu")
+        model.tie_weights()
     check_model_keys(path, model)
-    state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_checkpoint(state, path, no_dist=True)
+        load_checkpoint({"model": model.state_dict()}, path, no_dist=True)
+    return model, cfg, path
+
+
+def export(checkpoint: str, out_path: str, format: str = "pt", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+    """Write the checkpoint's full model to out_path (atomically): a state_dict file, or a
+    Hugging Face directory; return the checkpoint dir used."""
+    if format == "hf":
+        check_hf_out(out_path)
+    model, _, path = load_model(checkpoint)
+    if format == "hf":
+        save_hf(model, out_path, max_shard_bytes)
+        return path
     with atomic_file(out_path, "wb") as f:
-        torch.save(state["model"], f)
+        torch.save(model.state_dict(), f)
     return path
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="a step_N dir, or a checkpoints dir (its newest)")
+    p.add_argument("out", help="OUT.pt (--format pt) or OUT_DIR (--format hf)")
+    p.add_argument("--format", choices=["pt", "hf"], default="pt")
+    p.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**30,
+                   help="hf: split the safetensors into files of at most this size, with an index")
+    return p
+
+
 def main(argv: List[str]) -> int:
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(USAGE)
-        return 0
-    if len(argv) != 2:
-        print(USAGE, file=sys.stderr)
-        return 2
+    args = parser().parse_args(argv)
     try:
-        path = export(*argv)
+        path = export(args.checkpoint, args.out, args.format, int(args.max_shard_gb * 2**30))
     except (CheckpointError, ConfigError) as error:
         print(f"export failed: {error}", file=sys.stderr)
         return 2
-    print(f"exported the model of {path} to {argv[1]}")
+    print(f"exported the model of {path} to {args.out}")
     return 0
 
 

@@ -18,7 +18,8 @@ ARCHITECTURES = {
 
 
 def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
-    """Save a random 2-layer `kind` model (fp32) in out_dir; return out_dir."""
+    """Save a random 2-layer `kind` model (fp32) and a byte-level tokenizer.json in out_dir;
+    return out_dir."""
     import transformers
 
     config_class, model_class = {
@@ -37,6 +38,7 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir)
+    save_byte_tokenizer(out_dir)
     return out_dir
 
 
@@ -49,3 +51,25 @@ def reference(path: str):
 
 def all_models(root: str) -> dict:
     return {kind: make_hf_model(kind, os.path.join(root, kind)) for kind in ARCHITECTURES}
+
+
+def save_byte_tokenizer(out_dir: str) -> None:
+    """A byte-level tokenizer.json whose id for each byte is the byte's value (so it encodes
+    text as conf/data/byte_corpus.yaml does), made with the `tokenizers` package."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    to_char = {b: c for c, b in zip(sorted(alphabet, key=_byte_of), range(256))}
+    tokenizer = Tokenizer(models.BPE(vocab={to_char[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+
+
+def _byte_of(char: str) -> int:
+    """GPT-2's byte-to-character table, inverted: printable bytes map to themselves."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table[char]

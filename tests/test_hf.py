@@ -12,7 +12,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
 from framework.launch.handoff import rank_config
-from framework.launch.local import spawn_ranks
+from framework.export import load_model
+from framework.generate import generate
+from framework.launch.local import launch_local, spawn_ranks
 from framework.models import NextTokenLoss
 from framework.models.hf import HFTransformer, hf_name, load_hf_weights
 from tests.conftest import compose_config, run_cli
@@ -168,3 +170,58 @@ def test_bad_model_directory_is_refused_before_launch_naming_what(case, match, h
         overrides = ["mesh=1x4", "plan=lm_tp_sp"]
     with pytest.raises(ConfigError, match=match):
         validate(hf_config(path, *overrides))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_greedy_generation_with_kv_cache_equals_transformers_generate(kind, hf_dirs):
+    prompt = TOKENS[0, :8].tolist()
+    ours = generate(loaded(hf_dirs[kind]), prompt, max_new_tokens=32, stop={0})
+    output = reference(hf_dirs[kind]).generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                               eos_token_id=0, pad_token_id=0)
+    theirs = output[0, len(prompt):].tolist()
+    theirs = theirs[: theirs.index(0) + 1] if 0 in theirs else theirs
+    print(f"{kind}: {len(ours)} new tokens")
+    assert ours == theirs
+
+
+@pytest.fixture(scope="module")
+def trained_qwen3(hf_dirs, tmp_path_factory) -> str:
+    """Checkpoints of 2 TP+SP steps from the tiny Qwen3 (tied output, q/k norms) on 1x2."""
+    out = tmp_path_factory.mktemp("qwen3_run")
+    cfg = hf_config(hf_dirs["qwen3"], "mesh=1x2", "plan=qk_norm_tp_sp", "trainer.max_steps=2", "checkpoint.every=2",
+                    "logger.tensorboard=false")
+    launch_local(cfg, str(out))
+    return str(out / "checkpoints")
+
+
+def test_export_hf_loads_in_transformers_without_missing_keys_and_equal_logits(trained_qwen3, tmp_path):
+    out = tmp_path / "exported"
+    result = run_cli([trained_qwen3, str(out), "--format", "hf", "--max-shard-gb", "0.0002"],
+                     module="framework.export")
+    assert result.returncode == 0, result.stderr
+    from transformers import AutoModelForCausalLM
+
+    theirs, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, attn_implementation="eager")
+    assert not any(info.values()), info
+    assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= set(os.listdir(out))
+    assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) > 1  # split into shards
+    ours, _, _ = load_model(trained_qwen3)
+    with torch.no_grad():
+        assert relative_error(ours(TOKENS), theirs(TOKENS).logits) <= 1e-5
+    again = run_cli([trained_qwen3, str(out), "--format", "hf"], module="framework.export")
+    assert again.returncode == 2 and "exists and is not an empty directory" in again.stderr
+
+
+def test_generate_cli_prints_the_prompt_and_its_greedy_continuation(trained_qwen3, hf_dirs):
+    ours, _, _ = load_model(trained_qwen3)
+    prompt = "def main():"
+    expected = generate(ours, list(prompt.encode()), max_new_tokens=12, stop={0})
+    result = run_cli([trained_qwen3, "--prompt", prompt, "--max-new-tokens", "12"], module="framework.generate")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip("\n") == prompt + bytes(t for t in expected if t).decode("utf-8", errors="replace")
+
+
+def test_init_from_a_checkpoint_of_another_architecture_is_refused(trained_qwen3, hf_dirs, tmp_path):
+    with pytest.raises(ConfigError, match=r"checkpoint.init_from=.*model key 'layers.0.attention.wq.weight' has "
+                                          r"shape \[128, 64\] there but \[64, 64\] in this model"):
+        validate(hf_config(hf_dirs["llama"], f"checkpoint.init_from={trained_qwen3}"), out_dir=str(tmp_path))

@@ -30,6 +30,9 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         return [list(text.encode("utf-8")) for text in texts]
 
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
 
 class FileTokenizer:
     """A `tokenizers` tokenizer.json. BOS / EOS come from tokenizer_config.json beside it (as an

@@ -1,0 +1,77 @@
+"""Write a model in Hugging Face's layout: config.json and the tokenizer files carried over from
+the directory it was loaded from, the weights as safetensors under Hugging Face's names, split
+into shards with an index file past `max_shard_bytes` (as save_pretrained does). Written under
+OUT.partial-<pid> and renamed at the end: a failure leaves no half-written model."""
+import json
+import os
+import shutil
+from typing import Dict, List
+
+import torch
+from torch import nn
+
+from framework.config.errors import ConfigError
+from framework.models.hf import SIDE_FILES, hf_state_dict
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+def _shards(state: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    return shards
+
+
+def _carry_side_files(source: str, out: str, dtype: torch.dtype) -> None:
+    for name in SIDE_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy2(os.path.join(source, name), os.path.join(out, name))
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    # the weights' dtype as written (transformers 5 reads `dtype`, 4.x `torch_dtype`)
+    config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = str(dtype).split(".")[1]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def check_hf_out(out: str) -> None:
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError("OUT_DIR", out, "exists and is not an empty directory; name a new directory")
+
+
+def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """`model` (an HFTransformer whose weights are whole tensors on this process) to `out`."""
+    from safetensors.torch import save_file
+
+    if not hasattr(model, "hf_path"):
+        raise ConfigError("--format", "hf", f"needs a model loaded from a Hugging Face directory (model=hf); this "
+                                            f"one is a {type(model).__name__}: export it with --format pt")
+    check_hf_out(out)
+    state = hf_state_dict(model.state_dict(), model.tie_word_embeddings)
+    shards = _shards(state, max_shard_bytes)
+    partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
+    os.makedirs(partial)
+    try:
+        names = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+        for name, shard in zip(names, shards):
+            save_file(shard, os.path.join(partial, name), metadata={"format": "pt"})
+        if len(shards) > 1:
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {key: name for name, shard in zip(names, shards) for key in shard}}
+            with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        _carry_side_files(model.hf_path, partial, next(iter(state.values())).dtype)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty, checked above
+        os.rename(partial, out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
