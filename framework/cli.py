@@ -5,9 +5,10 @@ Exit 0: done (or OK); 1: a run or a verdict failed; 2: bad input (a config error
 Hydra cannot apply, a recipe or config file that does not exist, an unusable checkpoint),
 said in one line that names the key or the path and the fix, never a traceback.
 """
+import argparse
 import os
 import sys
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -87,6 +88,15 @@ def hydra_error_line(error: Exception) -> str:
     if cause is not None:
         lines.append(str(cause).splitlines()[0])
     return "config error: " + "; ".join(lines)
+
+
+def parsed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[Optional[argparse.Namespace], int]:
+    """argparse's result, or None and the status it would exit with (--help 0, a usage error 2),
+    so a command's main returns a status instead of raising SystemExit."""
+    try:
+        return parser.parse_args(argv), 0
+    except SystemExit as exit_:
+        return None, int(exit_.code or 0)
 
 
 def command_status(body: Callable[[], int], failed: str, argv: List[str] = (), usage: str = "") -> int:

@@ -22,6 +22,7 @@ from framework.atomic import atomic_file
 from framework.checkpoint.compat import check_model_keys
 from framework.checkpoint.layout import CheckpointError, read_meta, resolve
 from framework.checkpoint.safe_load import load_checkpoint
+from framework.cli import parsed
 from framework.config.errors import ConfigError
 from framework.config.schema import Config
 from framework.config.trust import check_targets
@@ -74,7 +75,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: List[str]) -> int:
-    args = parser().parse_args(argv)
+    args, status = parsed(parser(), argv)
+    if args is None:
+        return status
     try:
         path = export(args.checkpoint, args.out, args.format, int(args.max_shard_gb * 2**30))
     except (CheckpointError, ConfigError) as error:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from framework.checkpoint.layout import CheckpointError
+from framework.cli import parsed
 from framework.config.errors import ConfigError
 from framework.data.tokenizer import load_tokenizer
 from framework.models.transformer import LayerCache
@@ -97,7 +98,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: List[str]) -> int:
-    args = parser().parse_args(argv)
+    args, status = parsed(parser(), argv)
+    if args is None:
+        return status
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         print("generate: --max-new-tokens must be >= 1, --temperature >= 0, --top-p in (0, 1]", file=sys.stderr)
         return 2

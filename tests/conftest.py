@@ -54,6 +54,21 @@ def prepared(tmp_path_factory) -> Dict[str, str]:
     return {"packed": str(root / "packed"), "instruction": str(root / "instruction")}
 
 
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory, prepared) -> Dict[str, str]:
+    """A tiny random Hugging Face model directory per supported architecture (tests/hf_models.py),
+    and "tokens": the packed text prepared with their (byte-level) tokenizer.json."""
+    pytest.importorskip("transformers")
+    from framework.prepare import main as prepare
+    from tests.hf_models import ARCHITECTURES, make_hf_model
+
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {kind: make_hf_model(kind, str(root / kind)) for kind in ARCHITECTURES}
+    text = os.path.join(os.path.dirname(prepared["packed"]), "text.txt")
+    assert prepare([text, "--tokenizer", dirs["llama"], "--out", str(root / "tokens")]) == 0
+    return {**dirs, "tokens": str(root / "tokens")}
+
+
 def compose_config(overrides: List[str] = ()) -> DictConfig:
     """As every command composes (recipes' and group files' trust checks included)."""
     return framework.cli.compose_config(list(overrides))

@@ -1,5 +1,6 @@
 """Tiny random Hugging Face models of each supported architecture, made with transformers' own
 classes and save_pretrained (the reference the framework is checked against; no download)."""
+import json
 import os
 
 import torch
@@ -55,7 +56,8 @@ def all_models(root: str) -> dict:
 
 def save_byte_tokenizer(out_dir: str) -> None:
     """A byte-level tokenizer.json whose id for each byte is the byte's value (so it encodes
-    text as conf/data/byte_corpus.yaml does), made with the `tokenizers` package."""
+    text as conf/data/byte_corpus.yaml does), made with the `tokenizers` package, and a
+    tokenizer_config.json naming byte 0 the end of text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -64,6 +66,8 @@ def save_byte_tokenizer(out_dir: str) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": to_char[0]}, f)  # byte 0 ends a text, as config.json's eos_token_id says
 
 
 def _byte_of(char: str) -> int:

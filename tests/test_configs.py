@@ -28,21 +28,29 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
           ("data", "tokens"): ["recipe=lm_files"], ("data", "instructions"): ["recipe=lm_files", "data=instructions"]}
 # Configs that read prepared token data: which kind (the `prepared` fixture's).
 PREPARED = {("data", "tokens"): "packed", ("data", "instructions"): "instruction", ("recipe", "lm_files"): "packed"}
+# Configs of a Hugging Face model: the `hf_dirs` fixture's keys they need, as overrides.
+HF = {("model", "hf"): ["recipe=lm_2d", "model.path={llama}"],
+      ("plan", "qk_norm_tp_sp"): ["recipe=lm_2d", "model=hf", "model.path={qwen3}"],
+      ("recipe", "finetune_hf"): ["model.path={llama}", "data.path={tokens}", "data.dataset.seq_len=64"]}
 
 
-def data_path(group: str, option: str, prepared: dict) -> list:
+def data_path(group: str, option: str, request) -> list:
+    """The overrides that point a config at the data or model the fixtures made."""
+    if (group, option) in HF:
+        return [o.format(**request.getfixturevalue("hf_dirs")) for o in HF[group, option]]
+    prepared = request.getfixturevalue("prepared")
     return [f"data.path={prepared[PREPARED[group, option]]}"] if (group, option) in PREPARED else []
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_every_group_option_composes_and_validates(group, option, prepared):
-    cfg = compose_config([f"{group}={option}", *PAIRED.get((group, option), []), *data_path(group, option, prepared)])
+def test_every_group_option_composes_and_validates(group, option, request):
+    cfg = compose_config([f"{group}={option}", *PAIRED.get((group, option), []), *data_path(group, option, request)])
     validate(cfg)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_composes_and_validates(recipe, prepared):
-    cfg = compose_config([f"recipe={recipe}", *data_path("recipe", recipe, prepared)])
+def test_every_recipe_composes_and_validates(recipe, request):
+    cfg = compose_config([f"recipe={recipe}", *data_path("recipe", recipe, request)])
     validate(cfg)
 
 

@@ -18,18 +18,12 @@ from framework.launch.local import launch_local, spawn_ranks
 from framework.models import NextTokenLoss
 from framework.models.hf import HFTransformer, hf_name, load_hf_weights
 from tests.conftest import compose_config, run_cli
-from tests.hf_models import ARCHITECTURES, make_hf_model, reference
+from tests.hf_models import ARCHITECTURES, reference
 from tests.workers import one_step_gradients
 
 pytest.importorskip("transformers")
 
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture(scope="session")
-def hf_dirs(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("hf")
-    return {kind: make_hf_model(kind, str(root / kind)) for kind in ARCHITECTURES}
 
 
 def hf_config(path: str, *overrides: str):
@@ -186,12 +180,25 @@ def test_greedy_generation_with_kv_cache_equals_transformers_generate(kind, hf_d
 
 @pytest.fixture(scope="module")
 def trained_qwen3(hf_dirs, tmp_path_factory) -> str:
-    """Checkpoints of 2 TP+SP steps from the tiny Qwen3 (tied output, q/k norms) on 1x2."""
+    """Checkpoints of 2 TP+SP steps from the tiny Qwen3 (tied output, q/k norms) on 1x2; the run
+    also writes its final model as a Hugging Face directory (checkpoint.final_hf), in <run>/hf."""
     out = tmp_path_factory.mktemp("qwen3_run")
     cfg = hf_config(hf_dirs["qwen3"], "mesh=1x2", "plan=qk_norm_tp_sp", "trainer.max_steps=2", "checkpoint.every=2",
-                    "logger.tensorboard=false")
+                    "logger.tensorboard=false", "checkpoint.final_hf=true")
     launch_local(cfg, str(out))
     return str(out / "checkpoints")
+
+
+def transformers_logits_error(hf_dir, checkpoints: str) -> float:
+    """transformers loads hf_dir with no missing, unexpected or mismatched key; the relative
+    error of its logits against the checkpoint's model."""
+    from transformers import AutoModelForCausalLM
+
+    theirs, info = AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True, attn_implementation="eager")
+    assert not any(info.values()), info
+    ours, _, _ = load_model(checkpoints)
+    with torch.no_grad():
+        return relative_error(ours(TOKENS), theirs(TOKENS).logits)
 
 
 def test_export_hf_loads_in_transformers_without_missing_keys_and_equal_logits(trained_qwen3, tmp_path):
@@ -199,17 +206,18 @@ def test_export_hf_loads_in_transformers_without_missing_keys_and_equal_logits(t
     result = run_cli([trained_qwen3, str(out), "--format", "hf", "--max-shard-gb", "0.0002"],
                      module="framework.export")
     assert result.returncode == 0, result.stderr
-    from transformers import AutoModelForCausalLM
-
-    theirs, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, attn_implementation="eager")
-    assert not any(info.values()), info
     assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= set(os.listdir(out))
     assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) > 1  # split into shards
-    ours, _, _ = load_model(trained_qwen3)
-    with torch.no_grad():
-        assert relative_error(ours(TOKENS), theirs(TOKENS).logits) <= 1e-5
+    assert transformers_logits_error(out, trained_qwen3) <= 1e-5
     again = run_cli([trained_qwen3, str(out), "--format", "hf"], module="framework.export")
     assert again.returncode == 2 and "exists and is not an empty directory" in again.stderr
+
+
+def test_a_sharded_run_writes_its_final_model_as_a_hugging_face_directory(trained_qwen3):
+    out = os.path.join(os.path.dirname(trained_qwen3), "hf")
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                       "tokenizer_config.json"]
+    assert transformers_logits_error(out, trained_qwen3) <= 1e-5
 
 
 def test_generate_cli_prints_the_prompt_and_its_greedy_continuation(trained_qwen3, hf_dirs):

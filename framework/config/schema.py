@@ -130,6 +130,7 @@ class CheckpointConfig:
     resume: Optional[str] = "auto"
     init_from: Optional[str] = None
     reset_data: bool = False
+    final_hf: bool = False
 
 
 @dataclass

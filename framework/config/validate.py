@@ -2,6 +2,7 @@
 in every rank). Each failure is one ConfigError naming the key, the value and the fix."""
 import inspect
 import math
+import os
 from typing import Any, Optional
 
 import torch
@@ -16,6 +17,7 @@ from framework.config.errors import ConfigError
 from framework.config.trust import check_targets
 from framework.data.tokens import check_token_data
 from framework.models.hf import check_weights
+from framework.models.hf_export import check_hf_out
 from framework.parallel.roles import MeshRoles
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules
 from framework.training.compile import compiled_blocks
@@ -169,6 +171,14 @@ def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
                                                            f"implement; use at most {window} tokens")
 
 
+def check_final_hf(model: torch.nn.Module, out_dir: Optional[str]) -> None:
+    if not hasattr(model, "hf_path"):
+        raise ConfigError("checkpoint.final_hf", True, f"writes a Hugging Face directory, which needs a model loaded "
+                                                       f"from one (model=hf); this one is a {type(model).__name__}")
+    if out_dir is not None:
+        check_hf_out(os.path.join(out_dir, "hf"))
+
+
 def _accepts(callable_: Any, **options: Any) -> bool:
     try:
         inspect.signature(callable_).bind_partial(**options)
@@ -277,3 +287,5 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         check_dataset(cfg)
         if out_dir is not None:
             check_checkpoint_sources(cfg, checkpoint_dir(cfg, out_dir), model)
+        if cfg.checkpoint.final_hf:
+            check_final_hf(model, out_dir)

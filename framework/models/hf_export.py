@@ -5,7 +5,7 @@ OUT.partial-<pid> and renamed at the end: a failure leaves no half-written model
 import json
 import os
 import shutil
-from typing import Dict, List
+from typing import Dict
 
 import torch
 from torch import nn
@@ -16,17 +16,16 @@ from framework.models.hf import SIDE_FILES, hf_state_dict
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
-def _shards(state: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
-    shards: List[Dict[str, torch.Tensor]] = [{}]
-    size = 0
+def _file_numbers(state: Dict[str, torch.Tensor], max_bytes: int) -> Dict[str, int]:
+    """Each tensor's file (1, 2, ...), in order, a new file when the next tensor would pass max_bytes."""
+    numbers, number, size = {}, 1, 0
     for name, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.contiguous()
+        if size and size + nbytes > max_bytes:
+            number, size = number + 1, 0
+        numbers[name] = number
         size += nbytes
-    return shards
+    return numbers
 
 
 def _carry_side_files(source: str, out: str, dtype: torch.dtype) -> None:
@@ -39,6 +38,30 @@ def _carry_side_files(source: str, out: str, dtype: torch.dtype) -> None:
     config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = str(dtype).split(".")[1]
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def save_hf_sharded(module: nn.Module, out: str, rank: int, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """`module` (sharded by TP / FSDP) to `out`, with no rank gathering the model: each rank
+    writes its own slices (DCP's HuggingFaceStorageWriter), then rank 0 joins them tensor by
+    tensor into Hugging Face's files (DCP's consolidation) and publishes the directory."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = hf_state_dict(get_model_state_dict(module), module.tie_word_embeddings)
+    file_of = _file_numbers(state, max_shard_bytes)  # from global sizes: the same on every rank
+    partial = f"{out.rstrip(os.sep)}.partial"
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(partial, fqn_to_index_mapping=file_of,
+                                                            save_distributed=True, enable_consolidation=True))
+    if rank == 0:
+        shutil.rmtree(os.path.join(partial, "sharded"))
+        if max(file_of.values()) == 1:  # one file: the name from_pretrained looks for without an index
+            os.rename(os.path.join(partial, "model-00001-of-00001.safetensors"), os.path.join(partial, "model.safetensors"))
+            os.remove(os.path.join(partial, "model.safetensors.index.json"))
+        _carry_side_files(module.hf_path, partial, next(iter(state.values())).dtype)
+        os.rename(partial, out)
+    dist.barrier()
 
 
 def check_hf_out(out: str) -> None:
@@ -55,7 +78,8 @@ def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD
                                             f"one is a {type(model).__name__}: export it with --format pt")
     check_hf_out(out)
     state = hf_state_dict(model.state_dict(), model.tie_word_embeddings)
-    shards = _shards(state, max_shard_bytes)
+    numbers = _file_numbers(state, max_shard_bytes)
+    shards = [{k: t.contiguous() for k, t in state.items() if numbers[k] == n} for n in range(1, max(numbers.values()) + 1)]
     partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
     os.makedirs(partial)
     try:

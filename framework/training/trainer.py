@@ -9,6 +9,7 @@ path has no extra collective. (Instruction data adds one: the count of response 
 global batch, a number all-reduced over DP once per step, which its loss divides by.)
 """
 import logging
+import os
 import time
 from contextlib import nullcontext
 from typing import Callable, List, Optional, Tuple
@@ -20,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.data.loader import batches
 from framework.data.tokens import IGNORE
+from framework.models.hf_export import save_hf_sharded
 from framework.parallel.data_parallel import DataParallel
 from framework.parallel.fully_shard import no_gradient_sync
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
@@ -186,6 +188,9 @@ class Trainer:
                      "\n".join(format_summary(run.rank, summary(profiler), trace_path(run.out_dir, run.rank))))
         self.watchdog.stage("waiting for the last checkpoint save")
         run.checkpointer.close()  # the last async save finishes before the run ends
+        if self.cfg.checkpoint.final_hf:
+            self.watchdog.stage("writing the Hugging Face model")
+            save_hf_sharded(run.module, os.path.join(run.out_dir, "hf"), run.rank)
         self.watchdog.close()  # (a rank that raises exits, and its watchdog thread with it)
         return self.metrics.summary(state.history)
 
