@@ -20,6 +20,7 @@ STAGES = [
     "distributed",
     "mesh",
     "model",
+    "pipeline_parallel",
     "data_parallel",
     "tensor_parallel",
     "fully_shard",
@@ -56,6 +57,12 @@ class DPStrategy(str, Enum):
     hsdp = "hsdp"            # FSDP2 over (dp_replicate, dp): sharded within dp, replicated across
 
 
+# torch.distributed.pipelining's schedules (framework.parallel.pipeline); the functional form
+# because a member's name is what the config writes, and `1f1b` is not an identifier.
+PPSchedule = Enum("PPSchedule", {name: name for name in ("gpipe", "1f1b", "interleaved_1f1b",
+                                                          "interleaved_zero_bubble", "zbv_zero_bubble")}, type=str)
+
+
 class Backend(str, Enum):
     auto = "auto"
     gloo = "gloo"
@@ -81,6 +88,11 @@ class ParallelConfig:
     tp_dim: Optional[str] = "tp"
     enforce_tp_innermost: bool = True
     allow_tp_across_hosts: bool = False
+    pp_dim: Optional[str] = "pp"
+    pp_schedule: PPSchedule = PPSchedule["1f1b"]
+    pp_microbatches: Optional[int] = None
+    pp_stages_per_rank: int = 1
+    pp_layers_per_stage: Optional[List[int]] = None
 
 
 @dataclass

@@ -10,7 +10,7 @@ reshapes below infer the head count (-1) from the local tensor instead of readin
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +169,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(dim, vocab_size, bias=False)
         self.tie_word_embeddings = tie_word_embeddings
         self.tie_weights()
+        self.dim, self.n_layers = dim, n_layers
+        self.matmul_params = sum(p.numel() for name, p in self.named_parameters()
+                                 if p.dim() == 2 and not name.startswith("tok_embeddings"))
 
     def tie_weights(self) -> None:
         """With tie_word_embeddings the output projection is the embedding matrix itself (again
@@ -176,15 +179,21 @@ class Transformer(nn.Module):
         if self.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
+    def run_blocks(self, blocks: Iterable[nn.Module], h: torch.Tensor) -> torch.Tensor:
+        """h through `blocks` in order (a pipeline stage runs its own run of them). Activation
+        checkpointing keeps only each block's input and recomputes the rest in backward (its TP
+        collectives included, in the same order on every rank)."""
+        for block in blocks:
+            h = checkpoint(block, h, use_reentrant=False) if self.recompute_blocks and torch.is_grad_enabled() else block(h)
+        return h
+
     def forward(self, tokens: torch.Tensor, cache: Optional[List[LayerCache]] = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
-        for i, layer in enumerate(self.layers):
-            # Activation checkpointing keeps only each block's input and recomputes the rest in
-            # backward (its TP collectives included, in the same order on every rank).
-            if self.recompute_blocks and torch.is_grad_enabled():
-                h = checkpoint(layer, h, use_reentrant=False)
-            else:
-                h = layer(h, cache[i]) if cache is not None else layer(h)
+        if cache is None:
+            h = self.run_blocks(self.layers, h)
+        else:  # decoding (framework.generate): each block extends its layer's cache
+            for layer, layer_cache in zip(self.layers, cache):
+                h = layer(h, layer_cache)
         return self.output(self.norm(h))
 
     def tp_sharded_counts(self) -> Dict[str, int]:
@@ -193,20 +202,19 @@ class Transformer(nn.Module):
 
     def tp_plan_must_cover(self) -> Dict[str, str]:
         """Modules a TP plan must name, and why (checked by framework.config.validate)."""
-        if not hasattr(self.layers[0].attention, "q_norm"):
+        if not any(hasattr(layer.attention, "q_norm") for layer in self.modules() if isinstance(layer, TransformerBlock)):
             return {}
         why = ("the per-head q/k norms see only a rank's own heads under TP, so each rank's weight gradient is "
                "partial; plan=qk_norm_tp_sp makes them replicated DTensors whose gradients TP sums")
-        return {f"layers.{i}.attention.{norm}": why for i in range(len(self.layers)) for norm in ("q_norm", "k_norm")}
+        return {f"{name}.attention.{norm}": why for name, block in self.named_modules() if isinstance(block, TransformerBlock)
+                for norm in ("q_norm", "k_norm")}
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token, as PaLM (appendix B) counts them: 6 per matmul weight
         (forward 2, backward 4) plus 12 * layers * dim * seq for attention scores and values
-        over the full sequence. The embedding lookup is not a matmul and is left out."""
-        matmul_params = sum(p.numel() for name, p in self.named_parameters()
-                            if p.dim() == 2 and not name.startswith("tok_embeddings"))
-        dim = self.tok_embeddings.embedding_dim
-        return 6 * matmul_params + 12 * len(self.layers) * dim * seq_len
+        over the full sequence. The embedding lookup is not a matmul and is left out. The whole
+        model's, counted at construction (a pipeline stage keeps only its own modules)."""
+        return 6 * self.matmul_params + 12 * self.n_layers * self.dim * seq_len
 
 
 class NextTokenLoss(nn.Module):

@@ -127,6 +127,13 @@ class DataParallel(nn.Module):
         finally:
             self.sync_after_backward = True
 
+    def sync_after_pipeline(self) -> None:
+        """Pipeline parallelism: the schedule calls the stages, not this wrapper, once per
+        micro-batch; gradients add up over them and are synced once, by sync_gradients() after
+        the schedule (as DDP's no_sync until the last micro-batch)."""
+        self.sync_after_backward = False
+        self._bind()
+
     def _gradient_ready(self, param: nn.Parameter) -> None:
         if not (self.overlap and self.sync_after_backward):
             return

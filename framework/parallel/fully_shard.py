@@ -24,10 +24,11 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returne
 
 def fsdp_units(model: nn.Module) -> List[nn.Module]:
     """What is all-gathered and resharded as one piece, before the root: each transformer block
-    (a model's `layers` ModuleList, as in torchtitan), else each top-level child with parameters."""
+    (a model's `layers`, as in torchtitan; a ModuleDict in a pipeline stage), else each top-level
+    child with parameters."""
     layers = getattr(model, "layers", None)
-    if isinstance(layers, nn.ModuleList):
-        return list(layers)
+    if isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
+        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
     return [child for child in model.children() if any(True for _ in child.parameters())]
 
 

@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.Tensor], pp_group=None) -> torch.Tensor:
+    """`pp_group`: the pipeline's ranks, each holding other stages' parameters (summed over too)."""
     replicated = torch.zeros((), dtype=torch.float32)
     sharded: Dict[Tuple[DeviceMesh, Tuple[int, ...]], torch.Tensor] = {}
     for param in params:
@@ -40,15 +41,17 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
         for dim in dims:  # summed over each dim the gradient is sharded on: over all its shards
             dist.all_reduce(squares, group=mesh.get_group(dim))
         replicated += squares.cpu()
+    if pp_group is not None:
+        dist.all_reduce(replicated, group=pp_group)
     return replicated.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
     """Scale gradients so their global norm is at most max_norm (torch's formula); return the
     norm before clipping."""
     params = list(params)
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, pp_group)
     coef = max_norm / (float(norm) + 1e-6)
     if coef < 1.0:
         for param in params:

@@ -5,7 +5,8 @@ the DeviceMesh exists it picks each role's submesh.
 
 Roles: `tp` (parallel.tp_dim), `dp` (parallel.dp_dim) and, when the mesh has a dim named
 parallel.dp_replicate_dim, the outer DP dim of hsdp; data parallelism spans both DP dims,
-outer first. A role whose dim is null or absent has size 1.
+outer first; `pp` (parallel.pp_dim, when the mesh has a dim of that name, outermost): pipeline
+stages. A role whose dim is null or absent has size 1.
 """
 import math
 from dataclasses import dataclass
@@ -25,11 +26,13 @@ class MeshRoles:
     dp_dim: Optional[str]
     tp_dim: Optional[str]
     dp_replicate_dim: str
+    pp_dim: Optional[str] = None
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "MeshRoles":
         p = cfg.parallel
-        return cls(tuple(cfg.mesh.shape), tuple(cfg.mesh.dim_names), p.dp_dim, p.tp_dim, p.dp_replicate_dim)
+        return cls(tuple(cfg.mesh.shape), tuple(cfg.mesh.dim_names), p.dp_dim, p.tp_dim, p.dp_replicate_dim,
+                   p.get("pp_dim"))
 
     def check(self) -> None:
         """The mesh's dims and sizes, and every role on a dim of its own (a dim larger than 1
@@ -55,11 +58,18 @@ class MeshRoles:
             raise ConfigError("mesh.dim_names", names,
                               f"the DP replica dim {replicate!r} (parallel.dp_replicate_dim) needs the DP dim "
                               f"parallel.dp_dim={dp!r} inside it, as in conf/mesh/2x2x1.yaml: [dp_replicate, dp, tp]")
+        pp = self.pp_dim
+        if pp in names and pp in (dp, tp, replicate):
+            raise ConfigError("parallel.pp_dim", pp, "PP needs a mesh dim of its own, apart from DP's and TP's")
+        if pp in names and names.index(pp) != 0 and self.size(pp) > 1:
+            raise ConfigError("mesh.dim_names", names, f"the PP dim {pp!r} must be outermost (first), as in "
+                                                       f"conf/mesh/pp2x2x1.yaml: [pp, dp, tp]; its stages exchange "
+                                                       f"activations least often, so they may sit farthest apart")
         for name, size in zip(names, shape):
-            if name not in (dp, tp, replicate) and size > 1:
+            if name not in (dp, tp, replicate, pp) and size > 1:
                 raise ConfigError("mesh.shape", shape,
-                                  f"dim {name!r} has size {size} but no role; set parallel.dp_dim or "
-                                  f"parallel.tp_dim to it, or make it size 1")
+                                  f"dim {name!r} has size {size} but no role; set parallel.dp_dim, "
+                                  f"parallel.tp_dim or parallel.pp_dim to it, or make it size 1")
 
     def check_strategy(self, strategy: str) -> None:
         """fsdp needs DP ranks to shard over; hsdp a replica dim outside the shard dim."""
@@ -118,6 +128,13 @@ class MeshRoles:
     @property
     def tp_size(self) -> int:
         return self.size(self.tp_dim)
+
+    @property
+    def pp_size(self) -> int:
+        return self.size(self.pp_dim)
+
+    def pp_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
+        return mesh[self.pp_dim] if self.pp_size > 1 else None
 
     def tp_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
         return None if self.tp_dim is None else mesh[self.tp_dim]

@@ -19,6 +19,7 @@ from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
 from framework.models.hf import load_hf_weights
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
+from framework.parallel.pipeline import split_model
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
 from framework.parallel.tensor_parallel import apply_tp
@@ -85,6 +86,18 @@ def stage_model(run: Run) -> None:
     run.deferred_init = hasattr(run.model, "hf_path")
 
 
+def stage_pipeline_parallel(run: Run) -> None:
+    """With a pp dim: keep this rank's pipeline stages of the model (the others' modules
+    deleted, names unchanged), as StageModules the parallel stages after this one apply to."""
+    pp_mesh = run.roles.pp_mesh(run.mesh)
+    if pp_mesh is None:
+        return
+    p = run.cfg.parallel
+    run.pp = coordinates_on(pp_mesh)
+    run.stages = split_model(run.model, run.pp["rank"], run.pp["size"], p.pp_stages_per_rank, p.pp_schedule,
+                             p.pp_layers_per_stage)
+
+
 def stage_data_parallel(run: Run) -> None:
     """replicate: the outer DataParallel wrapper, before TP shards its .module."""
     if run.cfg.parallel.dp_strategy == "replicate":
@@ -109,7 +122,11 @@ def stage_fully_shard(run: Run) -> None:
     apply_compile(run.module, run.cfg.trainer.compile, run.deferred_init)
     strategy = run.cfg.parallel.dp_strategy
     if strategy != "replicate":
-        run.model = apply_fsdp(run.model, run.roles.sharding_mesh(run.mesh, strategy), run.cfg.trainer.mixed_precision)
+        mesh, precision = run.roles.sharding_mesh(run.mesh, strategy), run.cfg.trainer.mixed_precision
+        if run.stages:  # each pipeline stage is a root, as each model part is in torchtitan
+            run.stages = [(index, apply_fsdp(module, mesh, precision)) for index, module in run.stages]
+        else:
+            run.model = apply_fsdp(run.model, mesh, precision)
     if run.deferred_init:
         run.module.to_empty(device=run.cfg.mesh.device_type)
         run.module.tie_weights()  # to_empty gives each module its own new tensor
@@ -174,6 +191,7 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
     "distributed": stage_distributed,
     "mesh": stage_mesh,
     "model": stage_model,
+    "pipeline_parallel": stage_pipeline_parallel,
     "data_parallel": stage_data_parallel,
     "tensor_parallel": stage_tensor_parallel,
     "fully_shard": stage_fully_shard,

@@ -7,19 +7,22 @@ per-op dispatch, most of a small TP step on CPU, is traced away inside each. Onl
 (checkpoints, exports, plans) keep no `_orig_mod.` prefix: a checkpoint saved compiled resumes
 eager and back.
 """
+from typing import List
+
 import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
 
 
-def compiled_blocks(model: nn.Module) -> nn.ModuleList:
-    """The model's repeated blocks, or a config error naming what compile needs."""
+def compiled_blocks(model: nn.Module) -> List[nn.Module]:
+    """The model's repeated blocks (a ModuleDict of this rank's ones under pipeline parallelism),
+    or a config error naming what compile needs."""
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)) or len(layers) == 0:
         raise ConfigError("trainer.compile", "blocks", f"{type(model).__name__} has no `layers` ModuleList of "
                           "repeated blocks to compile; use trainer.compile=none")
-    return layers
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 
 def _wait_for_inputs(module: nn.Module, args: tuple) -> tuple:

@@ -1,7 +1,7 @@
 """What a run holds as the builder's stages fill it in (framework.training.builder), and what
 the loop reads. Its own module, so the builder and the loop both import it and not each other."""
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig
 from torch import nn
@@ -19,6 +19,8 @@ class Run:
     dp_mesh: Any = None  # the DP ranks as one 1-D mesh (two DP dims flattened); None without DP
     dp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on dp_mesh
     tp: Dict[str, int] = field(default_factory=dict)
+    pp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on the pp dim, with pipeline parallelism
+    stages: List[Tuple[int, Any]] = field(default_factory=list)  # this rank's (stage index, StageModule)
     deferred_init: bool = False  # a Hugging Face model: on meta until the parallel stages sharded it
     model: Any = None  # what the loop calls: DataParallel's wrapper (replicate) or the model (fsdp, hsdp)
     dataset: Any = None
@@ -50,6 +52,10 @@ class Run:
             self.model.module = module
         else:
             self.model = module
+
+    @property
+    def pp_group(self):
+        return self.roles.pp_mesh(self.mesh).get_group() if self.pp else None
 
     @property
     def dp_group(self):

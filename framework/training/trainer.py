@@ -11,11 +11,12 @@ global batch, a number all-reduced over DP once per step, which its loss divides
 import logging
 import os
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -25,6 +26,8 @@ from framework.models.hf_export import save_hf_sharded
 from framework.parallel.data_parallel import DataParallel
 from framework.parallel.fully_shard import no_gradient_sync
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
+from framework.parallel.pipeline import Pipeline
+from framework.parallel.plan import final_output_layout
 from framework.parallel.replica_check import check_replicas
 from framework.training.metrics import Metrics
 from framework.training.profiling import format_summary, profiled, summary, trace_path
@@ -60,6 +63,53 @@ class Trainer:
         self.run, self.cfg = run, run.cfg
         self.device = torch.device(run.cfg.mesh.device_type)
         self.masked = getattr(run.dataset, "masked_targets", False)  # instruction data: targets -100 don't count
+        self.pipeline = self._build_pipeline() if run.stages else None
+
+    def _build_pipeline(self) -> Pipeline:
+        """This rank's stages under parallel.pp_schedule. The schedule averages the gradients
+        over its micro-batches (scale_grads), except for masked data, whose loss_fn already
+        weighs each counted token of the global batch alike."""
+        run, p = self.run, self.cfg.parallel
+        if isinstance(run.model, DataParallel):
+            run.model.sync_after_pipeline()
+        n_stages = run.pp["size"] * p.pp_stages_per_rank
+        self.microbatches = p.pp_microbatches or n_stages
+        self.per_token: Optional[float] = None
+        plan = OmegaConf.to_container(self.cfg.plan, resolve=True) if self.cfg.plan else {}
+        layout, local = final_output_layout(plan["output"]) if "output" in plan else (None, True)
+        self.sharded_logits = run.tp.get("size", 1) > 1 and not local and str(layout).startswith("shard")
+        return Pipeline(run.stages, n_stages, run.pp_group, p.pp_schedule, self.microbatches, self._pipeline_loss,
+                        scale_grads=not self.masked, device=self.device)
+
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss on the last stage: its mean, or for masked data its sum times
+        the step's per-token scale."""
+        if self.per_token is None:
+            return self.run.loss_fn(logits, targets)
+        return self.run.loss_fn(logits, targets, reduction="sum") * self.per_token
+
+    def _pipeline_context(self):
+        """What compute_loss enters around forward and loss, around the whole schedule (which
+        also runs backward): bf16 autocast (replicate), loss_parallel (vocabulary-sharded logits)."""
+        cfg = self.cfg
+        contexts = ExitStack()
+        if cfg.trainer.mixed_precision == "bf16" and cfg.parallel.dp_strategy == "replicate":
+            contexts.enter_context(torch.autocast(cfg.mesh.device_type, dtype=torch.bfloat16))
+        if self.sharded_logits:
+            contexts.enter_context(loss_parallel())
+        return contexts
+
+    def _pipeline_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's micro-batches (parallel.pp_microbatches) through the stages, then the
+        replicate strategy's gradient sync, once. Returns what forward_backward does."""
+        run = self.run
+        run.optimizer.zero_grad(set_to_none=True)
+        self.per_token = self._per_token_scale(targets) if self.masked else None
+        with self._pipeline_context():
+            total = self.pipeline.step(inputs, targets)
+        if isinstance(run.model, DataParallel):
+            run.model.sync_gradients()
+        return total if self.masked else total / self.microbatches
 
     # -- one step -----------------------------------------------------------------------
 
@@ -86,6 +136,8 @@ class Trainer:
         its counted tokens divided by the global batch's count (one all-reduce of a number over
         DP), times the DP size the gradient average divides by. Returns the replica's share of
         the global-batch loss, whose mean over DP is the global-batch loss."""
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(inputs, targets)
         self.run.optimizer.zero_grad(set_to_none=True)
         size = self.cfg.data.micro_batch_size or len(inputs)
         chunks = list(zip(inputs.split(size), targets.split(size)))
@@ -126,9 +178,9 @@ class Trainer:
         on_gradients()
         clip = self.cfg.trainer.grad_clip
         if clip is not None:
-            norm = clip_grad_norm(run.model.parameters(), clip)
+            norm = clip_grad_norm(run.model.parameters(), clip, run.pp_group)
         else:
-            norm = global_grad_norm(run.model.parameters()) if measure_norm else None
+            norm = global_grad_norm(run.model.parameters(), run.pp_group) if measure_norm else None
         run.optimizer.step()
         run.scheduler.step()
         return loss, norm
@@ -143,7 +195,14 @@ class Trainer:
         sums, counts = [], []
         for _ in range(min(self.cfg.trainer.eval_batches, len(run.val_dataloader))):
             inputs, targets = (t.to(self.device) for t in next(data))
-            sums.append(local_value(self.compute_loss(inputs, targets, **({"reduction": "sum"} if self.masked else {}))))
+            if self.pipeline is not None:  # forward only through the stages; masked: plain sums
+                self.per_token = 1.0 if self.masked else None
+                with self._pipeline_context():
+                    total = self.pipeline.evaluate(inputs, targets)
+                sums.append(total if self.masked else total / self.microbatches)
+            else:
+                sums.append(local_value(self.compute_loss(inputs, targets,
+                                                          **({"reduction": "sum"} if self.masked else {}))))
             counts.append((targets != IGNORE).sum().float() if self.masked else torch.ones(()))
         run.model.train()
         # batches' losses and counts summed here, then averaged over DP: their ratio is the global one

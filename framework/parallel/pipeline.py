@@ -1,0 +1,132 @@
+"""Pipeline parallelism over the mesh's `pp` dim (parallel.pp_dim), with torch.distributed.pipelining.
+
+The model's blocks are split into pp x parallel.pp_stages_per_rank stages (the embedding with the
+first, the final norm and output with the last). `split_model` keeps, on each rank, the model
+itself with only its own stages' modules (the others deleted, as torchtitan does), so parameter
+names stay the whole model's: checkpoints do not depend on the PP size. Each of the rank's stages
+is a `StageModule` over those modules; DP, TP and FSDP then apply as without PP (FSDP2 roots are
+the stage modules). `Pipeline` runs a schedule (parallel.pp_schedule) over
+parallel.pp_microbatches micro-batches of each replica's batch: the loss is computed on the last
+stage, gradients are scaled to the batch mean by the schedule, and DataParallel's gradients are
+synced once after the schedule.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from framework.config.errors import ConfigError
+
+# schedule name -> (torch class name, stages per rank it takes: 1, ">1", or 2 in a V)
+SCHEDULES: Dict[str, Tuple[str, str]] = {
+    "gpipe": ("ScheduleGPipe", "1"),
+    "1f1b": ("Schedule1F1B", "1"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", ">1"),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", ">1"),
+    "zbv_zero_bubble": ("ScheduleZBVZeroBubble", "V"),
+}
+
+
+def stage_indices(pp_rank: int, pp_size: int, per_rank: int, schedule: str) -> List[int]:
+    """The stages rank `pp_rank` runs: looped (r, r + pp, ...), or a V (r, 2 pp - 1 - r)."""
+    if SCHEDULES[schedule][1] == "V":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + i * pp_size for i in range(per_rank)]
+
+
+def layers_per_stage(n_layers: int, n_stages: int, given: Optional[List[int]]) -> List[int]:
+    """How many blocks each stage runs: parallel.pp_layers_per_stage, else an even split."""
+    if given is not None:
+        if len(given) != n_stages or sum(given) != n_layers or min(given) < 1:
+            raise ConfigError("parallel.pp_layers_per_stage", list(given),
+                              f"give {n_stages} counts (pp x pp_stages_per_rank stages), each >= 1, summing to the "
+                              f"model's {n_layers} layers")
+        return list(given)
+    if n_layers % n_stages:
+        raise ConfigError("parallel.pp_stages_per_rank", n_stages,
+                          f"the model's {n_layers} layers do not split evenly into {n_stages} stages (pp x "
+                          f"pp_stages_per_rank); change either, or set parallel.pp_layers_per_stage")
+    return [n_layers // n_stages] * n_stages
+
+
+def check_splittable(model: nn.Module) -> None:
+    needed = ("tok_embeddings", "layers", "norm", "output")
+    if not all(hasattr(model, name) for name in needed) or not isinstance(model.layers, (nn.ModuleList, nn.ModuleDict)):
+        raise ConfigError("parallel.pp_dim", "pp", f"pipeline parallelism splits a model with {', '.join(needed)} "
+                                                   f"(framework.models.Transformer); {type(model).__name__} has not")
+    if getattr(model, "tie_word_embeddings", False):
+        raise ConfigError("parallel.pp_dim", "pp", "the model ties its output to its embedding, which sit on the first "
+                                                   "and the last stage; pipeline parallelism needs them apart")
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: the embedding (first stage), a run of the model's blocks, the final
+    norm and output (last stage). It holds the model's own modules, so parameters keep their
+    names in the model (checkpoints); a stage's own FQNs are for the schedule alone."""
+
+    def __init__(self, model: nn.Module, layer_keys: List[str], first: bool, last: bool):
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({key: model.layers[key] for key in layer_keys})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.run_blocks = model.run_blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        h = self.run_blocks(self.layers.values(), h)
+        return self.output(self.norm(h)) if self.output is not None else h
+
+
+def split_model(model: nn.Module, pp_rank: int, pp_size: int, per_rank: int, schedule: str,
+                given: Optional[List[int]]) -> List[Tuple[int, StageModule]]:
+    """Delete from `model` what this rank's stages do not run; return (stage index, StageModule)
+    for each of them, in the order the rank runs them."""
+    n_stages = pp_size * per_rank
+    counts = layers_per_stage(len(model.layers), n_stages, given)
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    mine = stage_indices(pp_rank, pp_size, per_rank, schedule)
+    keys = {s: [str(i) for i in range(starts[s], starts[s] + counts[s])] for s in mine}
+    model.layers = nn.ModuleDict({k: model.layers[int(k)] for s in sorted(mine) for k in keys[s]})
+    stages = [(s, StageModule(model, keys[s], s == 0, s == n_stages - 1)) for s in mine]
+    for name, owned in (("tok_embeddings", 0 in mine), ("norm", n_stages - 1 in mine), ("output", n_stages - 1 in mine)):
+        if not owned:
+            setattr(model, name, None)
+    return stages
+
+
+class Pipeline:
+    """This rank's stages under the configured schedule. `step` is forward and backward of one
+    replica batch (returning its loss on every rank of the pipeline); `evaluate` forward only."""
+
+    def __init__(self, stages: List[Tuple[int, nn.Module]], n_stages: int, pp_group, schedule: str, microbatches: int,
+                 loss_fn, scale_grads: bool, device: torch.device):
+        from torch.distributed import pipelining
+
+        self.group, self.n_stages = pp_group, n_stages
+        self.stages = [pipelining.PipelineStage(module, index, n_stages, device, group=pp_group)
+                       for index, module in stages]
+        self.first = any(s.is_first for s in self.stages)
+        self.last = any(s.is_last for s in self.stages)
+        self.last_rank = dist.get_global_rank(pp_group, (n_stages - 1) % dist.get_world_size(pp_group)
+                                              if SCHEDULES[schedule][1] != "V" else 0)
+        schedule_class = getattr(pipelining, SCHEDULES[schedule][0])
+        one = SCHEDULES[schedule][1] == "1"
+        self.schedule = schedule_class(self.stages[0] if one else self.stages, n_microbatches=microbatches,
+                                       loss_fn=loss_fn, scale_grads=scale_grads)
+
+    def _run(self, method, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses: List[torch.Tensor] = []
+        args = (inputs,) if self.first else ()
+        method(*args, target=targets if self.last else None, losses=losses if self.last else None)
+        loss = torch.stack([loss.detach().float() for loss in losses]).sum() if self.last else torch.zeros(())
+        dist.broadcast(loss, src=self.last_rank, group=self.group)  # every stage logs the same loss
+        return loss
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The sum of the micro-batches' losses as the loss function returned them."""
+        return self._run(self.schedule.step, inputs, targets)
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._run(self.schedule.eval, inputs, targets)
