@@ -39,6 +39,7 @@ from framework.config.validate import validate
 from framework.parallel.roles import MeshRoles
 from framework.parallel.collectives import CollectiveRecorder, counted
 from framework.parallel.mesh import coordinates
+from framework.parallel.pipeline import refuse_pipeline
 from framework.cli import command_status, compose_config
 from framework.training.builder import build_and_run
 from framework.training.trainer import Trainer
@@ -164,6 +165,7 @@ def dry_run(cfg: DictConfig) -> List[RankReport]:
     """Validate as the launcher does, then simulate each rank asked. The simulated mesh is on
     cpu whatever mesh.device_type says: shapes and collectives do not depend on the device."""
     validate(cfg, world_size=math.prod(cfg.mesh.shape))
+    refuse_pipeline(MeshRoles.from_config(cfg).pp_size, "framework.dryrun")
     check_dryrun(cfg)
     simulated = OmegaConf.merge(cfg, {"mesh": {"device_type": "cpu"}})
     return [simulate_rank(simulated, rank) for rank in cfg.dryrun.ranks]

@@ -29,6 +29,8 @@ from omegaconf import OmegaConf
 from torch.distributed._tools.mod_tracker import ModTracker
 
 from framework.parallel.collectives import CollectiveRecorder, counted
+from framework.parallel.pipeline import refuse_pipeline
+from framework.parallel.roles import MeshRoles
 from framework.training.builder import build_and_run
 from framework.cli import command_status, compose_config
 from framework.launch.handoff import rank_config
@@ -92,6 +94,7 @@ def on_ranks(function, overrides: List[str], *args) -> Dict[int, object]:
     """Compose and validate like framework.train, then run `function` on every rank of the mesh."""
     cfg = compose_config(overrides)
     validate(cfg)
+    refuse_pipeline(MeshRoles.from_config(cfg).pp_size, "framework.inspect")
     with tempfile.TemporaryDirectory(prefix="framework-inspect-") as out_dir:
         return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir, *args)
 

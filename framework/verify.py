@@ -30,6 +30,8 @@ from framework.config.errors import ConfigError
 from framework.config.validate import check_model_and_plan, validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
+from framework.parallel.roles import MeshRoles
+from framework.parallel.pipeline import refuse_pipeline
 from framework.parallel.plan import matching_modules
 from framework.training.builder import build_and_run
 from framework.training.run import Run
@@ -210,6 +212,7 @@ def table(rows: List[dict]) -> str:
 def verify(cfg: DictConfig) -> Tuple[bool, str, List[dict]]:
     """Both runs, the comparison table's rows and the verdict line; writes verify.report."""
     validate(cfg)
+    refuse_pipeline(MeshRoles.from_config(cfg).pp_size, "framework.verify")
     if cfg.verify.steps < 1:
         raise ConfigError("verify.steps", cfg.verify.steps, "must be >= 1")
     if cfg.trainer.mixed_precision is not None and cfg.parallel.dp_strategy != "replicate":

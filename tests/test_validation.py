@@ -44,7 +44,7 @@ BAD_CONFIGS = [
     (["+parallel.dp_stratgy=fsdp"], r"parallel.dp_stratgy='fsdp': no such key; did you mean parallel.dp_strategy\?"),
     (["+trainer.mixed_precison=bf16"],
      r"trainer.mixed_precison='bf16': no such key; did you mean trainer.mixed_precision\?"),
-    (["+checkpoint.zzz=1"], r"checkpoint.zzz=1: no such key; checkpoint has async_save, dir, every, init_from"),
+    (["+checkpoint.zzz=1"], r"checkpoint.zzz=1: no such key; checkpoint has async_save, dir, every, final_hf, init_from"),
     (["+trainr.max_steps=3"], r"trainr=\{'max_steps': 3\}: no such key; did you mean trainer\?"),
     (["model=lm_tiny", "data=byte_corpus", "plan=none", "model._target_=framework.transformer.Transformer"],
      r"model._target_='framework.transformer.Transformer': this module moved; use framework.models.Transformer"),

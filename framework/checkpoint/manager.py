@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -45,7 +46,7 @@ from framework.checkpoint.layout import (
     step_dir,
     write_meta_and_publish,
 )
-from framework.checkpoint.safe_load import load_checkpoint
+from framework.checkpoint.safe_load import SafeReader, load_checkpoint
 from framework.data.loader import DataPosition
 from framework.training.state import TrainState
 
@@ -79,16 +80,20 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
-    """The optimizer's state keyed by parameter names (not positions), so it reshards too."""
+    """The optimizer's state keyed by parameter names (not positions), so it reshards too.
+    Flattened (each hyperparameter under its parameter's name, as torchtitan saves it): a
+    pipeline stage holds only some parameters, and one saved list of param_groups would name
+    only the saving rank's. `flat=False` reads checkpoints saved before (one param_groups list)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, flat: bool = True):
         self.model, self.optimizer = model, optimizer
+        self.options = StateDictOptions(flatten_optimizer_state_dict=flat)
 
     def state_dict(self) -> Dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
 
 
 class Checkpointer:
@@ -203,6 +208,8 @@ class Checkpointer:
         state = self._dcp_state()
         if not same_world:
             del state[f"rng.rank{self.rank}"]
+        if "optim.param_groups" in SafeReader(path).read_metadata().state_dict_metadata:  # saved unflattened
+            state["optim"] = OptimizerState(self.optimizer.model, self.optimizer.optimizer, flat=False)
         load_checkpoint(state, path)
         if same_world:
             torch.set_rng_state(state[f"rng.rank{self.rank}"])

@@ -19,6 +19,7 @@ from framework.data.tokens import check_token_data
 from framework.models.hf import check_weights
 from framework.models.hf_export import check_hf_out
 from framework.parallel.roles import MeshRoles
+from framework.parallel.pipeline import check_pipeline_parallel
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules
 from framework.training.compile import compiled_blocks
 
@@ -283,6 +284,8 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     check_checkpoint_keys(cfg)
     if deep:
         model = check_model_and_plan(cfg)
+        roles = MeshRoles.from_config(cfg)
+        check_pipeline_parallel(cfg, model, roles.pp_size, roles.dp_size)
         check_optimizer(cfg)
         check_dataset(cfg)
         if out_dir is not None:

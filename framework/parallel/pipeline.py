@@ -44,9 +44,11 @@ def layers_per_stage(n_layers: int, n_stages: int, given: Optional[List[int]]) -
                               f"model's {n_layers} layers")
         return list(given)
     if n_layers % n_stages:
-        raise ConfigError("parallel.pp_stages_per_rank", n_stages,
-                          f"the model's {n_layers} layers do not split evenly into {n_stages} stages (pp x "
-                          f"pp_stages_per_rank); change either, or set parallel.pp_layers_per_stage")
+        raise ConfigError("parallel.pp_layers_per_stage", None,
+                          f"an even split, and the model's {n_layers} layers do not split evenly into {n_stages} "
+                          f"stages (pp x pp_stages_per_rank); give each stage's count, e.g. "
+                          f"[{', '.join(str(n_layers // n_stages + (i < n_layers % n_stages)) for i in range(n_stages))}], "
+                          f"or change the stages")
     return [n_layers // n_stages] * n_stages
 
 
@@ -58,6 +60,49 @@ def check_splittable(model: nn.Module) -> None:
     if getattr(model, "tie_word_embeddings", False):
         raise ConfigError("parallel.pp_dim", "pp", "the model ties its output to its embedding, which sit on the first "
                                                    "and the last stage; pipeline parallelism needs them apart")
+
+
+def check_pipeline_parallel(cfg, model: nn.Module, pp_size: int, dp_size: int) -> None:
+    """Before launch: the model splits as configured, the schedule takes the stages per rank
+    and the micro-batch count (torch's own rules, said with the key to change)."""
+    p = cfg.parallel
+    schedule, per_rank = getattr(p.pp_schedule, "value", p.pp_schedule), p.pp_stages_per_rank
+    if pp_size == 1:
+        return
+    check_splittable(model)
+    takes = SCHEDULES[schedule][1]
+    wrong = {"1": (per_rank != 1, "runs one stage per rank; use 1, or interleaved_1f1b / interleaved_zero_bubble for "
+                                  "more"),
+             ">1": (per_rank < 2, "needs 2 or more stages per rank; use gpipe or 1f1b for one"),
+             "V": (per_rank != 2, "runs exactly 2 stages per rank, in a V")}[takes]
+    if wrong[0]:
+        raise ConfigError("parallel.pp_stages_per_rank", per_rank, f"parallel.pp_schedule={schedule} {wrong[1]}")
+    n_stages = pp_size * per_rank
+    layers_per_stage(len(model.layers), n_stages, p.pp_layers_per_stage)
+    micro = p.pp_microbatches or n_stages
+    if micro < 1:
+        raise ConfigError("parallel.pp_microbatches", micro, "must be >= 1 (null: the number of stages)")
+    if schedule == "1f1b" and micro < n_stages:
+        raise ConfigError("parallel.pp_microbatches", micro, f"1f1b needs at least as many micro-batches as stages "
+                                                             f"({n_stages}) to fill the pipeline")
+    rounds = max(1, micro // pp_size)
+    if takes == ">1" and micro % rounds:
+        raise ConfigError("parallel.pp_microbatches", micro, f"{schedule} runs micro-batches in rounds of the pp size "
+                                                             f"{pp_size}: use a multiple of {rounds}")
+    local = cfg.data.global_batch_size // dp_size
+    if local % micro:
+        raise ConfigError("parallel.pp_microbatches", micro, f"must divide each replica's batch of {local} "
+                                                             f"(data.global_batch_size / DP size {dp_size})")
+    if cfg.data.micro_batch_size is not None:
+        raise ConfigError("data.micro_batch_size", cfg.data.micro_batch_size,
+                          "under pipeline parallelism the schedule's micro-batches are the gradient accumulation; "
+                          "set parallel.pp_microbatches instead and data.micro_batch_size=null")
+
+
+def refuse_pipeline(pp_size: int, command: str) -> None:
+    if pp_size > 1:
+        raise ConfigError("mesh.dim_names", "pp", f"{command} does not run pipeline parallelism yet; check the mesh "
+                                                  f"without its pp dim, or train it (framework.train)")
 
 
 class StageModule(nn.Module):

@@ -1,0 +1,95 @@
+"""Pipeline parallelism (framework/parallel/pipeline.py) trains the one-process model: every
+schedule, composed with DP (replicate, fsdp) and TP+SP; checkpoints move between PP and no PP;
+bad PP configs are refused before launch."""
+import pytest
+from hydra.errors import HydraException
+
+from framework.cli import hydra_error_line
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
+from framework.launch.local import launch_local
+from framework.verify import verify
+from tests.conftest import compose_config
+from tests.reference import max_relative_error, reference_training
+from tests.test_lm import TINY
+
+# The tiny LM with 4 blocks (2 stages of 2, or 4 of 1 with 2 stages per rank), SGD, 10 steps.
+PP = [*TINY, "model.n_layers=4", "trainer.max_steps=10", "trainer.log_every=5", "plan=none"]
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return reference_training(compose_config([*PP, "mesh=1x1"]))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("overrides", [
+    ["mesh=pp2x1x1", "parallel.pp_schedule=gpipe"],
+    ["mesh=pp2x1x1", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=4"],
+    ["mesh=pp2x1x1", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"],
+    ["mesh=pp2x1x1", "parallel.pp_schedule=interleaved_zero_bubble", "parallel.pp_stages_per_rank=2"],
+    ["mesh=pp2x1x1", "parallel.pp_schedule=zbv_zero_bubble", "parallel.pp_stages_per_rank=2"],
+    ["mesh=pp2x2x1"],                                     # + DP replicate (gradients synced once per step)
+    ["mesh=pp2x2x1", "parallel.dp_strategy=fsdp"],        # + FSDP2, each stage a root
+    ["mesh=pp2x1x2", "plan=lm_tp_sp", "parallel.pp_layers_per_stage=[1,3]"],  # + TP+SP, an uneven split
+], ids=lambda o: " ".join(o))
+def test_every_schedule_and_composition_trains_the_one_process_model(overrides, one_process, tmp_path):
+    summary = launch_local(compose_config([*PP, *overrides]), str(tmp_path))
+    error = max_relative_error(summary["losses"], one_process["losses"])
+    print(f"PP {' '.join(overrides)}: max relative loss error vs 1x1 {error:.2e}")
+    assert error < 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_saved_under_pp_resumes_without_pp_and_on_another_pp_mesh(one_process, tmp_path):
+    saved = [*PP, "checkpoint.every=5", "trainer.eval_every=5", "trainer.eval_batches=2"]
+    launch_local(compose_config([*saved, "mesh=pp2x1x2", "plan=lm_tp_sp"]), str(tmp_path / "pp"))
+    step_5 = tmp_path / "pp" / "checkpoints" / "step_5"
+    val = {}
+    for mesh, plan in [("2x2", "lm_tp_sp"), ("pp2x2x1", "none")]:
+        summary = launch_local(compose_config([*saved, f"mesh={mesh}", f"plan={plan}", f"checkpoint.resume={step_5}"]),
+                               str(tmp_path / mesh))
+        error = max_relative_error(summary["losses"][5:], one_process["losses"][5:])
+        print(f"resume [2,1,2] -> {mesh}: max relative loss error vs 1x1 {error:.2e}")
+        assert summary["resumed_from"] and error < 1e-5
+        val[mesh] = summary["val_losses"]
+    # evaluation forward-only through the pipeline gives the held-out loss the 2x2 run computes
+    assert max_relative_error([v for _, v in val["pp2x2x1"]], [v for _, v in val["2x2"]]) < 1e-5
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.n_layers=3"], r"parallel.pp_layers_per_stage=None: an even split, and the model's 3 layers do not split "
+                           r"evenly into 2 stages .* e.g. \[2, 1\]"),
+    (["parallel.pp_layers_per_stage=[1,2]"], r"parallel.pp_layers_per_stage=\[1, 2\]: give 2 counts .* summing to "
+                                             r"the model's 4 layers"),
+    (["parallel.pp_microbatches=1"], "parallel.pp_microbatches=1: 1f1b needs at least as many micro-batches as stages"),
+    (["parallel.pp_microbatches=3"], r"parallel.pp_microbatches=3: must divide each replica's batch of 8"),
+    (["data.micro_batch_size=4"], "data.micro_batch_size=4: under pipeline parallelism the schedule's micro-batches "
+                                  "are the gradient accumulation"),
+    (["parallel.pp_schedule=interleaved_1f1b"], "parallel.pp_stages_per_rank=1: parallel.pp_schedule=interleaved_1f1b "
+                                                "needs 2 or more stages per rank"),
+    (["parallel.pp_schedule=gpipe", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank=2: "
+                                                                      "parallel.pp_schedule=gpipe runs one stage"),
+    (["mesh.dim_names=[dp,pp,tp]", "mesh.shape=[1,2,1]"], r"the PP dim 'pp' must be outermost"),
+])
+def test_bad_pipeline_config_is_refused_before_launch(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config([*PP, "mesh=pp2x1x1", *overrides]))
+
+
+def test_a_model_without_blocks_to_split_is_refused():
+    with pytest.raises(ConfigError, match="pipeline parallelism splits a model with tok_embeddings, layers, norm, "
+                                          "output .* SeedMLP has not"):
+        validate(compose_config(["mesh=pp2x1x1", "plan=none", "data.global_batch_size=4"]))
+
+
+def test_a_schedule_that_does_not_exist_lists_the_schedules():
+    with pytest.raises(HydraException) as info:
+        compose_config([*PP, "mesh=pp2x1x1", "parallel.pp_schedule=1f2b"])
+    assert hydra_error_line(info.value).endswith("Invalid value '1f2b', expected one of [gpipe, 1f1b, interleaved_1f1b, "
+                                                 "interleaved_zero_bubble, zbv_zero_bubble]")
+
+
+def test_verify_says_it_does_not_run_pipelines_yet():
+    with pytest.raises(ConfigError, match="framework.verify does not run pipeline parallelism yet"):
+        verify(compose_config([*PP, "mesh=pp2x1x1"]))
