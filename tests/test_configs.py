@@ -25,6 +25,7 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
              for group, name in [("model", "lm_tiny"), ("model", "lm_small"), ("model", "lm_bench"), ("plan", "lm_tp"),
                                  ("plan", "lm_tp_sp"),
                                  ("plan", "lm_tp_sp_loss_parallel"), ("data", "byte_corpus")]},
+          **{("mesh", name): ["recipe=lm_3d", f"mesh={name}"] for name in ("pp2x1x1", "pp2x2x1", "pp2x1x2", "pp2x2x2")},
           ("data", "tokens"): ["recipe=lm_files"], ("data", "instructions"): ["recipe=lm_files", "data=instructions"]}
 # Configs that read prepared token data: which kind (the `prepared` fixture's).
 PREPARED = {("data", "tokens"): "packed", ("data", "instructions"): "instruction", ("recipe", "lm_files"): "packed"}
