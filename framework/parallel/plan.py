@@ -7,6 +7,7 @@ of those, one per input). Checking needs no DTensor import, so the launcher stay
 framework.parallel.tensor_parallel turns a checked plan into ParallelStyle objects.
 """
 import fnmatch
+import inspect
 import re
 from typing import Any, List, Mapping, Optional, Tuple
 
@@ -136,8 +137,11 @@ def output_module(model: nn.Module) -> Optional[str]:
     """The module whose forward returns the model's output, from torch.fx's symbolic trace (no
     tensors, milliseconds); None when the trace fails (data-dependent control flow, say) or the
     output is computed outside a module."""
+    # arguments with defaults (a decoding cache, say) are traced as their defaults
+    defaults = {name: p.default for name, p in inspect.signature(model.forward).parameters.items()
+                if p.default is not inspect.Parameter.empty}
     try:
-        graph = torch.fx.symbolic_trace(model).graph
+        graph = torch.fx.symbolic_trace(model, concrete_args=defaults).graph
     except Exception:  # noqa: BLE001 - untraceable models skip the check; their loss shows the layout
         return None
     (returned,) = [node for node in graph.nodes if node.op == "output"][0].args

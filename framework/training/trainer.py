@@ -81,6 +81,14 @@ class Trainer:
         return Pipeline(run.stages, n_stages, run.pp_group, p.pp_schedule, self.microbatches, self._pipeline_loss,
                         scale_grads=not self.masked, device=self.device)
 
+    def _pipeline_where(self) -> str:
+        """For the stall watchdog's report: which stages this rank runs, and what it waits for."""
+        if self.pipeline is None:
+            return ""
+        stages = ", ".join(str(index) for index, _ in self.run.stages)
+        return (f" in pipeline stage {stages} of {self.pipeline.n_stages} (a wait here is the schedule's send/recv of "
+                f"activations or gradients with the neighbouring stages)")
+
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss on the last stage: its mean, or for masked data its sum times
         the step's per-token scale."""
@@ -230,7 +238,7 @@ class Trainer:
             for step in range(state.step + 1, trainer.max_steps + 1):
                 state.step = step
                 logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
-                self.watchdog.stage(f"step {step}: data, forward and backward")
+                self.watchdog.stage(f"step {step}: data, forward and backward{self._pipeline_where()}")
                 inputs, targets = (t.to(self.device) for t in next(data))
                 lr = run.optimizer.param_groups[0]["lr"]
                 loss, grad_norm = self.train_step(inputs, targets, logging_step, on_gradients=lambda: self.watchdog.stage(
