@@ -9,7 +9,6 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch.overrides import TorchFunctionMode
 
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
 from framework.config.schema import STAGES, did_you_mean, unknown_key
@@ -17,6 +16,7 @@ from framework.config.errors import ConfigError
 from framework.config.trust import check_targets
 from framework.data.tokens import check_token_data
 from framework.models.hf import check_weights
+from framework.models.meta import SkipRandomInit
 from framework.models.hf_export import check_hf_out
 from framework.parallel.roles import MeshRoles
 from framework.parallel.pipeline import check_pipeline_parallel
@@ -116,17 +116,6 @@ def check_trainer_and_data(cfg: DictConfig) -> None:
             raise ConfigError(key, OmegaConf.select(cfg, key), "give a node with a _target_")
 
 
-class _SkipRandomInit(TorchFunctionMode):
-    """Random init fills nothing on the meta device, yet torch's meta normal_ costs about a
-    second the first time it runs. Checking needs only the module structure."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.nn.init.normal_, torch.nn.init.trunc_normal_, torch.Tensor.normal_):
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **kwargs)
-
-
 def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     """Build the model on the meta device (no memory) to check the plan against its modules,
     and the counts the plan splits whole (attention heads; the sequence, under SP); return it."""
@@ -135,7 +124,7 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
         raise ConfigError("model.activation_checkpointing", recompute,
                           f"{cfg.model._target_} has no blocks to recompute (it takes no activation_checkpointing); "
                           f"remove the key, or use a model that does, such as framework.models.Transformer")
-    with torch.device("meta"), _SkipRandomInit():
+    with torch.device("meta"), SkipRandomInit():
         model = instantiate_checked(cfg.model)
     if hasattr(model, "hf_path"):
         check_hf_model(model, cfg)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
+from framework.models.meta import SkipRandomInit
 from framework.models.transformer import Transformer
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -123,7 +124,7 @@ class HFTransformer(Transformer):
     def __init__(self, path: str, activation_checkpointing: str = "none"):
         path = os.path.abspath(os.path.expanduser(str(path)))
         config = read_config(path)
-        with torch.device("meta"):
+        with torch.device("meta"), SkipRandomInit():
             super().__init__(**transformer_args(config, path), activation_checkpointing=activation_checkpointing)
         self.hf_path = path
         self.attention_window = attention_window(config)
