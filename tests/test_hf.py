@@ -136,6 +136,7 @@ def _copy(hf_dirs, kind, tmp_path) -> str:
     ("sliding_qwen", r"sets use_sliding_window: true"),
     ("shape", r"the safetensors' model.embed_tokens.weight has shape \[256, 64\], config.json implies \[512, 64\]"),
     ("missing_shard", r"model.safetensors.index.json names model-00002-of-00002.safetensors, which is missing"),
+    ("renamed", r"the safetensors lack model.layers.1.mlp.up_proj.weight \(shape \[96, 64\]\), which config.json implies"),
     ("kv_heads", r"model.n_kv_heads=2: the TP plan splits it across 4 ranks"),
 ])
 def test_bad_model_directory_is_refused_before_launch_naming_what(case, match, hf_dirs, tmp_path):
@@ -160,6 +161,12 @@ def test_bad_model_directory_is_refused_before_launch_naming_what(case, match, h
         os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00002.safetensors"))
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    elif case == "renamed":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        tensors["model.layers.1.mlp.up.weight"] = tensors.pop("model.layers.1.mlp.up_proj.weight")
+        save_file(tensors, os.path.join(path, "model.safetensors"))
     elif case == "kv_heads":
         overrides = ["mesh=1x4", "plan=lm_tp_sp"]
     with pytest.raises(ConfigError, match=match):
@@ -233,3 +240,16 @@ def test_init_from_a_checkpoint_of_another_architecture_is_refused(trained_qwen3
     with pytest.raises(ConfigError, match=r"checkpoint.init_from=.*model key 'layers.0.attention.wq.weight' has "
                                           r"shape \[128, 64\] there but \[64, 64\] in this model"):
         validate(hf_config(hf_dirs["llama"], f"checkpoint.init_from={trained_qwen3}"), out_dir=str(tmp_path))
+
+
+@pytest.mark.timeout(240)
+def test_the_finetune_recipe_trains_a_hugging_face_model_on_its_tokenizers_data(hf_dirs, tmp_path):
+    """recipes/finetune_hf.yaml as shipped (2x2: FSDP x TP+SP, bf16, AdamW with warmup,
+    evaluation, checkpoints), on the tiny Llama and text prepared with its tokenizer.json."""
+    cfg = compose_config(["recipe=finetune_hf", f"model.path={hf_dirs['llama']}", f"data.path={hf_dirs['tokens']}",
+                          "data.dataset.seq_len=64", "trainer.max_steps=4", "trainer.warmup_steps=2",
+                          "trainer.eval_every=2", "trainer.eval_batches=1", "checkpoint.every=4",
+                          "trainer.progress_bar=false", "logger.tensorboard=false"])
+    summary = launch_local(cfg, str(tmp_path))
+    assert len(summary["losses"]) == 4 and len(summary["val_losses"]) == 2
+    assert os.path.isdir(tmp_path / "checkpoints" / "step_4")

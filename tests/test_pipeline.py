@@ -31,6 +31,7 @@ def one_process():
     ["mesh=pp2x1x1", "parallel.pp_schedule=zbv_zero_bubble", "parallel.pp_stages_per_rank=2"],
     ["mesh=pp2x2x1"],                                     # + DP replicate (gradients synced once per step)
     ["mesh=pp2x2x1", "parallel.dp_strategy=fsdp"],        # + FSDP2, each stage a root
+    ["mesh.shape=[2,1,2,1]", "mesh.dim_names=[pp,dp_replicate,dp,tp]", "parallel.dp_strategy=hsdp"],  # + HSDP
     ["mesh=pp2x1x2", "plan=lm_tp_sp", "parallel.pp_layers_per_stage=[1,3]"],  # + TP+SP, an uneven split
 ], ids=lambda o: " ".join(o))
 def test_every_schedule_and_composition_trains_the_one_process_model(overrides, one_process, tmp_path):
