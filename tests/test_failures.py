@@ -13,7 +13,7 @@ import pytest
 
 from framework.launch.local import RankFailed, spawn_ranks
 from framework.launch.zygote import zygote_socket
-from tests.conftest import ROOT, TEST_MODELS, processes_with_marker, run_cli
+from tests.conftest import ROOT, TEST_MODELS, TINY_LM, processes_with_marker, run_cli
 
 ZYGOTE = [sys.executable, "-m", "framework.launch.zygote"]
 
@@ -98,3 +98,33 @@ def test_a_stalled_rank_failing_as_its_watchdog_exits_leaves_a_whole_error_file(
     assert result.returncode == 1
     assert json.loads(error_file.read_text())["message"]["message"] == "RuntimeError: connection closed by peer"
     assert (tmp_path / "job" / "logs" / "stall.rank0.json").exists()
+
+
+@pytest.mark.timeout(150)
+def test_a_stall_under_compiled_blocks_is_reported_like_an_eager_one(tmp_path):
+    """trainer.compile=blocks on 1x2 TP+SP: rank 1 blocks before its blocks in step 3; rank 0
+    waits inside a compiled block's collective, and the watchdog names both (its timeout above
+    the first step's compile time, which counts as progress only once the step ends)."""
+    out = tmp_path / "job"
+    result = run_cli([*TINY_LM, "mesh=1x2", "plan=lm_tp_sp", "trainer.compile=blocks", TEST_MODELS,
+                      "model._target_=tests.workers.BlockingTransformer", "+model.rank=1", "+model.at=3",
+                      "trainer.stall_timeout_s=30", "trainer.eval_every=null", f"hydra.run.dir={out}"], timeout=140)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("training failed: stalled: nothing finished for "), last
+    rank0, rank1 = last.split("; rank 0: ")[1].split("; rank 1: ")
+    assert rank0.startswith("step 3: data, forward and backward, collective "), rank0
+    assert rank1.startswith("step 3: data, forward and backward, not in a collective: at block_at "
+                            "(tests/workers.py:"), rank1
+
+
+@pytest.mark.timeout(120)
+def test_a_stall_in_a_pipeline_names_the_stage_and_its_send_recv(tmp_path):
+    out = tmp_path / "job"
+    result = run_cli([*TINY_LM, "mesh=pp2x1x1", "plan=none", "model.n_layers=4", TEST_MODELS,
+                      "model._target_=tests.workers.BlockingTransformer", "+model.rank=1", "+model.at=3",
+                      "trainer.stall_timeout_s=4", "trainer.eval_every=null", f"hydra.run.dir={out}"], timeout=100)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "rank 0: step " in last and ("in pipeline stage 0 of 2 (a wait here is the schedule's send/recv of "
+                                        "activations or gradients with the neighbouring stages)") in last, last

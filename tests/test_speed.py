@@ -27,6 +27,9 @@ def losses(out) -> list:
     ("1x2", "lm_tp_sp", []),
     # with loss_parallel, activation checkpointing and micro-batches together
     ("1x2", "lm_tp_sp_loss_parallel", ["model.activation_checkpointing=full", "data.micro_batch_size=2"]),
+    ("2x2", "lm_tp_sp", []),
+    ("2x1", "none", ["parallel.dp_strategy=fsdp"]),
+    ("pp2x1x1", "none", ["model.n_layers=4"]),  # each stage's blocks compiled
 ])
 def test_compiled_blocks_train_the_eager_model_and_their_checkpoint_resumes_eager(tmp_path, mesh, plan, extra):
     base = [*TINY_LM, *STEPS, f"mesh={mesh}", f"plan={plan}", *extra]

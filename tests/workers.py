@@ -205,6 +205,21 @@ class BlockOnRank(SeedMLP):
         return super().forward(x)
 
 
+class BlockingTransformer(Transformer):
+    """The LM, except that rank `rank` blocks forever when its final norm runs for the `at`-th
+    time (outside any collective and any compiled block; on the last pipeline stage under PP)."""
+
+    def __init__(self, rank: int = 1, at: int = 3, **sizes):
+        super().__init__(**sizes)
+        self.block_rank, self.at, self.calls = rank, at, 0
+        self.norm.register_forward_pre_hook(self.block_at)
+
+    def block_at(self, module, args):
+        self.calls += 1
+        if self.calls == self.at and os.environ["RANK"] == str(self.block_rank):
+            threading.Event().wait()
+
+
 class ThreeLayers(nn.Module):
     """a feeds b on every rank; c only on rank 0; d on no rank. Registered d, c, a, b so that
     DataParallel's buckets (reverse order) take b's and a's gradients first, then c's, then d's."""
