@@ -1,5 +1,5 @@
 """Speed tools. trainer.compile=blocks: per-block torch.compile trains what eager trains (1x1;
-TP + SP on 1x2), its checkpoints keep the model's own names and resume eager, and a model without
+TP + SP on 1x2 and 2x2; fsdp 2x1; a pp=2 pipeline), its checkpoints keep the model's own names and resume eager, and a model without
 blocks is refused before launch. Profiling: `inspect profile` and trainer.profile_steps write
 every rank's trace and summary."""
 import json
