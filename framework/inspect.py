@@ -52,11 +52,16 @@ def build_for_one_step(cfg_container: dict, out_dir: str):
 
 
 def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]:
-    """Runs in every rank: one counted step."""
+    """Runs in every rank: one counted step. Under pipeline parallelism the second: the first
+    also exchanges the stages' tensor shapes (3 sends and 3 receives per stage boundary)."""
     run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
+    trainer = Trainer(run)
+    if run.stages:
+        trainer.forward_backward(inputs, targets)
+        run.optimizer.step()
     totals: Dict[str, List[int]] = {}
     with CollectiveRecorder(counted(totals, lambda op, dim: op)):
-        Trainer(run).forward_backward(inputs, targets)
+        trainer.forward_backward(inputs, targets)
         run.optimizer.step()
     dist.destroy_process_group()
     return {op: count for op, (count, _) in totals.items()}
@@ -94,7 +99,8 @@ def on_ranks(function, overrides: List[str], *args) -> Dict[int, object]:
     """Compose and validate like framework.train, then run `function` on every rank of the mesh."""
     cfg = compose_config(overrides)
     validate(cfg)
-    refuse_pipeline(MeshRoles.from_config(cfg).pp_size, "framework.inspect")
+    if function is trace_of_one_step:  # its module hooks break the pipeline schedule's backward
+        refuse_pipeline(MeshRoles.from_config(cfg).pp_size, "framework.inspect trace")
     with tempfile.TemporaryDirectory(prefix="framework-inspect-") as out_dir:
         return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir, *args)
 
@@ -122,8 +128,10 @@ def print_profiles(argv: List[str]) -> int:
     return 0
 
 
-def count_collectives(overrides: List[str]) -> Dict[str, int]:
-    return dict(sorted(on_ranks(collectives_of_one_step, overrides)[0].items()))
+def count_collectives(overrides: List[str]) -> Dict[int, Dict[str, int]]:
+    """Each rank's counts (ranks of one pipeline stage issue the same; other stages may not)."""
+    return {rank: dict(sorted(counts.items())) for rank, counts in sorted(on_ranks(collectives_of_one_step,
+                                                                                    overrides).items())}
 
 
 def first_difference(traces: Dict[int, List[dict]]) -> Optional[str]:
@@ -171,12 +179,16 @@ def main(argv: List[str]) -> int:
                           USAGE)
 
 
-def print_counts(counts: Dict[str, int], overrides: List[str]) -> int:
-    print(f"collectives in one training step (rank 0), {' '.join(overrides) or 'default config'}:")
-    width = max([len(op) for op in counts] + [10])
-    for op, n in counts.items():
-        print(f"  {op.ljust(width)}  {n}")
-    print(f"  {'total'.ljust(width)}  {sum(counts.values())}")
+def print_counts(per_rank: Dict[int, Dict[str, int]], overrides: List[str]) -> int:
+    """Rank 0's counts, and every other rank whose counts differ (another pipeline stage)."""
+    shown = [rank for rank, counts in per_rank.items() if rank == 0 or counts != per_rank[0]]
+    for rank in shown:
+        counts = per_rank[rank]
+        print(f"collectives in one training step (rank {rank}), {' '.join(overrides) or 'default config'}:")
+        width = max([len(op) for op in counts] + [10])
+        for op, n in counts.items():
+            print(f"  {op.ljust(width)}  {n}")
+        print(f"  {'total'.ljust(width)}  {sum(counts.values())}")
     return 0
 
 

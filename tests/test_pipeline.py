@@ -1,12 +1,13 @@
 """Pipeline parallelism (framework/parallel/pipeline.py) trains the one-process model: every
 schedule, composed with DP (replicate, fsdp) and TP+SP; checkpoints move between PP and no PP;
-bad PP configs are refused before launch."""
+`inspect comm` counts the sends and receives; bad PP configs are refused before launch."""
 import pytest
 from hydra.errors import HydraException
 
 from framework.cli import hydra_error_line
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
+from framework.inspect import count_collectives
 from framework.launch.local import launch_local
 from framework.verify import verify
 from tests.conftest import compose_config
@@ -56,6 +57,20 @@ def test_a_checkpoint_saved_under_pp_resumes_without_pp_and_on_another_pp_mesh(o
         val[mesh] = summary["val_losses"]
     # evaluation forward-only through the pipeline gives the held-out loss the 2x2 run computes
     assert max_relative_error([v for _, v in val["pp2x2x1"]], [v for _, v in val["2x2"]]) < 1e-5
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule,per_rank,micro", [("gpipe", 1, 2), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 4)])
+def test_inspect_comm_counts_the_pipelines_sends_and_receives(schedule, per_rank, micro):
+    """By hand, for pp=2 (S = 2 x stages per rank): every micro-batch crosses each of the S - 1
+    stage boundaries once forward (activations) and once backward (gradients), and each boundary
+    has one rank on each side, so each rank sends m (S - 1) times and receives as often; plus one
+    broadcast of the loss from the last stage. (The first step, which also exchanges shapes, is
+    not the one counted.)"""
+    counts = count_collectives([*PP, "mesh=pp2x1x1", f"parallel.pp_schedule={schedule}",
+                                f"parallel.pp_stages_per_rank={per_rank}", f"parallel.pp_microbatches={micro}"])
+    expected = micro * (2 * per_rank - 1)
+    assert counts == {rank: {"c10d.broadcast_": 1, "c10d.recv_": expected, "c10d.send": expected} for rank in (0, 1)}
 
 
 @pytest.mark.parametrize("overrides,message", [
