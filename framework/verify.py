@@ -6,7 +6,8 @@ twice from the same seeded weights and global batches: on the configured mesh, a
 process without DP or TP roles (the plan is not applied). It compares, per step, the
 global loss, every parameter's full gradient (DTensors gathered; before clipping, which would
 spread one wrong gradient over all) and every parameter after the optimizer step; for step 1 also every module's input and output (DP replica 0's share of the
-global batch; TP shards reassembled). The culprit is the first module, in the order modules
+global batch; TP shards reassembled; under pipeline parallelism the last micro-batch's, on the
+ranks of the module's stage). The culprit is the first module, in the order modules
 finish, whose input matches one process and whose output does not, named with the plan entry
 that covers it; for gradients, the first parameter whose gradient differs although its module's
 forward matched. Exit 0: everything within verify.rtol / verify.atol; 1: not; 2: a config error.
@@ -30,8 +31,6 @@ from framework.config.errors import ConfigError
 from framework.config.validate import check_model_and_plan, validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
-from framework.parallel.roles import MeshRoles
-from framework.parallel.pipeline import refuse_pipeline
 from framework.parallel.plan import matching_modules
 from framework.training.builder import build_and_run
 from framework.training.run import Run
@@ -51,13 +50,13 @@ def _piece(value: Any) -> Optional[Piece]:
 
 
 def _keep_input(record: Dict[str, Piece], name: str, module, args) -> None:
-    if name not in record:  # the first call: step 1
-        record[name] = _piece(args)
+    """The last call in step 1 (the hooks go after it): a pipeline stage's first calls infer
+    shapes on buffers not yet received, its last is the last micro-batch."""
+    record[name] = _piece(args)
 
 
 def _keep_output(record: Dict[str, Piece], name: str, module, args, output) -> None:
-    if name not in record:
-        record[name] = _piece(output)
+    record[name] = _piece(output)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -69,7 +68,7 @@ def build_one_process(cfg: DictConfig, out_dir: str) -> Run:
     """The reference run in this process, with no process group: no DP or TP roles, so the DP
     wrapper syncs nothing, the plan is not applied and nothing is sharded; the same seeded model,
     data and optimizer."""
-    cfg.parallel.dp_dim = cfg.parallel.tp_dim = None
+    cfg.parallel.dp_dim = cfg.parallel.tp_dim = cfg.parallel.pp_dim = None
     cfg.parallel.dp_strategy = "replicate"
     run = Run(cfg=cfg, out_dir=out_dir, dp={"size": 1, "rank": 0}, tp={"size": 1, "rank": 0})
     return build_and_run(cfg, out_dir, start="model", through="optimizer", run=run)
@@ -78,8 +77,9 @@ def build_one_process(cfg: DictConfig, out_dir: str) -> Run:
 def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -> dict:
     """Runs in every rank (or, for the reference, in this process): build up to the optimizer,
     train verify.steps steps, and return the module inputs and outputs of step 1 (ranks of DP
-    replica 0) and, on rank 0, each step's global loss, full gradients and full parameters
-    after the optimizer step."""
+    replica 0; under PP, of its last micro-batch) and, on the first rank of each pipeline stage
+    (rank 0 without PP), each step's global loss, full gradients and full parameters after the
+    optimizer step (of the modules it holds)."""
     cfg = OmegaConf.create(cfg_container)
     cfg.data.micro_batch_size = None  # one forward per step for the hooks; accumulation sums the same gradients
     run = build_one_process(cfg, out_dir) if one_process else build_and_run(cfg, out_dir, through="optimizer")
@@ -107,12 +107,13 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
                 hook.remove()
         params = {name: _full(p) for name, p in model.named_parameters()}
         global_loss = mean_over_dp(run, [local_value(loss)])[0]
-        if run.rank == 0:
+        if run.dp.get("rank", 0) == 0 and run.tp.get("rank", 0) == 0:
             steps.append({"loss": global_loss, "grads": grads, "params": params})
     if dist.is_initialized():
         dist.destroy_process_group()
     first_replica = run.dp["rank"] == 0
     return {"tp_rank": run.tp["rank"], "dp_size": run.dp["size"], "order": order, "steps": steps,
+            "pipelined": trainer.pipeline is not None, "microbatches": trainer.microbatches if trainer.pipeline else 1,
             "inputs": inputs_seen if first_replica else {}, "outputs": outputs_seen if first_replica else {}}
 
 
@@ -160,22 +161,38 @@ def plan_entry_for(module_name: str, plan: dict, model: nn.Module) -> str:
 
 def verify_rows(mesh_records: Dict[int, dict], reference: dict, rtol: float, atol: float) -> List[dict]:
     first_replica = sorted((r for r in mesh_records.values() if r["inputs"]), key=lambda r: r["tp_rank"])
-    dp = first_replica[0]["dp_size"]
+    dp, micro = first_replica[0]["dp_size"], first_replica[0]["microbatches"]
     rows = []
     for name in reference["order"]:
+        if name == "" and first_replica[0]["pipelined"]:
+            continue  # the stages run in place of the model's own forward; each module is compared
         for what, key in (("input", "inputs"), ("output", "outputs")):
             ref_piece = reference[key].get(name)
             if ref_piece is None:
                 continue
-            like = ref_piece[0][0::dp]  # DP replica 0 holds rows 0, dp, 2dp... of the global batch
-            rows.append(compare(name, what, assemble([r[key].get(name) for r in first_replica], like), like, rtol, atol))
-    ours = mesh_records[0]["steps"]
+            # DP replica 0 holds rows 0, dp, 2dp... of the global batch; a pipeline's hooks saw its last micro-batch
+            like = ref_piece[0][0::dp]
+            like = like[len(like) - len(like) // micro:]
+            holders = [r for r in first_replica if name in r[key]]  # under PP, the ranks of the module's stage
+            rows.append(compare(name, what, assemble([r[key][name] for r in holders], like) if holders else None,
+                                like, rtol, atol))
+    ours = _merged_steps(mesh_records)
     for step, (mine, theirs) in enumerate(zip(ours, reference["steps"]), start=1):
         rows.append(compare(f"step {step}", "loss", torch.tensor(mine["loss"]), torch.tensor(theirs["loss"]), rtol, atol))
         for what in ("grads", "params"):
             for name, ref in theirs[what].items():
                 rows.append(compare(name, f"{what[:-1]} step {step}", mine[what].get(name), ref, rtol, atol))
     return rows
+
+
+def _merged_steps(mesh_records: Dict[int, dict]) -> List[dict]:
+    """Each step's loss and every parameter's gradient and value, from the ranks that returned
+    them (one per pipeline stage; rank 0 alone without PP)."""
+    holders = [r["steps"] for _, r in sorted(mesh_records.items()) if r["steps"]]
+    return [{"loss": steps[0]["loss"],
+             "grads": {k: v for stage in steps for k, v in stage["grads"].items()},
+             "params": {k: v for stage in steps for k, v in stage["params"].items()}}
+            for steps in zip(*holders)]
 
 
 def culprits(rows: List[dict], cfg: DictConfig, model: nn.Module) -> List[str]:
@@ -212,7 +229,6 @@ def table(rows: List[dict]) -> str:
 def verify(cfg: DictConfig) -> Tuple[bool, str, List[dict]]:
     """Both runs, the comparison table's rows and the verdict line; writes verify.report."""
     validate(cfg)
-    refuse_pipeline(MeshRoles.from_config(cfg).pp_size, "framework.verify")
     if cfg.verify.steps < 1:
         raise ConfigError("verify.steps", cfg.verify.steps, "must be >= 1")
     if cfg.trainer.mixed_precision is not None and cfg.parallel.dp_strategy != "replicate":

@@ -10,7 +10,7 @@ from framework.config.validate import validate
 from framework.inspect import count_collectives
 from framework.launch.local import launch_local
 from framework.verify import verify
-from tests.conftest import compose_config
+from tests.conftest import TEST_MODELS, compose_config
 from tests.reference import max_relative_error, reference_training
 from tests.test_lm import TINY
 
@@ -106,6 +106,15 @@ def test_a_schedule_that_does_not_exist_lists_the_schedules():
                                                  "interleaved_zero_bubble, zbv_zero_bubble]")
 
 
-def test_verify_says_it_does_not_run_pipelines_yet():
-    with pytest.raises(ConfigError, match="framework.verify does not run pipeline parallelism yet"):
-        verify(compose_config([*PP, "mesh=pp2x1x1"]))
+@pytest.mark.timeout(240)
+def test_verify_passes_under_pp_x_tp_and_names_the_attention_that_reshapes_with_the_global_head_count():
+    """Under PP verify compares each module's input and output on its stage's ranks (the last
+    micro-batch of step 1), and every parameter's gradient and value from every stage."""
+    base = [*PP, "mesh=pp2x1x2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"]
+    ok, verdict, _ = verify(compose_config([*base, "plan=lm_tp_sp"]))
+    assert ok, verdict
+    ok, verdict, _ = verify(compose_config([*base, "plan=lm_tp", TEST_MODELS,
+                                            "model._target_=tests.workers.GlobalHeadsTransformer"]))
+    assert not ok
+    assert verdict.endswith("first module whose output differs from one process with a matching input: "
+                            "layers.0.attention (not in the plan)"), verdict
