@@ -165,7 +165,7 @@ def dry_run(cfg: DictConfig) -> List[RankReport]:
     """Validate as the launcher does, then simulate each rank asked. The simulated mesh is on
     cpu whatever mesh.device_type says: shapes and collectives do not depend on the device."""
     validate(cfg, world_size=math.prod(cfg.mesh.shape))
-    refuse_pipeline(MeshRoles.from_config(cfg).pp_size, "framework.dryrun")
+    refuse_pipeline(cfg, "framework.dryrun")
     check_dryrun(cfg)
     simulated = OmegaConf.merge(cfg, {"mesh": {"device_type": "cpu"}})
     return [simulate_rank(simulated, rank) for rank in cfg.dryrun.ranks]

@@ -27,6 +27,7 @@ from framework.config.errors import ConfigError
 from framework.config.schema import Config
 from framework.config.trust import check_targets
 from framework.config.validate import instantiate_checked
+from framework.models.hf import materialize
 from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, check_hf_out, save_hf
 
 def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
@@ -41,8 +42,7 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
     with torch.device("cpu"):
         model = instantiate_checked(cfg.model)
     if any(p.is_meta for p in model.parameters()):  # a Hugging Face model comes on meta
-        model.to_empty(device="cpu")
-        model.tie_weights()
+        materialize(model, "cpu")
     check_model_keys(path, model)
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

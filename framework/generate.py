@@ -68,13 +68,12 @@ def _stop_ids(model_dir: Optional[str], tokenizer) -> Set[int]:
 def load_source(source: str) -> Tuple[nn.Module, object, Set[int]]:
     """(model with its weights, tokenizer, stop ids) of a Hugging Face directory or a checkpoint."""
     from framework.export import load_model
-    from framework.models.hf import HFTransformer, load_hf_weights
+    from framework.models.hf import HFTransformer, load_hf_weights, materialize
 
     if os.path.isfile(os.path.join(source, "config.json")):
         model = HFTransformer(source)
         model_dir = tokenizer_path = model.hf_path
-        model.to_empty(device="cpu")
-        model.tie_weights()
+        materialize(model, "cpu")
         with warnings.catch_warnings():  # DCP's note that it reads in one process
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             load_hf_weights(model, model.hf_path)
@@ -109,7 +108,8 @@ def main(argv: List[str]) -> int:
     except (CheckpointError, ConfigError) as error:
         print(f"generate failed: {error}", file=sys.stderr)
         return 2
-    prompt = tokenizer.encode_batch([args.prompt])[0]
+    # a model trained with a BOS token (Llama) expects one first, as transformers' tokenizer adds it
+    prompt = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode_batch([args.prompt])[0]
     if not prompt:
         print("generate: the prompt encodes to no tokens", file=sys.stderr)
         return 2

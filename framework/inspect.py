@@ -30,7 +30,6 @@ from torch.distributed._tools.mod_tracker import ModTracker
 
 from framework.parallel.collectives import CollectiveRecorder, counted
 from framework.parallel.pipeline import refuse_pipeline
-from framework.parallel.roles import MeshRoles
 from framework.training.builder import build_and_run
 from framework.cli import command_status, compose_config
 from framework.launch.handoff import rank_config
@@ -100,7 +99,7 @@ def on_ranks(function, overrides: List[str], *args) -> Dict[int, object]:
     cfg = compose_config(overrides)
     validate(cfg)
     if function is trace_of_one_step:  # its module hooks break the pipeline schedule's backward
-        refuse_pipeline(MeshRoles.from_config(cfg).pp_size, "framework.inspect trace")
+        refuse_pipeline(cfg, "framework.inspect trace")
     with tempfile.TemporaryDirectory(prefix="framework-inspect-") as out_dir:
         return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir, *args)
 

@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "llama": dict(num_key_value_heads=2, rope_theta=50000.0,
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama_bias": dict(num_key_value_heads=2, attention_bias=True),  # q/k/v and o_proj bias
     "mistral": dict(num_key_value_heads=2, sliding_window=None),
     "qwen2": dict(num_key_value_heads=2),  # q/k/v bias
     "qwen3": dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),  # q/k norm, tied output
@@ -25,6 +26,7 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
 
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "llama_bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),

@@ -347,3 +347,29 @@ def test_a_checkpoint_at_or_past_max_steps_leaves_nothing_to_train(tmp_path):
     resumed = json.loads((tmp_path / "summary.json").read_text(), parse_constant=pytest.fail)
     assert resumed["resumed_from"]["step"] == 4 and len(resumed["losses"]) == 5
     assert resumed["samples_per_s"] is None
+
+
+def test_the_optimizer_saved_before_it_was_flattened_still_loads(tmp_path):
+    """Checkpoints of earlier versions hold one param_groups list; they are told apart and load
+    into a fresh optimizer with the same state (exact: the same tensors read back)."""
+    import torch.distributed.checkpoint as dcp
+
+    from framework.checkpoint.manager import OptimizerState, optimizer_saved_flat
+
+    def trained():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = trained()
+    for flat in (False, True):
+        dcp.save({"optim": OptimizerState(model, optimizer, flat=flat)}, checkpoint_id=str(tmp_path / str(flat)))
+        assert optimizer_saved_flat(str(tmp_path / str(flat))) is flat
+    fresh_model, fresh = trained()
+    fresh.state.clear()
+    dcp.load({"optim": OptimizerState(fresh_model, fresh, flat=False)}, checkpoint_id=str(tmp_path / "False"))
+    for mine, theirs in zip(fresh.state.values(), optimizer.state.values()):
+        assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq"))

@@ -138,9 +138,10 @@ def _copy(hf_dirs, kind, tmp_path) -> str:
     ("missing_shard", r"model.safetensors.index.json names model-00002-of-00002.safetensors, which is missing"),
     ("renamed", r"the safetensors lack model.layers.1.mlp.up_proj.weight \(shape \[96, 64\]\), which config.json implies"),
     ("kv_heads", r"model.n_kv_heads=2: the TP plan splits it across 4 ranks"),
+    ("tied_layout", r"plan.output='rowwise': the model ties its output to tok_embeddings \(rowwise here\)"),
 ])
 def test_bad_model_directory_is_refused_before_launch_naming_what(case, match, hf_dirs, tmp_path):
-    kind = {"window": "mistral", "sliding_qwen": "qwen2"}.get(case, "llama")
+    kind = {"window": "mistral", "sliding_qwen": "qwen2", "tied_layout": "qwen3"}.get(case, "llama")
     path = str(_copy(hf_dirs, kind, tmp_path))
     overrides = []
     if case == "no_config":
@@ -169,6 +170,8 @@ def test_bad_model_directory_is_refused_before_launch_naming_what(case, match, h
         save_file(tensors, os.path.join(path, "model.safetensors"))
     elif case == "kv_heads":
         overrides = ["mesh=1x4", "plan=lm_tp_sp"]
+    elif case == "tied_layout":
+        overrides = ["mesh=1x2", "plan=qk_norm_tp_sp", "plan.output.style=rowwise"]
     with pytest.raises(ConfigError, match=match):
         validate(hf_config(path, *overrides))
 

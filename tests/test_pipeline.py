@@ -87,6 +87,9 @@ def test_inspect_comm_counts_the_pipelines_sends_and_receives(schedule, per_rank
     (["parallel.pp_schedule=gpipe", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank=2: "
                                                                       "parallel.pp_schedule=gpipe runs one stage"),
     (["mesh.dim_names=[dp,pp,tp]", "mesh.shape=[1,2,1]"], r"the PP dim 'pp' must be outermost"),
+    (["checkpoint.final_hf=true"], "checkpoint.final_hf=True: is not written under pipeline parallelism yet"),
+    (["parallel.pp_schedule=zbv_zero_bubble", "parallel.pp_stages_per_rank=2", "trainer.compile=blocks"],
+     "trainer.compile='blocks': parallel.pp_schedule=zbv_zero_bubble splits each backward into input and weight"),
 ])
 def test_bad_pipeline_config_is_refused_before_launch(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -96,6 +96,12 @@ class OptimizerState(Stateful):
         set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
 
 
+def optimizer_saved_flat(path: str) -> bool:
+    """Whether the checkpoint holds the optimizer flattened (this version) or, as before, one
+    param_groups list (whose first group's `params` is then a key of its own)."""
+    return "optim.param_groups.0.params" not in SafeReader(path).read_metadata().state_dict_metadata
+
+
 class Checkpointer:
     """Saves and loads the parts given: `model` (the module inside any DP wrapper), `optimizer`,
     `scheduler` and `state`; the only writer of checkpoints and of their records."""
@@ -208,7 +214,7 @@ class Checkpointer:
         state = self._dcp_state()
         if not same_world:
             del state[f"rng.rank{self.rank}"]
-        if "optim.param_groups" in SafeReader(path).read_metadata().state_dict_metadata:  # saved unflattened
+        if not optimizer_saved_flat(path):
             state["optim"] = OptimizerState(self.optimizer.model, self.optimizer.optimizer, flat=False)
         load_checkpoint(state, path)
         if same_world:

@@ -136,6 +136,7 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     check_output_layout(plan, model, tp)
     if not plan or tp == 1:
         return model
+    check_tied_layouts(plan, model)
     must_cover = model.tp_plan_must_cover() if hasattr(model, "tp_plan_must_cover") else {}
     for name, why in must_cover.items():
         if not any(name in matching_modules(model, pattern) for pattern in plan):
@@ -150,6 +151,20 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     return model
 
 
+def check_tied_layouts(plan: dict, model: torch.nn.Module) -> None:
+    """A tied output projection is the embedding matrix: TP must give both the same rows of it
+    (rowwise embedding and colwise output both shard the vocabulary), or leave both whole."""
+    if not getattr(model, "tie_word_embeddings", False):
+        return
+    styles = {name: next((entry.get("style") for pattern, entry in plan.items()
+                          if name in matching_modules(model, pattern)), None) for name in ("tok_embeddings", "output")}
+    if styles not in ({"tok_embeddings": "rowwise", "output": "colwise"}, {"tok_embeddings": None, "output": None}):
+        raise ConfigError("plan.output", styles["output"], f"the model ties its output to tok_embeddings "
+                                                           f"({styles['tok_embeddings']} here), so both must hold the same "
+                                                           f"rows of the matrix: tok_embeddings rowwise and output colwise "
+                                                           f"(as plan=lm_tp_sp), or neither in the plan")
+
+
 def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
     """A Hugging Face model's safetensors match its config.json, and the sequence fits the
     attention it implements (full attention equals a sliding window only up to the window)."""
@@ -161,7 +176,11 @@ def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
                                                            f"implement; use at most {window} tokens")
 
 
-def check_final_hf(model: torch.nn.Module, out_dir: Optional[str]) -> None:
+def check_final_hf(model: torch.nn.Module, out_dir: Optional[str], pp_size: int) -> None:
+    if pp_size > 1:
+        raise ConfigError("checkpoint.final_hf", True, "is not written under pipeline parallelism yet; save "
+                                                       "checkpoints and export one: python -m framework.export "
+                                                       "CHECKPOINT OUT_DIR --format hf")
     if not hasattr(model, "hf_path"):
         raise ConfigError("checkpoint.final_hf", True, f"writes a Hugging Face directory, which needs a model loaded "
                                                        f"from one (model=hf); this one is a {type(model).__name__}")
@@ -280,4 +299,4 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         if out_dir is not None:
             check_checkpoint_sources(cfg, checkpoint_dir(cfg, out_dir), model)
         if cfg.checkpoint.final_hf:
-            check_final_hf(model, out_dir)
+            check_final_hf(model, out_dir, roles.pp_size)

@@ -88,8 +88,7 @@ def _refuse_unimplemented(config: Dict[str, Any], path: str) -> None:
     checks = [
         (config.get("hidden_act", "silu") == "silu", f"hidden_act {config.get('hidden_act')!r} (only silu)"),
         (not config.get("mlp_bias"), "mlp_bias: true"),
-        (kind != "qwen2" or not config.get("use_sliding_window"), "use_sliding_window: true"),
-        (kind != "qwen3" or not config.get("use_sliding_window"), "use_sliding_window: true"),
+        (not config.get("use_sliding_window"), "use_sliding_window: true"),
         (all(t == "full_attention" for t in config.get("layer_types") or []), "layer_types other than full_attention"),
     ]
     for ok, what in checks:
@@ -107,7 +106,9 @@ def transformer_args(config: Dict[str, Any], path: str) -> Dict[str, Any]:
         n_heads=config["num_attention_heads"], n_kv_heads=config.get("num_key_value_heads"),
         head_dim=config.get("head_dim"), hidden_dim=config["intermediate_size"], norm_eps=config["rms_norm_eps"],
         rope_theta=theta, rope_scaling=scaling, rope_halves=True,
-        qkv_bias=kind == "qwen2" or bool(config.get("attention_bias")), qk_norm=kind == "qwen3",
+        # Qwen2: q/k/v bias always, o_proj none; Llama / Qwen3's attention_bias: all four
+        qkv_bias=kind == "qwen2" or bool(config.get("attention_bias")),
+        o_bias=kind != "qwen2" and bool(config.get("attention_bias")), qk_norm=kind == "qwen3",
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
@@ -180,6 +181,12 @@ def check_weights(model: Transformer) -> None:
     if unexpected:
         raise ConfigError("model.path", path, f"the safetensors hold {unexpected[0]}, which config.json's "
                                               f"architecture has no place for")
+
+
+def materialize(model: nn.Module, device) -> None:
+    """Storage for a model built on meta (garbage until its weights are loaded)."""
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own new tensor
 
 
 def load_hf_weights(module: nn.Module, path: str) -> None:

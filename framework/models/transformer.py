@@ -20,11 +20,12 @@ from torch.utils.checkpoint import checkpoint
 from framework.config.errors import ConfigError
 
 
-def rotary_frequencies(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None) -> torch.Tensor:
+def rotary_frequencies(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None,
+                       device: Any = "cpu") -> torch.Tensor:
     """The angle per position of each channel pair (head_dim / 2 of them), in fp32; `scaling`
     as Llama 3's rope_scaling (rope_type llama3): long wavelengths slowed by `factor`, short ones
     kept, the band between blended (as transformers computes it)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     if not scaling:
         return freqs
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -42,7 +43,7 @@ def rotary(x: torch.Tensor, freqs: torch.Tensor, start: int = 0, halves: bool = 
     positions counted from `start` (a KV cache's length). Pairs are (2i, 2i+1), or with `halves`
     (i, i + head_dim/2), Hugging Face's layout, whose checkpoints' q/k weights are ordered for it."""
     positions = torch.arange(start, start + x.shape[1], device=x.device, dtype=torch.float32)
-    angles = torch.outer(positions, freqs.to(x.device))  # (seq, head_dim/2)
+    angles = torch.outer(positions, freqs)  # (seq, head_dim/2)
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     if halves:
         first, second = x.float().chunk(2, dim=-1)
@@ -53,9 +54,14 @@ def rotary(x: torch.Tensor, freqs: torch.Tensor, start: int = 0, halves: bool = 
 
 @dataclass
 class Rope:
-    """How queries and keys are rotated: the per-pair frequencies, and the pair layout."""
-    freqs: torch.Tensor
+    """How queries and keys are rotated: the frequencies' definition (computed where the
+    activations are: a handful of tiny ops, no host-to-device copy) and the pair layout."""
+    theta: float = 10000.0
+    scaling: Optional[Dict[str, Any]] = None
     halves: bool = False
+
+    def freqs(self, head_dim: int, device: Any) -> torch.Tensor:
+        return rotary_frequencies(head_dim, self.theta, self.scaling, device)
 
 
 class LayerCache:
@@ -83,13 +89,13 @@ class Attention(nn.Module):
     of queries and keys before the rotation (Qwen3)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rope: "Rope",
-                 qkv_bias: bool = False, qk_norm: bool = False, norm_eps: Optional[float] = None):
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False, norm_eps: Optional[float] = None):
         super().__init__()
         self.head_dim, self.rope = head_dim, rope
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=o_bias)
         if qk_norm:
             self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps)
@@ -100,7 +106,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         start = cache.length if cache is not None else 0
-        q, k = (rotary(t, self.rope.freqs, start, self.rope.halves) for t in (q, k))
+        freqs = self.rope.freqs(self.head_dim, x.device)
+        q, k = (rotary(t, freqs, start, self.rope.halves) for t in (q, k))
         mask = None
         if cache is not None:
             k, v = cache.extend(k, v)
@@ -145,7 +152,7 @@ class Transformer(nn.Module):
                  hidden_dim: int = 128, activation_checkpointing: str = "none", n_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, norm_eps: Optional[float] = None, rope_theta: float = 10000.0,
                  rope_scaling: Optional[Dict[str, Any]] = None, rope_halves: bool = False, qkv_bias: bool = False,
-                 qk_norm: bool = False, tie_word_embeddings: bool = False):
+                 o_bias: bool = False, qk_norm: bool = False, tie_word_embeddings: bool = False):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if head_dim is None and dim % n_heads:
@@ -159,11 +166,11 @@ class Transformer(nn.Module):
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.recompute_blocks = activation_checkpointing == "full"
         head_dim = head_dim or dim // n_heads
-        rope = Rope(rotary_frequencies(head_dim, rope_theta, rope_scaling), rope_halves)
+        rope = Rope(rope_theta, rope_scaling, rope_halves)
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleList(
             TransformerBlock(dim, hidden_dim, norm_eps, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                             rope=rope, qkv_bias=qkv_bias, qk_norm=qk_norm)
+                             rope=rope, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
             for _ in range(n_layers))
         self.norm = nn.RMSNorm(dim, eps=norm_eps)
         self.output = nn.Linear(dim, vocab_size, bias=False)
@@ -172,6 +179,8 @@ class Transformer(nn.Module):
         self.dim, self.n_layers = dim, n_layers
         self.matmul_params = sum(p.numel() for name, p in self.named_parameters()
                                  if p.dim() == 2 and not name.startswith("tok_embeddings"))
+        if tie_word_embeddings:  # the shared output projection is a matmul too (named once, as the embedding)
+            self.matmul_params += self.output.weight.numel()
 
     def tie_weights(self) -> None:
         """With tie_word_embeddings the output projection is the embedding matrix itself (again

@@ -52,14 +52,19 @@ def layers_per_stage(n_layers: int, n_stages: int, given: Optional[List[int]]) -
     return [n_layers // n_stages] * n_stages
 
 
-def check_splittable(model: nn.Module) -> None:
+def microbatches(parallel, n_stages: int) -> int:
+    """parallel.pp_microbatches, null meaning the number of stages."""
+    return n_stages if parallel.pp_microbatches is None else parallel.pp_microbatches
+
+
+def check_splittable(model: nn.Module, pp_dim: str) -> None:
     needed = ("tok_embeddings", "layers", "norm", "output")
-    if not all(hasattr(model, name) for name in needed) or not isinstance(model.layers, (nn.ModuleList, nn.ModuleDict)):
-        raise ConfigError("parallel.pp_dim", "pp", f"pipeline parallelism splits a model with {', '.join(needed)} "
-                                                   f"(framework.models.Transformer); {type(model).__name__} has not")
+    if not all(hasattr(model, name) for name in needed) or not isinstance(model.layers, nn.ModuleList):
+        raise ConfigError("parallel.pp_dim", pp_dim, f"pipeline parallelism splits a model with {', '.join(needed)} "
+                                                     f"(framework.models.Transformer); {type(model).__name__} has not")
     if getattr(model, "tie_word_embeddings", False):
-        raise ConfigError("parallel.pp_dim", "pp", "the model ties its output to its embedding, which sit on the first "
-                                                   "and the last stage; pipeline parallelism needs them apart")
+        raise ConfigError("parallel.pp_dim", pp_dim, "the model ties its output to its embedding, which sit on the "
+                                                     "first and the last stage; pipeline parallelism needs them apart")
 
 
 def check_pipeline_parallel(cfg, model: nn.Module, pp_size: int, dp_size: int) -> None:
@@ -69,7 +74,7 @@ def check_pipeline_parallel(cfg, model: nn.Module, pp_size: int, dp_size: int) -
     schedule, per_rank = getattr(p.pp_schedule, "value", p.pp_schedule), p.pp_stages_per_rank
     if pp_size == 1:
         return
-    check_splittable(model)
+    check_splittable(model, p.pp_dim)
     takes = SCHEDULES[schedule][1]
     wrong = {"1": (per_rank != 1, "runs one stage per rank; use 1, or interleaved_1f1b / interleaved_zero_bubble for "
                                   "more"),
@@ -77,9 +82,14 @@ def check_pipeline_parallel(cfg, model: nn.Module, pp_size: int, dp_size: int) -
              "V": (per_rank != 2, "runs exactly 2 stages per rank, in a V")}[takes]
     if wrong[0]:
         raise ConfigError("parallel.pp_stages_per_rank", per_rank, f"parallel.pp_schedule={schedule} {wrong[1]}")
+    if "zero_bubble" in schedule and cfg.trainer.compile != "none":
+        raise ConfigError("trainer.compile", cfg.trainer.compile, f"parallel.pp_schedule={schedule} splits each backward "
+                                                                  f"into input and weight gradients, which compiled "
+                                                                  f"blocks fail in (torch 2.13); use trainer.compile=none "
+                                                                  f"or another schedule")
     n_stages = pp_size * per_rank
     layers_per_stage(len(model.layers), n_stages, p.pp_layers_per_stage)
-    micro = p.pp_microbatches or n_stages
+    micro = microbatches(p, n_stages)
     if micro < 1:
         raise ConfigError("parallel.pp_microbatches", micro, "must be >= 1 (null: the number of stages)")
     if schedule == "1f1b" and micro < n_stages:
@@ -99,10 +109,12 @@ def check_pipeline_parallel(cfg, model: nn.Module, pp_size: int, dp_size: int) -
                           "set parallel.pp_microbatches instead and data.micro_batch_size=null")
 
 
-def refuse_pipeline(pp_size: int, command: str) -> None:
-    if pp_size > 1:
-        raise ConfigError("mesh.dim_names", "pp", f"{command} does not run pipeline parallelism yet; check the mesh "
-                                                  f"without its pp dim, or train it (framework.train)")
+def refuse_pipeline(cfg, command: str) -> None:
+    from framework.parallel.roles import MeshRoles
+
+    if MeshRoles.from_config(cfg).pp_size > 1:
+        raise ConfigError("parallel.pp_dim", cfg.parallel.pp_dim, f"{command} does not run pipeline parallelism yet; "
+                                                                  f"check the mesh without its pp dim, or train it")
 
 
 class StageModule(nn.Module):
@@ -149,7 +161,7 @@ class Pipeline:
                  loss_fn, scale_grads: bool, device: torch.device):
         from torch.distributed import pipelining
 
-        self.group, self.n_stages = pp_group, n_stages
+        self.group, self.n_stages, self.device = pp_group, n_stages, device
         self.stages = [pipelining.PipelineStage(module, index, n_stages, device, group=pp_group)
                        for index, module in stages]
         self.first = any(s.is_first for s in self.stages)
@@ -165,7 +177,8 @@ class Pipeline:
         losses: List[torch.Tensor] = []
         args = (inputs,) if self.first else ()
         method(*args, target=targets if self.last else None, losses=losses if self.last else None)
-        loss = torch.stack([loss.detach().float() for loss in losses]).sum() if self.last else torch.zeros(())
+        loss = (torch.stack([loss.detach().float() for loss in losses]).sum() if self.last
+                else torch.zeros((), device=self.device))
         dist.broadcast(loss, src=self.last_rank, group=self.group)  # every stage logs the same loss
         return loss
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.checkpoint.manager import Checkpointer, restart_count
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
-from framework.models.hf import load_hf_weights
+from framework.models.hf import load_hf_weights, materialize
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import split_model
 from framework.parallel.data_parallel import apply_dp
@@ -79,7 +79,8 @@ def stage_mesh(run: Run) -> None:
 def stage_model(run: Run) -> None:
     """Seeded, so every rank builds the same weights (DataParallel also broadcasts them). A
     model that comes on the meta device (a Hugging Face model) is allocated only once the
-    parallel stages have sharded it, and its weights are loaded by the checkpoint stage."""
+    parallel stages have sharded it; its weights come from the checkpoint stage (or, for the
+    commands that stop before it, at the end of build_and_run)."""
     torch.manual_seed(run.cfg.trainer.seed)
     with torch.device(run.cfg.mesh.device_type):
         run.model = instantiate(run.cfg.model)
@@ -116,9 +117,7 @@ def stage_tensor_parallel(run: Run) -> None:
 def stage_fully_shard(run: Run) -> None:
     """trainer.compile's blocks first (torchtitan's order: TP, compile, FSDP2); then fsdp / hsdp:
     FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh). A deferred
-    model gets its (sharded) memory last, and each rank reads its slices of the weights (the
-    checkpoint stage replaces them when the run resumes or starts from init_from; verify and
-    inspect, which stop before it, see the real weights)."""
+    model gets its (sharded) memory last."""
     apply_compile(run.module, run.cfg.trainer.compile, run.deferred_init)
     strategy = run.cfg.parallel.dp_strategy
     if strategy != "replicate":
@@ -128,9 +127,7 @@ def stage_fully_shard(run: Run) -> None:
         else:
             run.model = apply_fsdp(run.model, mesh, precision)
     if run.deferred_init:
-        run.module.to_empty(device=run.cfg.mesh.device_type)
-        run.module.tie_weights()  # to_empty gives each module its own new tensor
-        load_hf_weights(run.module, run.module.hf_path)
+        materialize(run.module, run.cfg.mesh.device_type)
 
 
 def stage_sampler(run: Run) -> None:
@@ -172,7 +169,8 @@ def stage_checkpoint(run: Run) -> None:
     elif kind == "init":
         run.checkpointer.load_model_only(path)
         message = f"model weights from {path}; optimizer, schedule and data start fresh"
-    elif getattr(run.module, "hf_path", None):
+    elif run.deferred_init:
+        load_pretrained(run)
         message = f"model weights from the Hugging Face model in {run.module.hf_path}"
     else:
         message = f"fresh start (no checkpoint to resume in {run.checkpointer.dir})" if run.cfg.checkpoint.resume \
@@ -181,6 +179,13 @@ def stage_checkpoint(run: Run) -> None:
         restarts = restart_count()
         log.info("%s%s", f"restart {restarts} of {os.environ['TORCHELASTIC_MAX_RESTARTS']}: " if restarts else "",
                  message)
+
+
+def load_pretrained(run: Run) -> None:
+    """Each rank reads its own slices of the Hugging Face weights (only when no checkpoint
+    replaces them: a resume does not read the model twice)."""
+    load_hf_weights(run.module, run.module.hf_path)
+    run.deferred_init = False
 
 
 def stage_trainer(run: Run) -> None:
@@ -216,4 +221,6 @@ def build_and_run(cfg: DictConfig, out_dir: str, through: Optional[str] = None, 
     names = list(cfg.pipeline) if through is None else STAGES[: STAGES.index(through) + 1]
     for name in names[names.index(start) if start else 0:]:
         stages[name](run)
+    if run.deferred_init and "fully_shard" in names and "checkpoint" not in names:
+        load_pretrained(run)  # verify, inspect: the run they build has the real weights
     return run

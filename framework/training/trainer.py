@@ -26,7 +26,7 @@ from framework.models.hf_export import save_hf_sharded
 from framework.parallel.data_parallel import DataParallel
 from framework.parallel.fully_shard import no_gradient_sync
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
-from framework.parallel.pipeline import Pipeline
+from framework.parallel.pipeline import Pipeline, microbatches
 from framework.parallel.plan import final_output_layout
 from framework.parallel.replica_check import check_replicas
 from framework.training.metrics import Metrics
@@ -73,11 +73,13 @@ class Trainer:
         if isinstance(run.model, DataParallel):
             run.model.sync_after_pipeline()
         n_stages = run.pp["size"] * p.pp_stages_per_rank
-        self.microbatches = p.pp_microbatches or n_stages
+        self.microbatches = microbatches(p, n_stages)
         self.per_token: Optional[float] = None
         plan = OmegaConf.to_container(self.cfg.plan, resolve=True) if self.cfg.plan else {}
         layout, local = final_output_layout(plan["output"]) if "output" in plan else (None, True)
-        self.sharded_logits = run.tp.get("size", 1) > 1 and not local and str(layout).startswith("shard")
+        # the DTensor compute_loss would see sharded on its last (vocabulary) dim
+        self.sharded_logits = run.tp.get("size", 1) > 1 and not local and str(layout).replace(" ", "") in (
+            "shard(-1)", "shard(2)")
         return Pipeline(run.stages, n_stages, run.pp_group, p.pp_schedule, self.microbatches, self._pipeline_loss,
                         scale_grads=not self.masked, device=self.device)
 
@@ -99,10 +101,8 @@ class Trainer:
     def _pipeline_context(self):
         """What compute_loss enters around forward and loss, around the whole schedule (which
         also runs backward): bf16 autocast (replicate), loss_parallel (vocabulary-sharded logits)."""
-        cfg = self.cfg
         contexts = ExitStack()
-        if cfg.trainer.mixed_precision == "bf16" and cfg.parallel.dp_strategy == "replicate":
-            contexts.enter_context(torch.autocast(cfg.mesh.device_type, dtype=torch.bfloat16))
+        contexts.enter_context(self._autocast())
         if self.sharded_logits:
             contexts.enter_context(loss_parallel())
         return contexts
@@ -126,14 +126,19 @@ class Trainer:
         weights: autocast casts per op, and its fp32 ops, the loss among them, stay fp32); logits
         the plan leaves sharded on the vocabulary (output_layouts shard(-1), use_local_output
         false) get torch's loss_parallel instead of a gather."""
-        run, cfg = self.run, self.cfg
-        # fsdp / hsdp: FSDP2's MixedPrecisionPolicy casts instead (framework.parallel.fully_shard)
-        bf16 = cfg.trainer.mixed_precision == "bf16" and cfg.parallel.dp_strategy == "replicate"
-        with torch.autocast(cfg.mesh.device_type, dtype=torch.bfloat16) if bf16 else nullcontext():
+        run = self.run
+        with self._autocast():
             logits = run.model(inputs)
             sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
             with loss_parallel() if sharded else nullcontext():
                 return run.loss_fn(logits, targets, **loss_kwargs)
+
+    def _autocast(self):
+        """bf16 autocast with trainer.mixed_precision=bf16 under replicate; fsdp / hsdp: FSDP2's
+        MixedPrecisionPolicy casts instead (framework.parallel.fully_shard)."""
+        cfg = self.cfg
+        bf16 = cfg.trainer.mixed_precision == "bf16" and cfg.parallel.dp_strategy == "replicate"
+        return torch.autocast(cfg.mesh.device_type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Zero the gradients, then forward, loss and backward (gradients come out final).
