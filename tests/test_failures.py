@@ -100,18 +100,24 @@ def test_a_stalled_rank_failing_as_its_watchdog_exits_leaves_a_whole_error_file(
     assert (tmp_path / "job" / "logs" / "stall.rank0.json").exists()
 
 
+def stalled_lm(overrides: list, stall_timeout_s: int, tmp_path) -> str:
+    """The tiny LM with rank 1 blocking in its step 3 (tests.workers.BlockingTransformer): the
+    watchdog's one line, after checking the run failed with it."""
+    result = run_cli([*TINY_LM, *overrides, TEST_MODELS, "model._target_=tests.workers.BlockingTransformer",
+                      "+model.rank=1", "+model.at=3", f"trainer.stall_timeout_s={stall_timeout_s}",
+                      "trainer.eval_every=null", f"hydra.run.dir={tmp_path / 'job'}"], timeout=140)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("training failed: stalled: nothing finished for "), last
+    return last
+
+
 @pytest.mark.timeout(150)
 def test_a_stall_under_compiled_blocks_is_reported_like_an_eager_one(tmp_path):
     """trainer.compile=blocks on 1x2 TP+SP: rank 1 blocks before its blocks in step 3; rank 0
     waits inside a compiled block's collective, and the watchdog names both (its timeout above
     the first step's compile time, which counts as progress only once the step ends)."""
-    out = tmp_path / "job"
-    result = run_cli([*TINY_LM, "mesh=1x2", "plan=lm_tp_sp", "trainer.compile=blocks", TEST_MODELS,
-                      "model._target_=tests.workers.BlockingTransformer", "+model.rank=1", "+model.at=3",
-                      "trainer.stall_timeout_s=30", "trainer.eval_every=null", f"hydra.run.dir={out}"], timeout=140)
-    assert result.returncode == 1, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("training failed: stalled: nothing finished for "), last
+    last = stalled_lm(["mesh=1x2", "plan=lm_tp_sp", "trainer.compile=blocks"], 30, tmp_path)
     rank0, rank1 = last.split("; rank 0: ")[1].split("; rank 1: ")
     assert rank0.startswith("step 3: data, forward and backward, collective "), rank0
     assert rank1.startswith("step 3: data, forward and backward, not in a collective: at block_at "
@@ -120,11 +126,6 @@ def test_a_stall_under_compiled_blocks_is_reported_like_an_eager_one(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_stall_in_a_pipeline_names_the_stage_and_its_send_recv(tmp_path):
-    out = tmp_path / "job"
-    result = run_cli([*TINY_LM, "mesh=pp2x1x1", "plan=none", "model.n_layers=4", TEST_MODELS,
-                      "model._target_=tests.workers.BlockingTransformer", "+model.rank=1", "+model.at=3",
-                      "trainer.stall_timeout_s=4", "trainer.eval_every=null", f"hydra.run.dir={out}"], timeout=100)
-    assert result.returncode == 1, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
+    last = stalled_lm(["mesh=pp2x1x1", "plan=none", "model.n_layers=4"], 4, tmp_path)
     assert "rank 0: step " in last and ("in pipeline stage 0 of 2 (a wait here is the schedule's send/recv of "
                                         "activations or gradients with the neighbouring stages)") in last, last
