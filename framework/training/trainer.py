@@ -216,7 +216,7 @@ class Trainer:
             else:
                 sums.append(local_value(self.compute_loss(inputs, targets,
                                                           **({"reduction": "sum"} if self.masked else {}))))
-            counts.append((targets != IGNORE).sum().float() if self.masked else torch.ones(()))
+            counts.append((targets != IGNORE).sum().float() if self.masked else torch.ones((), device=self.device))
         run.model.train()
         # batches' losses and counts summed here, then averaged over DP: their ratio is the global one
         total, count = mean_over_dp(run, [torch.stack(sums).sum(), torch.stack(counts).sum()])
