@@ -35,6 +35,7 @@ def one_process_clipped():
     ["mesh=pp2x1x1", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"],
     ["mesh=pp2x1x1", "parallel.pp_schedule=interleaved_zero_bubble", "parallel.pp_stages_per_rank=2"],
     ["mesh=pp2x1x1", "parallel.pp_schedule=zbv_zero_bubble", "parallel.pp_stages_per_rank=2"],
+    ["mesh=pp2x1x1", "parallel.pp_schedule=dualpipev", "parallel.pp_stages_per_rank=2"],
     ["mesh=pp2x2x1"],                                     # + DP replicate (gradients synced once per step)
     ["mesh=pp2x2x1", "trainer.grad_clip=0.05"],           # clipped by the norm over every stage's gradients
     ["mesh=pp2x2x1", "parallel.dp_strategy=fsdp"],        # + FSDP2, each stage a root
@@ -87,6 +88,8 @@ def test_inspect_comm_counts_the_pipelines_sends_and_receives(schedule, per_rank
     (["parallel.pp_layers_per_stage=[1,2]"], r"parallel.pp_layers_per_stage=\[1, 2\]: give 2 counts .* summing to "
                                              r"the model's 4 layers"),
     (["parallel.pp_microbatches=1"], "parallel.pp_microbatches=1: 1f1b needs at least as many micro-batches as stages"),
+    (["parallel.pp_schedule=dualpipev", "parallel.pp_stages_per_rank=2", "parallel.pp_microbatches=2"],
+     r"parallel.pp_microbatches=2: dualpipev needs at least as many micro-batches as stages \(4\)"),
     (["parallel.pp_microbatches=3"], r"parallel.pp_microbatches=3: must divide each replica's batch of 8"),
     (["data.micro_batch_size=4"], "data.micro_batch_size=4: under pipeline parallelism the schedule's micro-batches "
                                   "are the gradient accumulation"),
@@ -114,7 +117,7 @@ def test_a_schedule_that_does_not_exist_lists_the_schedules():
     with pytest.raises(HydraException) as info:
         compose_config([*PP, "mesh=pp2x1x1", "parallel.pp_schedule=1f2b"])
     assert hydra_error_line(info.value).endswith("Invalid value '1f2b', expected one of [gpipe, 1f1b, interleaved_1f1b, "
-                                                 "interleaved_zero_bubble, zbv_zero_bubble]")
+                                                 "interleaved_zero_bubble, zbv_zero_bubble, dualpipev]")
 
 
 @pytest.mark.timeout(240)

@@ -60,7 +60,8 @@ class DPStrategy(str, Enum):
 # torch.distributed.pipelining's schedules (framework.parallel.pipeline); the functional form
 # because a member's name is what the config writes, and `1f1b` is not an identifier.
 PPSchedule = Enum("PPSchedule", {name: name for name in ("gpipe", "1f1b", "interleaved_1f1b",
-                                                          "interleaved_zero_bubble", "zbv_zero_bubble")}, type=str)
+                                                          "interleaved_zero_bubble", "zbv_zero_bubble",
+                                                          "dualpipev")}, type=str)
 
 
 class Backend(str, Enum):

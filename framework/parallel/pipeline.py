@@ -25,7 +25,10 @@ SCHEDULES: Dict[str, Tuple[str, str]] = {
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", ">1"),
     "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", ">1"),
     "zbv_zero_bubble": ("ScheduleZBVZeroBubble", "V"),
+    "dualpipev": ("ScheduleDualPipeV", "V"),
 }
+# Schedules that split each backward into input and weight gradients (to fill the bubble).
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 def stage_indices(pp_rank: int, pp_size: int, per_rank: int, schedule: str) -> List[int]:
@@ -82,7 +85,7 @@ def check_pipeline_parallel(cfg, model: nn.Module, pp_size: int, dp_size: int) -
              "V": (per_rank != 2, "runs exactly 2 stages per rank, in a V")}[takes]
     if wrong[0]:
         raise ConfigError("parallel.pp_stages_per_rank", per_rank, f"parallel.pp_schedule={schedule} {wrong[1]}")
-    if "zero_bubble" in schedule and cfg.trainer.compile != "none":
+    if schedule in SPLIT_BACKWARD and cfg.trainer.compile != "none":
         raise ConfigError("trainer.compile", cfg.trainer.compile, f"parallel.pp_schedule={schedule} splits each backward "
                                                                   f"into input and weight gradients, which compiled "
                                                                   f"blocks fail in (torch 2.13); use trainer.compile=none "
@@ -92,9 +95,9 @@ def check_pipeline_parallel(cfg, model: nn.Module, pp_size: int, dp_size: int) -
     micro = microbatches(p, n_stages)
     if micro < 1:
         raise ConfigError("parallel.pp_microbatches", micro, "must be >= 1 (null: the number of stages)")
-    if schedule == "1f1b" and micro < n_stages:
-        raise ConfigError("parallel.pp_microbatches", micro, f"1f1b needs at least as many micro-batches as stages "
-                                                             f"({n_stages}) to fill the pipeline")
+    if schedule in ("1f1b", "dualpipev") and micro < n_stages:
+        raise ConfigError("parallel.pp_microbatches", micro, f"{schedule} needs at least as many micro-batches as "
+                                                             f"stages ({n_stages}) to fill the pipeline")
     rounds = max(1, micro // pp_size)
     if takes == ">1" and micro % rounds:
         raise ConfigError("parallel.pp_microbatches", micro, f"{schedule} runs micro-batches in rounds of the pp size "
