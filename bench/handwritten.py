@@ -7,6 +7,8 @@ same thing. DP (--dp) is one of:
   replicate       torch's replicate_with_fsdp (torchtitan's DDP since 2026-03): per block and root
 
     torchrun --standalone --nproc-per-node 4 bench/handwritten.py --mesh 2 2 --steps 30 --out result.json
+
+--compile compiles each block's forward (fullgraph) after TP, as trainer.compile=blocks does.
 """
 import argparse
 import faulthandler
@@ -52,6 +54,14 @@ def tp_sp_plan(n_layers: int) -> dict:
     return plan
 
 
+def wait_for_inputs(module: torch.nn.Module, args: tuple) -> tuple:
+    """torch 2.13: a compiled block's backward mishandles an input whose TP collective is still
+    in flight (the embedding's async redistribute); a copy waits for it."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return tuple(a.clone() if isinstance(getattr(a, "_local_tensor", a), AsyncCollectiveTensor) else a for a in args)
+
+
 def average_gradients(model: torch.nn.Module, tp_group, dp_group, dp_size: int) -> None:
     """Sum the partial gradients of the sequence-parallel norm weights over TP, then average
     every gradient over DP: one flat all-reduce each."""
@@ -79,6 +89,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--out", required=True)
     parser.add_argument("--dp", choices=["after-backward", "ddp", "replicate"], default="after-backward")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block's forward")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # bench/stress_hangs.py asks hung ranks for stacks
 
@@ -89,6 +100,10 @@ def main() -> None:
     model = Transformer(vocab_size=256, dim=128, n_layers=4, n_heads=8, hidden_dim=352)  # conf/model/lm_small.yaml
     if tp_size > 1:
         model = parallelize_module(model, mesh["tp"], tp_sp_plan(4))
+    if args.compile:
+        for block in model.layers:
+            block.register_forward_pre_hook(wait_for_inputs)
+            block.forward = torch.compile(block.forward, fullgraph=True)
     if args.dp == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
     elif args.dp == "replicate":

@@ -107,11 +107,11 @@ def checkpoint_costs(mesh: str, steps: int, repeats: int, work: Path) -> None:
               f"{median['blocking_s']:.3f} | {median['total_s']:.3f} | {median['load_s']:.3f} |", flush=True)
 
 
-def run_handwritten(mesh: str, steps: int, work: Path, dp_mode: str = "after-backward") -> dict:
+def run_handwritten(mesh: str, steps: int, work: Path, dp_mode: str = "after-backward", compiled: bool = False) -> dict:
     dp, tp = mesh.split("x")
     out = work / f"hw-{mesh}-{time.time_ns()}.json"
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(int(dp) * int(tp)), "bench/handwritten.py",
-           "--mesh", dp, tp, "--steps", str(steps), "--out", str(out), "--dp", dp_mode]
+           "--mesh", dp, tp, "--steps", str(steps), "--out", str(out), "--dp", dp_mode] + (["--compile"] if compiled else [])
     return timed_launch(cmd, out)
 
 
@@ -146,6 +146,8 @@ def main() -> None:
     parser.add_argument("--only-checkpoints", action="store_true", help="just the checkpoint costs")
     parser.add_argument("--dp-sync-meshes", default="2x1,2x2", help="empty: skip the DP sync comparison")
     parser.add_argument("--only-dp-sync", action="store_true", help="just the DP sync comparison")
+    parser.add_argument("--compile", action="store_true",
+                        help="both sides compile each block (trainer.compile=blocks / handwritten.py --compile)")
     args = parser.parse_args()
     if args.only_checkpoints or args.only_dp_sync:
         with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
@@ -158,8 +160,9 @@ def main() -> None:
         work = Path(tmp)
         runs = {"framework": [], "hand-written": []}
         for i in range(args.repeats):
-            runs["framework"].append(run_framework(args.mesh, args.steps, work))
-            runs["hand-written"].append(run_handwritten(args.mesh, args.steps, work))
+            runs["framework"].append(run_framework(args.mesh, args.steps, work,
+                                                   *(["trainer.compile=blocks"] if args.compile else [])))
+            runs["hand-written"].append(run_handwritten(args.mesh, args.steps, work, compiled=args.compile))
             print(f"repeat {i + 1}/{args.repeats}: framework {runs['framework'][-1]}, "
                   f"hand-written {runs['hand-written'][-1]}", flush=True)
             a_loss, b_loss = runs["framework"][-1]["final_loss"], runs["hand-written"][-1]["final_loss"]
@@ -168,7 +171,8 @@ def main() -> None:
         medians = {side: {key: statistics.median(r[key] for r in results) for key in ("median_step_s", "first_step_s")}
                    for side, results in runs.items()}
         a, b = medians["framework"], medians["hand-written"]
-        print(f"\nlm_small, lm_tp_sp, mesh {args.mesh}, {args.steps} steps, {args.repeats} interleaved repeats (medians)")
+        print(f"\nlm_small, lm_tp_sp, mesh {args.mesh}, {args.steps} steps, {args.repeats} interleaved repeats (medians)"
+              + (", both sides compiled per block" if args.compile else ""))
         print("| | framework | hand-written | framework / hand-written |")
         print("|---|---|---|---|")
         print(f"| step time (s) | {a['median_step_s']:.4f} | {b['median_step_s']:.4f} | "
