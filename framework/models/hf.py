@@ -190,14 +190,12 @@ def materialize(model: nn.Module, device) -> None:
 
 
 def load_hf_weights(module: nn.Module, path: str) -> None:
-    """Each rank reads its own slices of the safetensors into its (DTensor) parameters."""
+    """Each rank reads its own slices of the safetensors into its (DTensor) parameters. The
+    state dict's tensors are the parameters' own storage (shards under TP / FSDP), so DCP's load
+    writes them in place: no second copy of the model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = get_model_state_dict(module)
-    tied = getattr(module, "tie_word_embeddings", False)
-    hf_state = hf_state_dict(state, tied)
+    hf_state = hf_state_dict(get_model_state_dict(module), getattr(module, "tie_word_embeddings", False))
     dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(path))
-    ours = {name: hf_state[hf_name(name)] for name in state if not (tied and name == "output.weight")}
-    set_model_state_dict(module, ours, options=StateDictOptions(strict=not tied))  # tied: output is the embedding
