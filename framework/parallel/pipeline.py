@@ -13,7 +13,6 @@ synced once after the schedule.
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from framework.config.errors import ConfigError
@@ -139,6 +138,12 @@ class StageModule(nn.Module):
         return self.output(self.norm(h)) if self.output is not None else h
 
 
+def last_stage_rank(pp_size: int, per_rank: int, schedule: str) -> int:
+    """The pp rank that runs the last stage (and so computes the loss)."""
+    last = pp_size * per_rank - 1
+    return next(r for r in range(pp_size) if last in stage_indices(r, pp_size, per_rank, schedule))
+
+
 def split_model(model: nn.Module, pp_rank: int, pp_size: int, per_rank: int, schedule: str,
                 given: Optional[List[int]]) -> List[Tuple[int, StageModule]]:
     """Delete from `model` what this rank's stages do not run; return (stage index, StageModule)
@@ -158,19 +163,18 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, per_rank: int, sch
 
 class Pipeline:
     """This rank's stages under the configured schedule. `step` is forward and backward of one
-    replica batch (returning its loss on every rank of the pipeline); `evaluate` forward only."""
+    replica batch (returning its loss on the last stage's ranks, zero elsewhere); `evaluate`
+    forward only."""
 
     def __init__(self, stages: List[Tuple[int, nn.Module]], n_stages: int, pp_group, schedule: str, microbatches: int,
                  loss_fn, scale_grads: bool, device: torch.device):
         from torch.distributed import pipelining
 
-        self.group, self.n_stages, self.device = pp_group, n_stages, device
+        self.n_stages, self.device = n_stages, device
         self.stages = [pipelining.PipelineStage(module, index, n_stages, device, group=pp_group)
                        for index, module in stages]
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
-        self.last_rank = dist.get_global_rank(pp_group, (n_stages - 1) % dist.get_world_size(pp_group)
-                                              if SCHEDULES[schedule][1] != "V" else 0)
         schedule_class = getattr(pipelining, SCHEDULES[schedule][0])
         one = SCHEDULES[schedule][1] == "1"
         self.schedule = schedule_class(self.stages[0] if one else self.stages, n_microbatches=microbatches,
@@ -180,10 +184,9 @@ class Pipeline:
         losses: List[torch.Tensor] = []
         args = (inputs,) if self.first else ()
         method(*args, target=targets if self.last else None, losses=losses if self.last else None)
-        loss = (torch.stack([loss.detach().float() for loss in losses]).sum() if self.last
+        # only the last stage has the losses (framework.training.trainer.mean_over_dp shares them)
+        return (torch.stack([loss.detach().float() for loss in losses]).sum() if self.last
                 else torch.zeros((), device=self.device))
-        dist.broadcast(loss, src=self.last_rank, group=self.group)  # every stage logs the same loss
-        return loss
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The sum of the micro-batches' losses as the loss function returned them."""

@@ -19,7 +19,7 @@ from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
 from framework.models.hf import load_hf_weights, materialize
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
-from framework.parallel.pipeline import split_model
+from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
 from framework.parallel.tensor_parallel import apply_tp
@@ -94,7 +94,7 @@ def stage_pipeline_parallel(run: Run) -> None:
     if pp_mesh is None:
         return
     p = run.cfg.parallel
-    run.pp = coordinates_on(pp_mesh)
+    run.pp = {**coordinates_on(pp_mesh), "last": last_stage_rank(pp_mesh.size(), p.pp_stages_per_rank, p.pp_schedule)}
     run.stages = split_model(run.model, run.pp["rank"], run.pp["size"], p.pp_stages_per_rank, p.pp_schedule,
                              p.pp_layers_per_stage)
 

@@ -47,8 +47,12 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
 
 
 def mean_over_dp(run: Run, values: List[torch.Tensor]) -> List[float]:
-    """Mean over DP replicas of each per-replica value: the global-batch value."""
+    """Mean over DP replicas of each per-replica value: the global-batch value. Under pipeline
+    parallelism only the last stage computed the losses: its values go to the pipeline first
+    (when they are read, not every step)."""
     stacked = torch.stack(values)
+    if run.stages:
+        dist.broadcast(stacked, src=dist.get_global_rank(run.pp_group, run.pp["last"]), group=run.pp_group)
     if run.dp["size"] > 1:
         dist.all_reduce(stacked, group=run.dp_group)
         stacked /= run.dp["size"]
