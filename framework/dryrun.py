@@ -13,20 +13,29 @@ Printed per rank:
 - memory: parameters and gradients (the trainable parameters' local sizes); optimizer state
   (the tensors the configured optimizer holds after its first step: AdamW/Adam 2 per parameter
   element, SGD with momentum 1, plain SGD 0; step counters torch keeps on the CPU are left out);
-  activations (the tensors autograd saves for backward in the step, counted once per storage,
-  parameters excluded: what stays allocated when backward starts); and their sum as the
-  estimated peak. Temporaries inside an op, DataParallel's flat buckets, the allocator's caching
+  activations (the most bytes the tensors autograd saves for backward take at any one time in
+  the step, counted once per storage, parameters excluded: one micro-batch's under gradient
+  accumulation; under pipeline parallelism as many micro-batches' as the schedule keeps alive on
+  this rank's stages, all of them under GPipe); and their sum as the estimated peak. Temporaries inside an op, DataParallel's flat buckets, the allocator's caching
   and the CUDA/NCCL context are not counted. On meta, scaled_dot_product_attention takes its math
   path, which saves the attention weights (batch x heads x seq x seq) that fused kernels
   recompute, so for attention the estimate errs high. With `dryrun.device_memory_gb` a rank
   whose peak exceeds the device's memory is refused (exit 1);
 - the step's collectives per type and mesh dim: count and bytes, the bytes being those of the
-  tensors the collective takes in on this rank (every tensor argument but its output buffers).
+  tensors the collective takes in on this rank (every tensor argument but its output buffers; a
+  pipeline's send or recv: the activation or gradient sent or received).
+
+Under pipeline parallelism the rank runs its stages under the configured schedule. Torch infers
+the tensors crossing stage boundaries by sending them between stages in the first step, which
+the fake process group cannot answer, so the dry run gives each stage its tensors instead
+(torch's static mode), computed from a second meta copy of the model, TP-sharded like the run's,
+run block by block. The first step (which also runs the stages' warm-up exchange) is not
+counted: the second is, as `framework.inspect comm` does.
 """
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,17 +48,30 @@ from framework.config.validate import validate
 from framework.parallel.roles import MeshRoles
 from framework.parallel.collectives import CollectiveRecorder, counted
 from framework.parallel.mesh import coordinates
-from framework.parallel.pipeline import refuse_pipeline
+from framework.parallel.pipeline import layers_per_stage
+from framework.parallel.tensor_parallel import apply_tp
 from framework.cli import command_status, compose_config
 from framework.training.builder import build_and_run
 from framework.training.trainer import Trainer
-from framework.training.memory import state_bytes
+from framework.training.memory import SavedActivations, local_tensor, state_bytes
 from framework.training.run import Run
 
 # torch internals, all here (DESIGN.md: fail clearly if a future torch moves them).
 try:
+    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    class _RehearsedStage(PipelineStage):
+        """A stage given its tensors (torch's static mode). Its warm-up vote, an exchange of
+        whether every stage was given its tensors, has a known answer here (all were), which
+        the fake process group's receives (zeros) would turn into 'infer by sending'."""
+
+        def _warmup_forward_vote(self, has_backward, received_acc=None):
+            return torch.ones(1, dtype=torch.int32)
+
+        def _warmup_backward_result(self, received_result=None):
+            return torch.ones(1, dtype=torch.int32)
 except ImportError as error:
     FakeStore = None
     MISSING_INTERNALS = str(error)
@@ -67,6 +89,7 @@ class RankReport:
     optimizer_bytes: int
     activation_bytes: int
     collectives: Dict[Tuple[str, str], List[int]] = field(default_factory=dict)  # (op, mesh dim) -> [count, bytes]
+    stages: List[int] = field(default_factory=list)  # pipeline stages the rank runs
 
     @property
     def peak_bytes(self) -> int:
@@ -103,55 +126,86 @@ def stage_model_on_meta(run: Run) -> None:
         run.model = instantiate(run.cfg.model)
 
 
-class _SavedActivations:
-    """Bytes of the tensors autograd saves for backward, once per storage, parameters excluded."""
-
-    def __init__(self, parameters: List[torch.Tensor]):
-        self.seen = {_local(p).untyped_storage()._cdata for p in parameters}
-        self.bytes = 0
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = _local(tensor).untyped_storage()
-        if storage._cdata not in self.seen:
-            self.seen.add(storage._cdata)
-            self.bytes += storage.nbytes()
-        return tensor
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
 def _placement(param: torch.Tensor) -> str:
     if not isinstance(param, DTensor):
         return "replicated plain tensor"
     return ", ".join(f"{dim}: {p!r}" for dim, p in zip(param.device_mesh.mesh_dim_names, param.placements))
 
 
+def stage_tensors(run: Run, trainer: Trainer, inputs: torch.Tensor) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+    """Stage index -> (its input, its output) for one micro-batch, on meta: what torch's stage
+    shape inference would have sent between stages. From a second meta copy of the model,
+    TP-sharded like the run's, run block by block under the trainer's autocast."""
+    cfg = run.cfg
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    tp_mesh = run.roles.tp_mesh(run.mesh)
+    if tp_mesh is not None:
+        model = apply_tp(model, tp_mesh, OmegaConf.to_container(cfg.plan, resolve=True))
+    counts = layers_per_stage(len(model.layers), trainer.pipeline.n_stages, cfg.parallel.pp_layers_per_stage)
+    mine = {index for index, _ in run.stages}
+    tensors, first = {}, 0
+    micro_batch = inputs[: len(inputs) // trainer.microbatches]
+    with trainer._pipeline_context():
+        h = model.tok_embeddings(micro_batch)
+        for index, count in enumerate(counts):
+            stage_input = h
+            h = model.run_blocks(model.layers[first: first + count], h)
+            first += count
+            stage_output = model.output(model.norm(h)) if index == len(counts) - 1 else h
+            if index in mine:
+                tensors[index] = (micro_batch if index == 0 else stage_input, stage_output)
+    return tensors
+
+
+def rehearsed_stage(tensors: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> Callable:
+    """Pipeline's make_stage for the dry run: stages on meta, given their tensors."""
+    def make(module, index, n_stages, _device, group):
+        stage_input, stage_output = tensors[index]
+        return _RehearsedStage(module, index, n_stages, torch.device("meta"), input_args=stage_input,
+                               output_args=stage_output, group=group)
+    return make
+
+
+def rehearsal_trainer(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> Trainer:
+    """The trainer of the step to count. Under pipeline parallelism its stages are given their
+    tensors, and a first step (the stages' warm-up exchange) is run and not counted."""
+    trainer = Trainer(run)
+    if trainer.pipeline is None:
+        return trainer
+    trainer = Trainer(run, make_stage=rehearsed_stage(stage_tensors(run, trainer, inputs)))
+    trainer.forward_backward(inputs, targets)
+    run.optimizer.step()
+    return trainer
+
+
 def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
     """Rank `rank` of the mesh, built by the builder's stages and stepped once, on meta tensors."""
     world = math.prod(cfg.mesh.shape)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # meta: a pipeline sends and receives meta tensors
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         # no stage up to the optimizer writes anything
         run = build_and_run(cfg, "", through="optimizer", replace={"model": stage_model_on_meta})
         inputs, targets = (t.to("meta") for t in next(iter(run.dataloader)))
         params = list(run.module.named_parameters())
-        activations = _SavedActivations([p for _, p in params])
+        trainer = rehearsal_trainer(run, inputs, targets)
+        activations = SavedActivations([p for _, p in params])
         totals: Dict[Tuple[str, str], List[int]] = {}
         collectives = CollectiveRecorder(counted(totals, lambda op, dim: (op, dim)), run.group_labels(), "other")
-        with collectives, torch.autograd.graph.saved_tensors_hooks(activations.pack, lambda tensor: tensor):
-            Trainer(run).forward_backward(inputs, targets)
+        with collectives, activations.hooks():
+            trainer.forward_backward(inputs, targets)
             run.optimizer.step()
         sizes = state_bytes(run.module, run.optimizer)
         return RankReport(
             rank=rank,
             coordinates=dict(zip(cfg.mesh.dim_names, coordinates(cfg.mesh.shape, rank))),
-            parameters=[(name, list(_local(p).shape), list(p.shape), _placement(p)) for name, p in params],
+            parameters=[(name, list(local_tensor(p).shape), list(p.shape), _placement(p)) for name, p in params],
             parameter_bytes=sizes["parameters"],
             gradient_bytes=sizes["gradients"],
             optimizer_bytes=sizes["optimizer_state"],
-            activation_bytes=activations.bytes,
+            activation_bytes=activations.peak,
+            stages=[index for index, _ in run.stages],
             collectives=dict(sorted(totals.items())),
         )
     finally:
@@ -165,7 +219,6 @@ def dry_run(cfg: DictConfig) -> List[RankReport]:
     """Validate as the launcher does, then simulate each rank asked. The simulated mesh is on
     cpu whatever mesh.device_type says: shapes and collectives do not depend on the device."""
     validate(cfg, world_size=math.prod(cfg.mesh.shape))
-    refuse_pipeline(cfg, "framework.dryrun")
     check_dryrun(cfg)
     simulated = OmegaConf.merge(cfg, {"mesh": {"device_type": "cpu"}})
     return [simulate_rank(simulated, rank) for rank in cfg.dryrun.ranks]
@@ -181,7 +234,8 @@ def human(n: float) -> str:
 
 def print_report(report: RankReport, cfg: DictConfig) -> None:
     where = ", ".join(f"{dim} {c}" for dim, c in report.coordinates.items())
-    print(f"\nrank {report.rank} ({where})")
+    stages = f", pipeline stage {', '.join(map(str, report.stages))}" if report.stages else ""
+    print(f"\nrank {report.rank} ({where}{stages})")
     rows = [("parameter", "local shape", "global shape", "placement")] + \
         [(name, str(local), str(full), placement) for name, local, full, placement in report.parameters]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
@@ -194,7 +248,8 @@ def print_report(report: RankReport, cfg: DictConfig) -> None:
             ("parameters", report.parameter_bytes, "local shards"),
             ("gradients", report.gradient_bytes, "trainable parameters, placed like them"),
             ("optimizer state", report.optimizer_bytes, f"{optimizer}'s state after its first step"),
-            ("activations", report.activation_bytes, f"saved for backward, {per_replica} samples per replica"),
+            ("activations", report.activation_bytes, f"saved for backward, most alive at once; {per_replica} samples "
+                                                     f"per replica{_micro(cfg)}"),
             ("estimated peak", report.peak_bytes, _fit(report, cfg))):
         print(f"    {label:<16} {human(n):>10}   {note}")
     print(f"  collectives of one step{'':<22}  dim    count  bytes in")
@@ -203,6 +258,14 @@ def print_report(report: RankReport, cfg: DictConfig) -> None:
     total_count = sum(count for count, _ in report.collectives.values())
     total_bytes = sum(nbytes for _, nbytes in report.collectives.values())
     print(f"    {'total':<42}  {'':<5}  {total_count:>5}  {human(total_bytes)}")
+
+
+def _micro(cfg: DictConfig) -> str:
+    p = cfg.parallel
+    if MeshRoles.from_config(cfg).pp_size > 1:
+        schedule = getattr(p.pp_schedule, "value", p.pp_schedule)
+        return f" in {p.pp_microbatches or 'a micro-batch per stage'} micro-batches under {schedule}"
+    return f" in micro-batches of {cfg.data.micro_batch_size}" if cfg.data.micro_batch_size else ""
 
 
 def _fit(report: RankReport, cfg: DictConfig) -> str:

@@ -29,7 +29,6 @@ from omegaconf import OmegaConf
 from torch.distributed._tools.mod_tracker import ModTracker
 
 from framework.parallel.collectives import CollectiveRecorder, counted
-from framework.parallel.pipeline import refuse_pipeline
 from framework.training.builder import build_and_run
 from framework.cli import command_status, compose_config
 from framework.launch.handoff import rank_config
@@ -50,14 +49,21 @@ def build_for_one_step(cfg_container: dict, out_dir: str):
     return run, next(iter(run.dataloader))
 
 
-def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]:
-    """Runs in every rank: one counted step. Under pipeline parallelism the second: the first
-    also exchanges the stages' tensor shapes (3 sends and 3 receives per stage boundary)."""
-    run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
+def pipeline_warmed(run, inputs, targets) -> Trainer:
+    """The run's trainer; under pipeline parallelism after a first step, which also exchanges
+    the stages' tensor shapes (3 sends and 3 receives per stage boundary) and infers the
+    gradients' with autograd.grad (which ModTracker's hooks on leaves refuse)."""
     trainer = Trainer(run)
     if run.stages:
         trainer.forward_backward(inputs, targets)
         run.optimizer.step()
+    return trainer
+
+
+def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]:
+    """Runs in every rank: one counted step (under pipeline parallelism the second)."""
+    run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
+    trainer = pipeline_warmed(run, inputs, targets)
     totals: Dict[str, List[int]] = {}
     with CollectiveRecorder(counted(totals, lambda op, dim: op)):
         trainer.forward_backward(inputs, targets)
@@ -70,6 +76,7 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
     """Runs in every rank: the order of module forward/backward passes in one step, and the
     collectives issued inside each (those outside any module under `step`)."""
     run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
+    trainer = pipeline_warmed(run, inputs, targets)
     dim_of_group = run.group_labels()
     names = {module: name or "(model)" for name, module in run.module.named_modules()}
     events = [{"pass": "step", "module": "start", "collectives": []}]
@@ -87,7 +94,7 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
         events[-1]["collectives"].append(f"{op.split('.')[1]}[{dim}]")
 
     with tracker, CollectiveRecorder(record, dim_of_group):
-        Trainer(run).forward_backward(inputs, targets)
+        trainer.forward_backward(inputs, targets)
         events.append({"pass": "step", "module": "optimizer", "collectives": []})
         run.optimizer.step()
     dist.destroy_process_group()
@@ -98,8 +105,6 @@ def on_ranks(function, overrides: List[str], *args) -> Dict[int, object]:
     """Compose and validate like framework.train, then run `function` on every rank of the mesh."""
     cfg = compose_config(overrides)
     validate(cfg)
-    if function is trace_of_one_step:  # its module hooks break the pipeline schedule's backward
-        refuse_pipeline(cfg, "framework.inspect trace")
     with tempfile.TemporaryDirectory(prefix="framework-inspect-") as out_dir:
         return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir, *args)
 
@@ -133,10 +138,15 @@ def count_collectives(overrides: List[str]) -> Dict[int, Dict[str, int]]:
                                                                                     overrides).items())}
 
 
+POINT_TO_POINT = ("send", "recv_")  # a pipeline's: one rank's send is its neighbour's recv
+
+
 def first_difference(traces: Dict[int, List[dict]]) -> Optional[str]:
     """Where two ranks first issue different collectives on a group they share (mesh dim), or
-    None when every group's ranks agree."""
-    sequences = {rank: [(c, i, e["pass"], e["module"]) for i, e in enumerate(events) for c in e["collectives"]]
+    None when every group's ranks agree. Sends and receives are left out: their ranks differ
+    by design."""
+    sequences = {rank: [(c, i, e["pass"], e["module"]) for i, e in enumerate(events) for c in e["collectives"]
+                        if c.split("[")[0] not in POINT_TO_POINT]
                  for rank, events in traces.items()}
     dims = {c.rsplit("[", 1)[1].rstrip("]") for seq in sequences.values() for c, *_ in seq}
     for dim in sorted(dims):

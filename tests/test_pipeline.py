@@ -1,13 +1,14 @@
 """Pipeline parallelism (framework/parallel/pipeline.py) trains the one-process model: every
 schedule, composed with DP (replicate, fsdp) and TP+SP; checkpoints move between PP and no PP;
-`inspect comm` counts the sends and receives; bad PP configs are refused before launch."""
+`inspect comm` counts the sends and receives and `inspect trace` orders them; bad PP configs are
+refused before launch."""
 import pytest
 from hydra.errors import HydraException
 
 from framework.cli import hydra_error_line
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
-from framework.inspect import count_collectives
+from framework.inspect import count_collectives, first_difference, on_ranks, trace_of_one_step
 from framework.launch.local import launch_local
 from framework.verify import verify
 from tests.conftest import TEST_MODELS, compose_config
@@ -80,6 +81,21 @@ def test_inspect_comm_counts_the_pipelines_sends_and_receives(schedule, per_rank
                                 f"parallel.pp_stages_per_rank={per_rank}", f"parallel.pp_microbatches={micro}"])
     expected = micro * (2 * per_rank - 1)
     assert counts == {rank: {"c10d.recv_": expected, "c10d.send": expected} for rank in (0, 1)}
+
+
+@pytest.mark.timeout(240)
+def test_inspect_trace_orders_each_stages_sends_and_receives_before_the_one_dp_sync():
+    traces = on_ranks(trace_of_one_step, [*PP, "mesh=pp2x2x1"])  # 1F1B, 2 micro-batches per replica
+    flat = {rank: [c for event in events for c in event["collectives"]] for rank, events in traces.items()}
+    # stage 0 sends both micro-batches' activations, then receives both gradients; stage 1 receives
+    # an activation and sends its gradient per micro-batch; DataParallel syncs once, after the schedule
+    assert flat[0] == flat[1] == ["send[pp]", "send[pp]", "recv_[pp]", "recv_[pp]", "allreduce_[dp]"]
+    assert flat[2] == flat[3] == ["recv_[pp]", "send[pp]", "recv_[pp]", "send[pp]", "allreduce_[dp]"]
+    forward = {rank: {".".join(e["module"].split(".")[:2]) for e in events if e["pass"] == "forward"}
+               for rank, events in traces.items()}
+    assert forward[0] == {"tok_embeddings", "layers.0", "layers.1"}
+    assert forward[2] == {"layers.2", "layers.3", "norm", "output"}
+    assert first_difference(traces) is None  # sends and receives pair across ranks: not compared
 
 
 @pytest.mark.parametrize("overrides,message", [

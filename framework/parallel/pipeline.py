@@ -10,7 +10,7 @@ parallel.pp_microbatches micro-batches of each replica's batch: the loss is comp
 stage, gradients are scaled to the batch mean by the schedule, and DataParallel's gradients are
 synced once after the schedule.
 """
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -167,12 +167,14 @@ class Pipeline:
     forward only."""
 
     def __init__(self, stages: List[Tuple[int, nn.Module]], n_stages: int, pp_group, schedule: str, microbatches: int,
-                 loss_fn, scale_grads: bool, device: torch.device):
+                 loss_fn, scale_grads: bool, device: torch.device, make_stage: Optional[Callable] = None):
+        """make_stage(module, index, n_stages, device, group): torch's PipelineStage unless given
+        (the dry run's give their tensor shapes, which the fake process group cannot exchange)."""
         from torch.distributed import pipelining
 
         self.n_stages, self.device = n_stages, device
-        self.stages = [pipelining.PipelineStage(module, index, n_stages, device, group=pp_group)
-                       for index, module in stages]
+        make_stage = make_stage or pipelining.PipelineStage
+        self.stages = [make_stage(module, index, n_stages, device, group=pp_group) for index, module in stages]
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
         schedule_class = getattr(pipelining, SCHEDULES[schedule][0])

@@ -63,13 +63,14 @@ class Trainer:
     """Trains a run the builder built (framework.training.builder): train_step is one optimizer
     step; train() is the loop from the run's TrainState to trainer.max_steps."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, make_stage: Optional[Callable] = None):
+        """make_stage: how a pipeline stage is made (framework.parallel.pipeline.Pipeline)."""
         self.run, self.cfg = run, run.cfg
         self.device = torch.device(run.cfg.mesh.device_type)
         self.masked = getattr(run.dataset, "masked_targets", False)  # instruction data: targets -100 don't count
-        self.pipeline = self._build_pipeline() if run.stages else None
+        self.pipeline = self._build_pipeline(make_stage) if run.stages else None
 
-    def _build_pipeline(self) -> Pipeline:
+    def _build_pipeline(self, make_stage: Optional[Callable]) -> Pipeline:
         """This rank's stages under parallel.pp_schedule. The schedule averages the gradients
         over its micro-batches (scale_grads), except for masked data, whose loss_fn already
         weighs each counted token of the global batch alike."""
@@ -85,7 +86,7 @@ class Trainer:
         self.sharded_logits = run.tp.get("size", 1) > 1 and not local and str(layout).replace(" ", "") in (
             "shard(-1)", "shard(2)")
         return Pipeline(run.stages, n_stages, run.pp_group, p.pp_schedule, self.microbatches, self._pipeline_loss,
-                        scale_grads=not self.masked, device=self.device)
+                        scale_grads=not self.masked, device=self.device, make_stage=make_stage)
 
     def _pipeline_where(self) -> str:
         """For the stall watchdog's report: which stages this rank runs, and what it waits for."""
