@@ -230,6 +230,17 @@ def test_a_sharded_run_writes_its_final_model_as_a_hugging_face_directory(traine
     assert transformers_logits_error(out, trained_qwen3) <= 1e-5
 
 
+@pytest.mark.timeout(240)
+def test_a_pipeline_run_writes_its_final_model_from_every_stage(hf_dirs, tmp_path):
+    """Llama's 2 layers on 2 pipeline stages: each rank writes its stage's tensors, and rank 0
+    joins them into one model.safetensors that transformers loads whole."""
+    cfg = hf_config(hf_dirs["llama"], "mesh=pp2x1x1", "plan=none", "trainer.max_steps=2", "checkpoint.every=2",
+                    "logger.tensorboard=false", "checkpoint.final_hf=true")
+    launch_local(cfg, str(tmp_path))
+    assert "model.safetensors" in os.listdir(tmp_path / "hf")
+    assert transformers_logits_error(tmp_path / "hf", str(tmp_path / "checkpoints")) <= 1e-5
+
+
 def test_generate_cli_prints_the_prompt_and_its_greedy_continuation(trained_qwen3, hf_dirs):
     ours, _, _ = load_model(trained_qwen3)
     prompt = "def main():"

@@ -114,7 +114,6 @@ def test_inspect_trace_orders_each_stages_sends_and_receives_before_the_one_dp_s
     (["parallel.pp_schedule=gpipe", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank=2: "
                                                                       "parallel.pp_schedule=gpipe runs one stage"),
     (["mesh.dim_names=[dp,pp,tp]", "mesh.shape=[1,2,1]"], r"the PP dim 'pp' must be outermost"),
-    (["checkpoint.final_hf=true"], "checkpoint.final_hf=True: is not written under pipeline parallelism yet"),
     (["parallel.pp_schedule=zbv_zero_bubble", "parallel.pp_stages_per_rank=2", "trainer.compile=blocks"],
      "trainer.compile='blocks': parallel.pp_schedule=zbv_zero_bubble splits each backward into input and weight"),
 ])

@@ -176,11 +176,7 @@ def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
                                                            f"implement; use at most {window} tokens")
 
 
-def check_final_hf(model: torch.nn.Module, out_dir: Optional[str], pp_size: int) -> None:
-    if pp_size > 1:
-        raise ConfigError("checkpoint.final_hf", True, "is not written under pipeline parallelism yet; save "
-                                                       "checkpoints and export one: python -m framework.export "
-                                                       "CHECKPOINT OUT_DIR --format hf")
+def check_final_hf(model: torch.nn.Module, out_dir: Optional[str]) -> None:
     if not hasattr(model, "hf_path"):
         raise ConfigError("checkpoint.final_hf", True, f"writes a Hugging Face directory, which needs a model loaded "
                                                        f"from one (model=hf); this one is a {type(model).__name__}")
@@ -299,4 +295,4 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         if out_dir is not None:
             check_checkpoint_sources(cfg, checkpoint_dir(cfg, out_dir), model)
         if cfg.checkpoint.final_hf:
-            check_final_hf(model, out_dir, roles.pp_size)
+            check_final_hf(model, out_dir)

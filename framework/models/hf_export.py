@@ -16,11 +16,34 @@ from framework.models.hf import SIDE_FILES, hf_state_dict
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
-def _file_numbers(state: Dict[str, torch.Tensor], max_bytes: int) -> Dict[str, int]:
+def _sizes(state: Dict[str, torch.Tensor]) -> Dict[str, int]:
+    """Each tensor's bytes (a DTensor's whole tensor's)."""
+    return {name: tensor.numel() * tensor.element_size() for name, tensor in state.items()}
+
+
+def _model_order(name: str) -> tuple:
+    """Hugging Face's order of a decoder's tensors: the embedding, the layers by index, the rest."""
+    parts = name.split(".")
+    if "layers" in parts:
+        return 1, int(parts[parts.index("layers") + 1])
+    return (0, 0) if "embed" in name else (2, 0)
+
+
+def _whole_model_sizes(state: Dict[str, torch.Tensor]) -> Dict[str, int]:
+    """Every tensor's bytes, whichever rank holds it (each pipeline stage holds its own), in the
+    model's order: the same on every rank."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, _sizes(state))
+    merged = {name: size for sizes in gathered for name, size in sizes.items()}
+    return {name: merged[name] for name in sorted(merged, key=_model_order)}
+
+
+def _file_numbers(sizes: Dict[str, int], max_bytes: int) -> Dict[str, int]:
     """Each tensor's file (1, 2, ...), in order, a new file when the next tensor would pass max_bytes."""
     numbers, number, size = {}, 1, 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
+    for name, nbytes in sizes.items():
         if size and size + nbytes > max_bytes:
             number, size = number + 1, 0
         numbers[name] = number
@@ -41,16 +64,17 @@ def _carry_side_files(source: str, out: str, dtype: torch.dtype) -> None:
 
 
 def save_hf_sharded(module: nn.Module, out: str, rank: int, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """`module` (sharded by TP / FSDP) to `out`, with no rank gathering the model: each rank
-    writes its own slices (DCP's HuggingFaceStorageWriter), then rank 0 joins them tensor by
-    tensor into Hugging Face's files (DCP's consolidation) and publishes the directory."""
+    """`module` (sharded by TP / FSDP, split into pipeline stages) to `out`, with no rank
+    gathering the model: each rank writes its own slices (DCP's HuggingFaceStorageWriter), then
+    rank 0 joins them tensor by tensor into Hugging Face's files (DCP's consolidation) and
+    publishes the directory."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = hf_state_dict(get_model_state_dict(module), module.tie_word_embeddings)
-    file_of = _file_numbers(state, max_shard_bytes)  # from global sizes: the same on every rank
+    file_of = _file_numbers(_whole_model_sizes(state), max_shard_bytes)  # the same on every rank
     partial = f"{out.rstrip(os.sep)}.partial"
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(partial, fqn_to_index_mapping=file_of,
                                                             save_distributed=True, enable_consolidation=True))
@@ -78,7 +102,7 @@ def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD
                                             f"one is a {type(model).__name__}: export it with --format pt")
     check_hf_out(out)
     state = hf_state_dict(model.state_dict(), model.tie_word_embeddings)
-    numbers = _file_numbers(state, max_shard_bytes)
+    numbers = _file_numbers(_sizes(state), max_shard_bytes)
     shards = [{k: t.contiguous() for k, t in state.items() if numbers[k] == n} for n in range(1, max(numbers.values()) + 1)]
     partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
     os.makedirs(partial)
