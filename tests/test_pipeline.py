@@ -2,6 +2,8 @@
 schedule, composed with DP (replicate, fsdp) and TP+SP; checkpoints move between PP and no PP;
 `inspect comm` counts the sends and receives and `inspect trace` orders them; bad PP configs are
 refused before launch."""
+import json
+
 import pytest
 from hydra.errors import HydraException
 
@@ -11,7 +13,7 @@ from framework.config.validate import validate
 from framework.inspect import count_collectives, first_difference, on_ranks, trace_of_one_step
 from framework.launch.local import launch_local
 from framework.verify import verify
-from tests.conftest import TEST_MODELS, compose_config
+from tests.conftest import TEST_MODELS, compose_config, run_cli
 from tests.reference import max_relative_error, reference_training
 from tests.test_lm import TINY
 
@@ -67,6 +69,17 @@ def test_a_checkpoint_saved_under_pp_resumes_without_pp_and_on_another_pp_mesh(o
         val[mesh] = summary["val_losses"]
     # evaluation forward-only through the pipeline gives the held-out loss the 2x2 run computes
     assert max_relative_error([v for _, v in val["pp2x2x1"]], [v for _, v in val["2x2"]]) < 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_a_sweep_over_a_3d_and_a_2d_mesh_trains_one_model_and_reports_both(tmp_path):
+    sweep = tmp_path / "sweep"
+    fast = [o for o in PP if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=4", "trainer.eval_every=null"]
+    result = run_cli(["-m", "mesh=pp2x1x1,2x1", *fast, "logger.tensorboard=false", f"hydra.sweep.dir={sweep}"])
+    assert result.returncode == 0, result.stderr
+    losses = [json.loads((sweep / str(job) / "summary.json").read_text())["losses"] for job in (0, 1)]
+    assert max_relative_error(losses[0], losses[1]) < 1e-5
+    assert "| 0 | mesh=pp2x1x1 | 2x1x1 | none |" in result.stdout and "| 1 | mesh=2x1 | 2x1 | none |" in result.stdout
 
 
 @pytest.mark.timeout(240)
