@@ -50,15 +50,28 @@ class _SyncGradientsAfterBackward(torch.autograd.Function):
 
 
 class _Bucket:
-    """Parameters whose gradients are all-reduced together, and the all-reduce in flight."""
+    """Parameters whose gradients are all-reduced together, and the all-reduce in flight.
+
+    `flat` is allocated once and reused every step: the gradients are copied in, all-reduced
+    and averaged there, and the parameters' gradients become views of it (as DDP's
+    gradient_as_bucket_view), so no step allocates a bucket or copies the results back."""
 
     def __init__(self, params: List[nn.Parameter]):
         self.params = params
         self.waiting = len(params)  # gradients not yet produced in this backward
         self.produced: List[float] = []  # per parameter: 1.0 where this rank produced its gradient
         self.flat: Optional[torch.Tensor] = None
-        self.grads: List[torch.Tensor] = []
+        self.views: List[torch.Tensor] = []  # of flat: each gradient's local shard, then the used flags
         self.work = None
+
+    def bind_views(self, grads: List[torch.Tensor], n_flags: int) -> None:
+        """Allocate `flat` for these local gradients (and n_flags flags), once."""
+        if self.flat is not None:
+            return
+        sizes = [g.numel() for g in grads] + ([n_flags] if n_flags else [])
+        self.flat = torch.empty(sum(sizes), dtype=grads[0].dtype, device=grads[0].device)
+        pieces = self.flat.split(sizes)
+        self.views = [piece.view_as(g) for piece, g in zip(pieces, grads)] + list(pieces[len(grads):])
 
 
 class DataParallel(nn.Module):
@@ -70,8 +83,8 @@ class DataParallel(nn.Module):
     gradients and every earlier bucket has started: buckets in a fixed order on every rank
     (reverse parameter order, as DDP's, so they fill in about the order backward produces them).
     A parameter this rank does not use holds its bucket, and the later ones, until the end of
-    backward, when what is left starts; one wait then. Each bucket's flat copy of its gradients
-    lives until that wait, as DDP's bucket buffers do."""
+    backward, when what is left starts; one wait then. Each bucket's flat buffer lives as long
+    as the wrapper, as DDP's bucket buffers do, and the final gradients are views of it."""
 
     def __init__(self, module: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True):
         super().__init__()
@@ -150,12 +163,12 @@ class DataParallel(nn.Module):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             _place_like_parameter(p)
-        # to_local() is a view, so writing it writes the DTensor gradient's shard.
-        bucket.grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in bucket.params]
-        if bucket is self._buckets[-1]:  # every bucket has recorded its flags by now
-            flags = [flag for b in self._buckets for flag in b.produced]
-            bucket.grads.append(torch.tensor(flags, dtype=bucket.grads[0].dtype, device=bucket.grads[0].device))
-        bucket.flat = torch._utils._flatten_dense_tensors(bucket.grads)
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in bucket.params]
+        last = bucket is self._buckets[-1]
+        bucket.bind_views(grads, sum(len(b.params) for b in self._buckets) if last else 0)
+        torch._foreach_copy_(bucket.views[:len(grads)], grads)
+        if last:  # every bucket has recorded its flags by now
+            bucket.views[-1].copy_(torch.tensor([flag for b in self._buckets for flag in b.produced]))
         bucket.work = dist.all_reduce(bucket.flat, group=self.dp_group, async_op=True)
         self._launched += 1
 
@@ -175,14 +188,15 @@ class DataParallel(nn.Module):
         them without overlap), in order; wait for each and average."""
         while self._launched < len(self._buckets):
             self._launch(self._buckets[self._launched])
-        used = self._buckets[-1].grads[-1]  # the flags, summed over replicas once copied back
         for bucket in self._buckets:
             wait_for_all_reduce(bucket.work)
             bucket.flat.div_(self.dp_size)
-            for grad, result in zip(bucket.grads, torch._utils._unflatten_dense_tensors(bucket.flat, bucket.grads)):
-                grad.copy_(result)
-            bucket.flat, bucket.grads, bucket.work, bucket.waiting = None, [], None, len(bucket.params)
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = DTensor.from_local(view, p.grad.device_mesh, p.grad.placements, run_check=False) \
+                    if isinstance(p.grad, DTensor) else view
+            bucket.work, bucket.waiting = None, len(bucket.params)
         self._launched = 0
+        used = self._buckets[-1].views[-1]  # the flags, summed over replicas
         if used.is_meta:  # framework.dryrun: meta tensors hold no flags; every parameter counts as used
             return
         for p, used_somewhere in zip([p for b in self._buckets for p in b.params], used.tolist()):
