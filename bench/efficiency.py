@@ -6,11 +6,18 @@
 - distributed efficiency: a mesh's tokens/s (all its ranks on the same cores) over the best
   one-process tokens/s of the same model.
 
-    .venv/bin/python bench/efficiency.py [--steps 6] [--meshes 1x1,2x1,1x2,2x2]
+tokens/s is the steady state: the global batch's tokens over the median step time from step 3
+on (the first step compiles; the second still grows the allocator's heap, up to 40% slower here).
+
+    .venv/bin/python bench/efficiency.py [--steps 10] [--meshes 1x1,2x1,1x2,1x2:lm_tp,2x2,2x2:lm_tp]
+
+A mesh runs its default plan (PLANS) or the one after the colon: TP meshes are measured with
+and without sequence parallelism, whose extra collectives cost more than they save on a CPU.
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["recipe=lm_2d", "model=lm_bench", "data.dataset.seq_len=256", "data.global_batch_size=8",
          "trainer.eval_every=null", "trainer.warmup_steps=0", "trainer.grad_clip=null", "trainer.log_every=1",
          "trainer.progress_bar=false", "logger.tensorboard=false"]
+TOKENS_PER_STEP = 8 * 256  # data.global_batch_size x seq_len
 PLANS = {"1x1": "none", "2x1": "none", "1x2": "lm_tp_sp", "2x2": "lm_tp_sp"}
 
 
@@ -39,19 +47,20 @@ def matmul_peak(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size ** 3 / best
 
 
-def tokens_per_s(mesh: str, compiled: bool, steps: int, work: Path) -> dict:
-    out = work / f"{mesh}_{'compiled' if compiled else 'eager'}"
-    subprocess.run([sys.executable, "-m", "framework.train", *MODEL, f"mesh={mesh}", f"plan={PLANS[mesh]}",
+def tokens_per_s(mesh: str, plan: str, compiled: bool, steps: int, work: Path) -> dict:
+    out = work / f"{mesh}_{plan}_{'compiled' if compiled else 'eager'}"
+    subprocess.run([sys.executable, "-m", "framework.train", *MODEL, f"mesh={mesh}", f"plan={plan}",
                     f"trainer.max_steps={steps}", f"trainer.compile={'blocks' if compiled else 'none'}",
                     f"hydra.run.dir={out}"], cwd=ROOT, check=True, capture_output=True)
     summary = json.loads((out / "summary.json").read_text())
-    return {"tokens_per_s": summary["tokens_per_s"], "first_step_s": summary["first_step_s"]}
+    step_s = statistics.median(summary["step_times_s"][2:])
+    return {"tokens_per_s": TOKENS_PER_STEP / step_s, "first_step_s": summary["first_step_s"], "step_s": step_s}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--meshes", default="1x1,2x1,1x2,2x2")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--meshes", default="1x1,2x1,1x2,1x2:lm_tp,2x2,2x2:lm_tp")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from framework.models import Transformer
@@ -63,15 +72,19 @@ def main() -> None:
         sum(p.numel() for p in model.parameters()) / 1e6, 1), "flops_per_token_M": round(flops_per_token / 1e6, 1)}))
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-efficiency-") as work:
-        for mesh in args.meshes.split(","):
+        for entry in args.meshes.split(","):
+            mesh, _, plan = entry.partition(":")
             for compiled in (False, True):
-                rows[mesh, compiled] = tokens_per_s(mesh, compiled, args.steps, Path(work))
+                rows[mesh, plan or PLANS[mesh], compiled] = tokens_per_s(mesh, plan or PLANS[mesh], compiled,
+                                                                         args.steps, Path(work))
     best_one = max(rows[key]["tokens_per_s"] for key in rows if key[0] == "1x1")
-    for (mesh, compiled), row in rows.items():
-        print(json.dumps({"mesh": mesh, "compiled": compiled, "tokens_per_s": round(row["tokens_per_s"], 1),
+    for (mesh, plan, compiled), row in rows.items():
+        print(json.dumps({"mesh": mesh, "plan": plan, "compiled": compiled,
+                          "tokens_per_s": round(row["tokens_per_s"], 1),
                           "mfu": round(row["tokens_per_s"] * flops_per_token / peak, 3),
                           "distributed_efficiency": round(row["tokens_per_s"] / best_one, 3),
-                          "first_step_s": round(row["first_step_s"], 1)}), flush=True)
+                          "step_s": round(row["step_s"], 3), "first_step_s": round(row["first_step_s"], 1)}),
+              flush=True)
 
 
 if __name__ == "__main__":
