@@ -16,8 +16,9 @@ Printed per rank:
   activations (the most bytes the tensors autograd saves for backward take at any one time in
   the step, counted once per storage, parameters excluded: one micro-batch's under gradient
   accumulation; under pipeline parallelism as many micro-batches' as the schedule keeps alive on
-  this rank's stages, all of them under GPipe); and their sum as the estimated peak. Temporaries inside an op, DataParallel's flat buckets, the allocator's caching
-  and the CUDA/NCCL context are not counted. On meta, scaled_dot_product_attention takes its math
+  this rank's stages, all of them under GPipe); and their sum as the estimated peak.
+  Temporaries inside an op, DataParallel's flat buckets, the allocator's caching and the
+  CUDA/NCCL context are not counted. On meta, scaled_dot_product_attention takes its math
   path, which saves the attention weights (batch x heads x seq x seq) that fused kernels
   recompute, so for attention the estimate errs high. With `dryrun.device_memory_gb` a rank
   whose peak exceeds the device's memory is refused (exit 1);
@@ -146,7 +147,7 @@ def stage_tensors(run: Run, trainer: Trainer, inputs: torch.Tensor) -> Dict[int,
     mine = {index for index, _ in run.stages}
     tensors, first = {}, 0
     micro_batch = inputs[: len(inputs) // trainer.microbatches]
-    with trainer._pipeline_context():
+    with trainer.pipeline_context():
         h = model.tok_embeddings(micro_batch)
         for index, count in enumerate(counts):
             stage_input = h

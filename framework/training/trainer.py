@@ -103,7 +103,7 @@ class Trainer:
             return self.run.loss_fn(logits, targets)
         return self.run.loss_fn(logits, targets, reduction="sum") * self.per_token
 
-    def _pipeline_context(self):
+    def pipeline_context(self):
         """What compute_loss enters around forward and loss, around the whole schedule (which
         also runs backward): bf16 autocast (replicate), loss_parallel (vocabulary-sharded logits)."""
         contexts = ExitStack()
@@ -118,7 +118,7 @@ class Trainer:
         run = self.run
         run.optimizer.zero_grad(set_to_none=True)
         self.per_token = self._per_token_scale(targets) if self.masked else None
-        with self._pipeline_context():
+        with self.pipeline_context():
             total = self.pipeline.step(inputs, targets)
         if isinstance(run.model, DataParallel):
             run.model.sync_gradients()
@@ -215,7 +215,7 @@ class Trainer:
             inputs, targets = (t.to(self.device) for t in next(data))
             if self.pipeline is not None:  # forward only through the stages; masked: plain sums
                 self.per_token = 1.0 if self.masked else None
-                with self._pipeline_context():
+                with self.pipeline_context():
                     total = self.pipeline.evaluate(inputs, targets)
                 sums.append(total if self.masked else total / self.microbatches)
             else:
