@@ -7,7 +7,7 @@
   one-process tokens/s of the same model.
 
 tokens/s is the steady state: the global batch's tokens over the median step time from step 3
-on (the first step compiles; the second still grows the allocator's heap, up to 40% slower here).
+on (the first step compiles; the second was up to 40% slower here, probably while the heap grows).
 
     .venv/bin/python bench/efficiency.py [--steps 10] [--meshes 1x1,2x1,1x2,1x2:lm_tp,2x2,2x2:lm_tp]
 
