@@ -1,4 +1,6 @@
 """Single-process pieces: mesh layout, plan parsing, epoch handling, gradient buckets."""
+import gc
+
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -17,6 +19,7 @@ from framework.parallel.plan import check_layout, matching_modules
 from framework.data.loader import DataPosition, batches
 from framework.training.schedule import lr_multiplier
 from framework.training.metrics import mfu
+from framework.training.trainer import garbage_frozen
 from tests.conftest import compose_config
 
 
@@ -119,3 +122,12 @@ def test_an_atomic_file_appears_whole_or_not_at_all(tmp_path):
     with atomic_file(str(path)) as f:
         f.write("new")
     assert path.read_text() == "new"
+
+
+def test_the_loop_freezes_what_exists_before_it_and_unfreezes_after():
+    with garbage_frozen():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        made_in_the_loop = [[] for _ in range(100)]
+        assert gc.get_freeze_count() == frozen and made_in_the_loop  # what the loop makes stays collectable
+    assert gc.get_freeze_count() == 0  # a process that trains again can collect everything

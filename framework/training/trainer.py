@@ -8,11 +8,12 @@ the pending per-replica losses into global-batch losses (TP ranks already agree)
 path has no extra collective. (Instruction data adds one: the count of response tokens of the
 global batch, a number all-reduced over DP once per step, which its loss divides by.)
 """
+import gc
 import logging
 import os
 import time
-from contextlib import ExitStack, nullcontext
-from typing import Callable, List, Optional, Tuple
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,20 @@ def mean_over_dp(run: Run, values: List[torch.Tensor]) -> List[float]:
         dist.all_reduce(stacked, group=run.dp_group)
         stacked /= run.dp["size"]
     return stacked.cpu().tolist()
+
+
+@contextmanager
+def garbage_frozen() -> Iterator[None]:
+    """Everything built before the loop (modules, parameters, configs, compiled graphs) out of the
+    garbage collector's reach while it runs: the collections that DTensor's per-op garbage
+    triggers no longer traverse all of it each time. Measured (bench/README.md): 1x2 compiled
+    lm_small, median step 0.1992 -> 0.1925 s, faster in 5 of 5 alternating repeats."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class Trainer:
@@ -244,7 +259,7 @@ class Trainer:
         self.watchdog = StallWatchdog(trainer.stall_timeout_s, run.rank, run.out_dir)
         self.pending: List[torch.Tensor] = []  # per-replica losses not yet averaged over DP
         run.model.train()
-        with profiled(run.out_dir, run.rank, trainer.profile_steps) as profiler:
+        with garbage_frozen(), profiled(run.out_dir, run.rank, trainer.profile_steps) as profiler:
             for step in range(state.step + 1, trainer.max_steps + 1):
                 state.step = step
                 logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
