@@ -111,14 +111,6 @@ def check_pipeline_parallel(cfg, model: nn.Module, pp_size: int, dp_size: int) -
                           "set parallel.pp_microbatches instead and data.micro_batch_size=null")
 
 
-def refuse_pipeline(cfg, command: str) -> None:
-    from framework.parallel.roles import MeshRoles
-
-    if MeshRoles.from_config(cfg).pp_size > 1:
-        raise ConfigError("parallel.pp_dim", cfg.parallel.pp_dim, f"{command} does not run pipeline parallelism yet; "
-                                                                  f"check the mesh without its pp dim, or train it")
-
-
 class StageModule(nn.Module):
     """One pipeline stage: the embedding (first stage), a run of the model's blocks, the final
     norm and output (last stage). It holds the model's own modules, so parameters keep their
