@@ -106,7 +106,7 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
             for hook in hooks:
                 hook.remove()
         params = {name: _full(p) for name, p in model.named_parameters()}
-        global_loss = mean_over_dp(run, [local_value(loss)])[0]
+        global_loss = mean_over_dp(run, local_value(loss).reshape(1))[0]
         if run.dp.get("rank", 0) == 0 and run.tp.get("rank", 0) == 0:
             steps.append({"loss": global_loss, "grads": grads, "params": params})
     if dist.is_initialized():

@@ -19,7 +19,7 @@ from framework.parallel.plan import check_layout, matching_modules
 from framework.data.loader import DataPosition, batches
 from framework.training.schedule import lr_multiplier
 from framework.training.metrics import mfu
-from framework.training.trainer import garbage_frozen
+from framework.training.trainer import PendingLosses, garbage_frozen
 from tests.conftest import compose_config
 
 
@@ -131,3 +131,15 @@ def test_the_loop_freezes_what_exists_before_it_and_unfreezes_after():
         made_in_the_loop = [[] for _ in range(100)]
         assert gc.get_freeze_count() == frozen and made_in_the_loop  # what the loop makes stays collectable
     assert gc.get_freeze_count() == 0  # a process that trains again can collect everything
+
+
+def test_pending_losses_are_written_into_one_buffer_made_before_the_loop():
+    pending = PendingLosses(capacity=4, device=torch.device("cpu"))
+    storage = pending.buffer.untyped_storage().data_ptr()
+    for value in (2.5, 2.25, 2.0):
+        pending.append(torch.tensor(value, requires_grad=True) * 1)  # a loss with autograd history
+    taken = pending.take()
+    assert taken.tolist() == [2.5, 2.25, 2.0] and not taken.requires_grad
+    assert taken.untyped_storage().data_ptr() == storage  # no tensor kept per step
+    pending.append(torch.tensor(1.5, dtype=torch.bfloat16))
+    assert pending.take().tolist() == [1.5]  # counting starts again after a take
