@@ -80,12 +80,13 @@ def run_checkpointing(mode: str, mesh: str, steps: int, work: Path) -> dict:
 
 def interleaved(sides: Dict[str, Callable[[], dict]], repeats: int, label: str,
                 rel_tol: float = 0.0) -> Dict[str, List[dict]]:
-    """Each side launched once per repeat, in turn (so machine noise hits them alike); stops if
-    their final losses differ (beyond `rel_tol`; 0: at all): all must train one model."""
+    """Each side launched once per repeat, in turn, the order reversed every other repeat (so
+    machine noise, and whatever a run leaves for the next, hit them alike); stops if their final
+    losses differ (beyond `rel_tol`; 0: at all): all must train one model."""
     runs: Dict[str, List[dict]] = {side: [] for side in sides}
     for i in range(repeats):
-        for side, launch in sides.items():
-            runs[side].append(launch())
+        for side in list(sides)[::-1 if i % 2 else 1]:
+            runs[side].append(sides[side]())
         print(f"{label} repeat {i + 1}/{repeats}: " + ", ".join(f"{side} {r[-1]}" for side, r in runs.items()), flush=True)
         losses = [r[-1]["final_loss"] for r in runs.values()]
         if not all(math.isclose(loss, losses[0], rel_tol=rel_tol) for loss in losses):
@@ -158,16 +159,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
         work = Path(tmp)
-        runs = {"framework": [], "hand-written": []}
-        for i in range(args.repeats):
-            runs["framework"].append(run_framework(args.mesh, args.steps, work,
-                                                   *(["trainer.compile=blocks"] if args.compile else [])))
-            runs["hand-written"].append(run_handwritten(args.mesh, args.steps, work, compiled=args.compile))
-            print(f"repeat {i + 1}/{args.repeats}: framework {runs['framework'][-1]}, "
-                  f"hand-written {runs['hand-written'][-1]}", flush=True)
-            a_loss, b_loss = runs["framework"][-1]["final_loss"], runs["hand-written"][-1]["final_loss"]
-            if abs(a_loss - b_loss) > 1e-5 * abs(b_loss):
-                sys.exit(f"the two sides trained differently: final loss {a_loss} vs {b_loss}")
+        compiled = ["trainer.compile=blocks"] if args.compile else []
+        runs = interleaved({"framework": partial(run_framework, args.mesh, args.steps, work, *compiled),
+                            "hand-written": partial(run_handwritten, args.mesh, args.steps, work, compiled=args.compile)},
+                           args.repeats, "framework vs hand-written", rel_tol=1e-5)
         medians = {side: {key: statistics.median(r[key] for r in results) for key in ("median_step_s", "first_step_s")}
                    for side, results in runs.items()}
         a, b = medians["framework"], medians["hand-written"]
