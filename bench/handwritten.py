@@ -81,6 +81,39 @@ def average_gradients(model: torch.nn.Module, tp_group, dp_group, dp_size: int) 
             g.copy_(synced)
 
 
+def train_step(model, optimizer, loss_fn, batch, mesh, average: bool) -> torch.Tensor:
+    """One optimizer step; `average`: the gradients averaged after backward (average_gradients)."""
+    inputs, targets = batch
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    if average:
+        average_gradients(model, mesh["tp"].get_group(), mesh["dp"].get_group(), mesh["dp"].size())
+    optimizer.step()
+    return loss
+
+
+def batches_for(mesh, global_batch: int, seq_len: int):
+    """This DP replica's batches: DistributedSampler over the DP dim, its share of the global batch."""
+    dataset = ByteCorpus(seq_len=seq_len)
+    dp_size = mesh["dp"].size()
+    sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=mesh.get_local_rank("dp"), seed=0, drop_last=True)
+    return iter(StatefulDataLoader(dataset, batch_size=global_batch // dp_size, sampler=sampler, drop_last=True))
+
+
+def build_model(mesh, compile_blocks: bool) -> Transformer:
+    """conf/model/lm_small.yaml, TP-sharded over mesh["tp"] with the plan above, blocks compiled."""
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=256, dim=128, n_layers=4, n_heads=8, hidden_dim=352)
+    if mesh["tp"].size() > 1:
+        model = parallelize_module(model, mesh["tp"], tp_sp_plan(4))
+    if compile_blocks:
+        for block in model.layers:
+            block.register_forward_pre_hook(wait_for_inputs)
+            block.forward = torch.compile(block.forward, fullgraph=True)
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mesh", type=int, nargs=2, default=[2, 2])
@@ -95,15 +128,8 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", tuple(args.mesh), mesh_dim_names=("dp", "tp"))
-    dp_size, tp_size = args.mesh
-    torch.manual_seed(0)
-    model = Transformer(vocab_size=256, dim=128, n_layers=4, n_heads=8, hidden_dim=352)  # conf/model/lm_small.yaml
-    if tp_size > 1:
-        model = parallelize_module(model, mesh["tp"], tp_sp_plan(4))
-    if args.compile:
-        for block in model.layers:
-            block.register_forward_pre_hook(wait_for_inputs)
-            block.forward = torch.compile(block.forward, fullgraph=True)
+    dp_size = args.mesh[0]
+    model = build_model(mesh, args.compile)
     if args.dp == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
     elif args.dp == "replicate":
@@ -111,22 +137,13 @@ def main() -> None:
             replicate(block, mesh=mesh["dp"])
         replicate(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.1, betas=(0.9, 0.95))
-    dataset = ByteCorpus(seq_len=args.seq_len)
-    sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=mesh.get_local_rank("dp"), seed=0, drop_last=True)
-    loader = StatefulDataLoader(dataset, batch_size=args.global_batch // dp_size, sampler=sampler, drop_last=True)
     loss_fn = NextTokenLoss()
 
     step_times, first_step_unix = [], None
-    batches = iter(loader)
+    batches = batches_for(mesh, args.global_batch, args.seq_len)
     step_start = time.perf_counter()
     for _ in range(args.steps):
-        inputs, targets = next(batches)
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        if args.dp == "after-backward":
-            average_gradients(model, mesh["tp"].get_group(), mesh["dp"].get_group(), dp_size)
-        optimizer.step()
+        loss = train_step(model, optimizer, loss_fn, next(batches), mesh, args.dp == "after-backward")
         now = time.perf_counter()
         step_times.append(now - step_start)
         step_start = now
