@@ -292,7 +292,7 @@ def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[to
     loss = trainer.forward_backward(inputs, targets)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
              for name, p in run.module.named_parameters()}
-    result = {"loss": mean_over_dp(run, [local_value(loss)])[0], "grads": grads,
+    result = {"loss": mean_over_dp(run, local_value(loss).reshape(1))[0], "grads": grads,
               "response_tokens": int((targets != IGNORE).sum()), "logits": logits}
     if run.dp["size"] == 1:
         with torch.no_grad():
