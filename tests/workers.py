@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from framework.training.builder import build_and_run
 from framework.models import SeedMLP, Transformer
-from framework.models.transformer import Attention, rotary, rotary_frequencies
+from framework.models.transformer import Attention, rotary, rotary_frequencies, rotation
 
 
 class FailOnRank(SeedMLP):
@@ -146,7 +146,7 @@ class GlobalHeadsAttention(Attention):
         batch, seq = x.shape[0], x.shape[1]
         q, k, v = (w(x).view(batch, seq, self.n_heads, -1) for w in (self.wq, self.wk, self.wv))
         freqs = rotary_frequencies(q.shape[-1], 10000.0)  # for the (wrong) head size it reshaped to
-        q, k = rotary(q, freqs), rotary(k, freqs)
+        q, k = (rotary(t, *rotation(freqs, 0, seq)) for t in (q, k))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

@@ -1,15 +1,16 @@
 """A decoder-only transformer LM laid out for Megatron-style TP (names as in torchtitan).
 
 tok_embeddings -> N x [attention_norm -> attention(wq, wk, wv, wo) -> ffn_norm ->
-feed_forward(w1, w2, w3: SwiGLU)] -> norm -> output. Attention uses rotary position
-embeddings computed from the full sequence inside the block, so the plans can shard the
-residual stream on the sequence (sequence parallel) without any position bookkeeping.
+feed_forward(w1, w2, w3: SwiGLU)] -> norm -> output. Attention rotates by the
+positions of the full sequence inside the block (from a cos / sin table per position the model
+makes before its blocks run), so the plans can shard the residual stream on the sequence
+(sequence parallel) without any position bookkeeping.
 
 Under TP, wq/wk/wv are colwise: each rank holds n_heads / TP whole heads, which is why the
 reshapes below infer the head count (-1) from the local tensor instead of reading n_heads.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -38,13 +39,18 @@ def rotary_frequencies(head_dim: int, theta: float, scaling: Optional[Dict[str, 
     return torch.where(medium, blended, scaled)
 
 
-def rotary(x: torch.Tensor, freqs: torch.Tensor, start: int = 0, halves: bool = False) -> torch.Tensor:
-    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles,
-    positions counted from `start` (a KV cache's length). Pairs are (2i, 2i+1), or with `halves`
-    (i, i + head_dim/2), Hugging Face's layout, whose checkpoints' q/k weights are ordered for it."""
-    positions = torch.arange(start, start + x.shape[1], device=x.device, dtype=torch.float32)
-    angles = torch.outer(positions, freqs)  # (seq, head_dim/2)
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+def rotation(freqs: torch.Tensor, start: int, length: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles of positions start .. start + length - 1, each (length, head_dim/2)."""
+    positions = torch.arange(start, start + length, device=freqs.device, dtype=torch.float32)
+    angles = torch.outer(positions, freqs)
+    return angles.cos(), angles.sin()
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool = False) -> torch.Tensor:
+    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by the angles whose cos and sin
+    (seq, head_dim/2) are given. Pairs are (2i, 2i+1), or with `halves` (i, i + head_dim/2),
+    Hugging Face's layout, whose checkpoints' q/k weights are ordered for it."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     if halves:
         first, second = x.float().chunk(2, dim=-1)
         return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)
@@ -54,14 +60,33 @@ def rotary(x: torch.Tensor, freqs: torch.Tensor, start: int = 0, halves: bool = 
 
 @dataclass
 class Rope:
-    """How queries and keys are rotated: the frequencies' definition (computed where the
-    activations are: a handful of tiny ops, no host-to-device copy) and the pair layout."""
+    """How queries and keys are rotated: the frequencies' definition and the pair layout, and a
+    table of cos / sin per position that the model's (eager) forward makes before its blocks run.
+    A compiled block reads its rows; computing them inside it instead, inductor fuses them into
+    the rotation's elementwise kernel and recomputes a sin and a cos per element (batch x heads
+    times over): 6.8% of a compiled 1x2 step's CPU on lm_small (bench/README.md). Without the
+    table (a pipeline stage after the first, which has no tokens) each block computes its own."""
     theta: float = 10000.0
     scaling: Optional[Dict[str, Any]] = None
     halves: bool = False
+    table: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False, compare=False)
 
     def freqs(self, head_dim: int, device: Any) -> torch.Tensor:
         return rotary_frequencies(head_dim, self.theta, self.scaling, device)
+
+    def _covers(self, positions: int, device: torch.device) -> bool:
+        return self.table is not None and len(self.table[0]) >= positions and self.table[0].device == device
+
+    def prepare(self, head_dim: int, positions: int, device: torch.device) -> None:
+        """The table for at least `positions` positions on `device` (grown by doubling: decoding
+        adds one position at a time)."""
+        if not self._covers(positions, device):
+            self.table = rotation(self.freqs(head_dim, device), 0, 1 << max(0, positions - 1).bit_length())
+
+    def cos_sin(self, head_dim: int, start: int, length: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._covers(start + length, device):
+            return self.table[0][start:start + length], self.table[1][start:start + length]
+        return rotation(self.freqs(head_dim, device), start, length)
 
 
 class LayerCache:
@@ -106,8 +131,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         start = cache.length if cache is not None else 0
-        freqs = self.rope.freqs(self.head_dim, x.device)
-        q, k = (rotary(t, freqs, start, self.rope.halves) for t in (q, k))
+        cos, sin = self.rope.cos_sin(self.head_dim, start, seq, x.device)
+        q, k = (rotary(t, cos, sin, self.rope.halves) for t in (q, k))
         mask = None
         if cache is not None:
             k, v = cache.extend(k, v)
@@ -165,8 +190,8 @@ class Transformer(nn.Module):
                               "use none, or full to recompute every block's activations in backward")
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.recompute_blocks = activation_checkpointing == "full"
-        head_dim = head_dim or dim // n_heads
-        rope = Rope(rope_theta, rope_scaling, rope_halves)
+        self.head_dim = head_dim = head_dim or dim // n_heads
+        self.rope = rope = Rope(rope_theta, rope_scaling, rope_halves)  # one for all blocks: they share its table
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleList(
             TransformerBlock(dim, hidden_dim, norm_eps, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
@@ -196,7 +221,12 @@ class Transformer(nn.Module):
             h = checkpoint(block, h, use_reentrant=False) if self.recompute_blocks and torch.is_grad_enabled() else block(h)
         return h
 
+    def prepare_rotation(self, tokens: torch.Tensor, start: int = 0) -> None:
+        """The rotation table for these tokens' positions (from `start`), before the blocks run."""
+        self.rope.prepare(self.head_dim, start + tokens.shape[1], tokens.device)
+
     def forward(self, tokens: torch.Tensor, cache: Optional[List[LayerCache]] = None) -> torch.Tensor:
+        self.prepare_rotation(tokens, cache[0].length if cache else 0)
         h = self.tok_embeddings(tokens)
         if cache is None:
             h = self.run_blocks(self.layers, h)

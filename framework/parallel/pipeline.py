@@ -122,9 +122,11 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({key: model.layers[key] for key in layer_keys})
         self.norm = model.norm if last else None
         self.output = model.output if last else None
-        self.run_blocks = model.run_blocks
+        self.run_blocks, self.prepare_rotation = model.run_blocks, model.prepare_rotation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            self.prepare_rotation(x)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         h = self.run_blocks(self.layers.values(), h)
         return self.output(self.norm(h)) if self.output is not None else h
