@@ -143,3 +143,22 @@ def test_pending_losses_are_written_into_one_buffer_made_before_the_loop():
     assert taken.untyped_storage().data_ptr() == storage  # no tensor kept per step
     pending.append(torch.tensor(1.5, dtype=torch.bfloat16))
     assert pending.take().tolist() == [1.5]  # counting starts again after a take
+
+
+def test_the_rotation_table_gives_what_each_block_would_compute_and_grows_by_doubling():
+    from framework.models.transformer import Rope, rotation
+
+    rope = Rope(theta=10000.0, halves=True)
+    rope.prepare(head_dim=16, positions=5, device=torch.device("cpu"))
+    assert rope.table[0].shape == (8, 8)
+    rope.prepare(head_dim=16, positions=8, device=torch.device("cpu"))
+    assert rope.table[0].shape == (8, 8)  # covered: not made again
+    cos, sin = rope.cos_sin(16, start=3, length=4, device=torch.device("cpu"))
+    expected = rotation(rope.freqs(16, "cpu"), 3, 4)
+    torch.testing.assert_close(cos, expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sin, expected[1], rtol=1e-5, atol=1e-6)
+    # beyond the table (a later pipeline stage that made none): computed in place, same values
+    far = rope.cos_sin(16, start=6, length=5, device=torch.device("cpu"))
+    torch.testing.assert_close(far[0], rotation(rope.freqs(16, "cpu"), 6, 5)[0], rtol=1e-5, atol=1e-6)
+    rope.prepare(head_dim=16, positions=9, device=torch.device("cpu"))
+    assert rope.table[0].shape == (16, 8)
