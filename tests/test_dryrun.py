@@ -130,9 +130,11 @@ def test_dry_run_activations_are_the_micro_batches_each_schedule_keeps_alive():
     gpipe, one_f_one_b = pp_activations("gpipe"), pp_activations("1f1b")
     # GPipe runs all 4 forwards before any backward; 1F1B keeps p - s micro-batches alive on
     # stage s (p = 2). The micro-batches' token ids (stage 0) and targets (the loss on stage 1)
-    # are views of one storage, the replica's 4 x 32 int64s, counted once.
-    ids = 4 * 32 * 8
-    assert gpipe[0] - ids == 2 * (one_f_one_b[0] - ids)
+    # are views of one storage, the replica's 4 x 32 int64s, counted once; so are, on stage 0,
+    # the rows of the rotation table its blocks save (cos and sin: 32 positions x head_dim 8 / 2
+    # in fp32). Stage 1 has no tokens to make the table from: its blocks compute their own.
+    ids, table = 4 * 32 * 8, 2 * 32 * 4 * 4
+    assert gpipe[0] - ids - table == 2 * (one_f_one_b[0] - ids - table)
     assert gpipe[1] - ids == 4 * (one_f_one_b[1] - ids)
 
 

@@ -89,6 +89,11 @@ class Rope:
         return rotation(self.freqs(head_dim, device), start, length)
 
 
+@torch.fx.wrap  # a call, not traced into: framework.parallel.plan's symbolic trace of the model has no shapes
+def _prepare_rotation(rope: Rope, head_dim: int, tokens: torch.Tensor, start: int) -> None:
+    rope.prepare(head_dim, start + tokens.shape[1], tokens.device)
+
+
 class LayerCache:
     """One layer's keys and values of the positions decoded so far (framework.generate),
     allocated once for `capacity` positions so each new token costs the same."""
@@ -223,7 +228,7 @@ class Transformer(nn.Module):
 
     def prepare_rotation(self, tokens: torch.Tensor, start: int = 0) -> None:
         """The rotation table for these tokens' positions (from `start`), before the blocks run."""
-        self.rope.prepare(self.head_dim, start + tokens.shape[1], tokens.device)
+        _prepare_rotation(self.rope, self.head_dim, tokens, start)
 
     def forward(self, tokens: torch.Tensor, cache: Optional[List[LayerCache]] = None) -> torch.Tensor:
         self.prepare_rotation(tokens, cache[0].length if cache else 0)
