@@ -18,9 +18,12 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, List, Optional
 
@@ -190,6 +193,22 @@ def tokenize(chunk: list) -> tuple:
     return tokens.astype(dtype), np.array([len(d) for d in docs], dtype=np.int64), masks
 
 
+@contextmanager
+def killable_children() -> Iterator[None]:
+    """Processes forked inside start with SIGTERM's default action, whatever handler this process
+    has (torch's elastic agent, run in-process, installs one): a forked worker stuck on a lock
+    another thread held at the fork never runs a Python handler, and Pool.terminate's SIGTERM
+    must end it rather than leave the pool's join waiting forever (seen once in the suite)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def ordered_map(function: Callable, items: Iterator, workers: int, initializer: Callable, initargs: tuple) -> Iterator:
     """function over items, results in order, with at most 2 items per worker in flight
     (Pool.imap would read all of `items` ahead)."""
@@ -197,7 +216,9 @@ def ordered_map(function: Callable, items: Iterator, workers: int, initializer: 
         initializer(*initargs)
         yield from map(function, items)
         return
-    with multiprocessing.get_context("fork").Pool(workers, initializer, initargs) as pool:
+    with killable_children():
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer, initargs)
+    with pool:
         pending = deque()
         for item in items:
             pending.append(pool.apply_async(function, (item,)))
