@@ -198,7 +198,7 @@ def killable_children() -> Iterator[None]:
     """Processes forked inside start with SIGTERM's default action, whatever handler this process
     has (torch's elastic agent, run in-process, installs one): a forked worker stuck on a lock
     another thread held at the fork never runs a Python handler, and Pool.terminate's SIGTERM
-    must end it rather than leave the pool's join waiting forever (seen once in the suite)."""
+    must end it rather than leave the pool's join waiting forever (a suite run once hung there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
