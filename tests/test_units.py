@@ -146,19 +146,21 @@ def test_pending_losses_are_written_into_one_buffer_made_before_the_loop():
 
 
 def test_the_rotation_table_gives_what_each_block_would_compute_and_grows_by_doubling():
-    from framework.models.transformer import Rope, rotation
+    from framework.models.transformer import Rope
 
     rope = Rope(theta=10000.0, halves=True)
     rope.prepare(head_dim=16, positions=5, device=torch.device("cpu"))
     assert rope.table[0].shape == (8, 8)
     rope.prepare(head_dim=16, positions=8, device=torch.device("cpu"))
     assert rope.table[0].shape == (8, 8)  # covered: not made again
+    # by hand: position p, pair i turns by p / theta^(2i / head_dim)
+    angles = torch.tensor([[p / 10000.0 ** (2 * i / 16) for i in range(8)] for p in range(3, 11)], dtype=torch.float64)
     cos, sin = rope.cos_sin(16, start=3, length=4, device=torch.device("cpu"))
-    expected = rotation(rope.freqs(16, "cpu"), 3, 4)
-    torch.testing.assert_close(cos, expected[0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(sin, expected[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cos, angles[:4].cos().float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sin, angles[:4].sin().float(), rtol=1e-5, atol=1e-6)
     # beyond the table (a later pipeline stage that made none): computed in place, same values
-    far = rope.cos_sin(16, start=6, length=5, device=torch.device("cpu"))
-    torch.testing.assert_close(far[0], rotation(rope.freqs(16, "cpu"), 6, 5)[0], rtol=1e-5, atol=1e-6)
+    far_cos, far_sin = rope.cos_sin(16, start=6, length=5, device=torch.device("cpu"))
+    torch.testing.assert_close(far_cos, angles[3:].cos().float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(far_sin, angles[3:].sin().float(), rtol=1e-5, atol=1e-6)
     rope.prepare(head_dim=16, positions=9, device=torch.device("cpu"))
     assert rope.table[0].shape == (16, 8)

@@ -125,9 +125,10 @@ class StageModule(nn.Module):
         self.run_blocks, self.prepare_rotation = model.run_blocks, model.prepare_rotation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok_embeddings is not None:
+        h = x
+        if self.tok_embeddings is not None:  # the first stage: it has the tokens to size the rotation table
             self.prepare_rotation(x)
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+            h = self.tok_embeddings(x)
         h = self.run_blocks(self.layers.values(), h)
         return self.output(self.norm(h)) if self.output is not None else h
 

@@ -277,7 +277,8 @@ class Trainer:
         data = batches(run.sampler, run.dataloader, state.position, self.cfg.data.global_batch_size)
         self.metrics = Metrics(run, state.step + 1, state.history["step_times_s"])
         self.watchdog = StallWatchdog(trainer.stall_timeout_s, run.rank, run.out_dir)
-        self.pending = PendingLosses(trainer.log_every, self.device)  # not yet averaged over DP (at most log_every)
+        # not yet averaged over DP: at most log_every (a logging step flushes them), nor more than the steps left
+        self.pending = PendingLosses(min(trainer.log_every, trainer.max_steps - state.step), self.device)
         run.model.train()
         with garbage_frozen(), profiled(run.out_dir, run.rank, trainer.profile_steps) as profiler:
             for step in range(state.step + 1, trainer.max_steps + 1):
