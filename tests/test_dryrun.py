@@ -130,12 +130,12 @@ def test_dry_run_activations_are_the_micro_batches_each_schedule_keeps_alive():
     gpipe, one_f_one_b = pp_activations("gpipe"), pp_activations("1f1b")
     # GPipe runs all 4 forwards before any backward; 1F1B keeps p - s micro-batches alive on
     # stage s (p = 2). The micro-batches' token ids (stage 0) and targets (the loss on stage 1)
-    # are views of one storage, the replica's 4 x 32 int64s, counted once; so are, on stage 0,
-    # the rows of the rotation table its blocks save (cos and sin: 32 positions x head_dim 8 / 2
-    # in fp32). Stage 1 has no tokens to make the table from: its blocks compute their own.
+    # are views of one storage, the replica's 4 x 32 int64s, counted once; so are, on both
+    # stages, the rows of the rotation table their blocks save (cos and sin: 32 positions x
+    # head_dim 8 / 2 in fp32), made on every rank from the step's tokens.
     ids, table = 4 * 32 * 8, 2 * 32 * 4 * 4
     assert gpipe[0] - ids - table == 2 * (one_f_one_b[0] - ids - table)
-    assert gpipe[1] - ids == 4 * (one_f_one_b[1] - ids)
+    assert gpipe[1] - ids - table == 4 * (one_f_one_b[1] - ids - table)
 
 
 @pytest.mark.timeout(90)

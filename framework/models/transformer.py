@@ -64,8 +64,9 @@ class Rope:
     table of cos / sin per position that the model's (eager) forward makes before its blocks run.
     A compiled block reads its rows; computing them inside it instead, inductor fuses them into
     the rotation's elementwise kernel and recomputes a sin and a cos per element (batch x heads
-    times over): 6.8% of a compiled 1x2 step's CPU on lm_small (bench/README.md). Without the
-    table (a pipeline stage after the first, which has no tokens) each block computes its own."""
+    times over): 6.8% of a compiled 1x2 step's CPU on lm_small (bench/README.md). Under pipeline
+    parallelism the schedule's caller makes it from the step's tokens on every stage's rank
+    (framework.parallel.pipeline); positions beyond the table are computed in place."""
     theta: float = 10000.0
     scaling: Optional[Dict[str, Any]] = None
     halves: bool = False

@@ -125,10 +125,7 @@ class StageModule(nn.Module):
         self.run_blocks, self.prepare_rotation = model.run_blocks, model.prepare_rotation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x
-        if self.tok_embeddings is not None:  # the first stage: it has the tokens to size the rotation table
-            self.prepare_rotation(x)
-            h = self.tok_embeddings(x)
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         h = self.run_blocks(self.layers.values(), h)
         return self.output(self.norm(h)) if self.output is not None else h
 
@@ -168,6 +165,7 @@ class Pipeline:
         from torch.distributed import pipelining
 
         self.n_stages, self.device = n_stages, device
+        self.prepare_rotation = stages[0][1].prepare_rotation
         make_stage = make_stage or pipelining.PipelineStage
         self.stages = [make_stage(module, index, n_stages, device, group=pp_group) for index, module in stages]
         self.first = any(s.is_first for s in self.stages)
@@ -179,6 +177,9 @@ class Pipeline:
 
     def _run(self, method, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: List[torch.Tensor] = []
+        # every rank has the step's tokens, so every stage's blocks read the rotation table (a
+        # stage after the first sees only hidden states, under SP a slice of the sequence)
+        self.prepare_rotation(inputs)
         args = (inputs,) if self.first else ()
         method(*args, target=targets if self.last else None, losses=losses if self.last else None)
         # only the last stage has the losses (framework.training.trainer.mean_over_dp shares them)
