@@ -3,7 +3,9 @@
 One munged (its own key and socket), one slurmctld and two slurmd (`slurmd -N n1`, `-N n2`:
 Debian's build allows several per host), each with its own ports, spool, pid and log files
 under a temp dir, all reached through SLURM_CONF. Node names map to 127.0.0.1 by NodeAddr (no
-/etc/hosts change). Everything is stopped and removed on exit, even after a failure.
+/etc/hosts change). Everything is stopped and removed on exit, even after a failure: the daemons,
+and any slurmstepd left behind (seen once: a job step that never started its tasks kept its two
+slurmstepd, daemonized away from slurmd, sleeping after the cluster was gone).
 """
 import os
 import shutil
@@ -81,8 +83,10 @@ PartitionName=single Nodes=n1 MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 
 
 @contextmanager
-def slurm_cluster(root: Path, timeout: float = 60) -> Iterator[Dict[str, str]]:
-    """Start the cluster under `root`; yield the environment its commands need (SLURM_CONF)."""
+def slurm_cluster(root: Path, timeout: float = 60, keep_logs: Optional[Path] = None) -> Iterator[Dict[str, str]]:
+    """Start the cluster under `root`; yield the environment its commands need (SLURM_CONF).
+    `keep_logs`: where the daemons' logs are copied before `root` is removed (pytest keeps its
+    last runs' temp dirs), to read after a failure."""
     for sub in ("state", "spool", "munge"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     os.chmod(root / "munge", 0o700)
@@ -95,11 +99,12 @@ def slurm_cluster(root: Path, timeout: float = 60) -> Iterator[Dict[str, str]]:
     conf.write_text(SLURM_CONF.format(root=root, munge_socket=munge_socket, ctld_port=ctld_port, n1_port=n1_port,
                                       n2_port=n2_port))
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    processes = []
+    processes, munged = [], None
     try:
         subprocess.run([_binary("munged"), "--force", f"--key-file={key}", f"--socket={munge_socket}",
                         f"--pid-file={root / 'munge' / 'munged.pid'}", f"--log-file={root / 'munge' / 'munged.log'}",
                         f"--seed-file={root / 'munge' / 'munged.seed'}"], check=True, env=env, timeout=30)
+        munged = int((root / "munge" / "munged.pid").read_text().strip())
         processes.append(subprocess.Popen([_binary("slurmctld"), "-D", "-i"], env=env, start_new_session=True,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for node in ("n1", "n2"):
@@ -114,7 +119,12 @@ def slurm_cluster(root: Path, timeout: float = 60) -> Iterator[Dict[str, str]]:
             pass  # a controller that never came up: the daemons go below all the same
         for process in processes:
             _stop(process)
-        _stop_pid_file(root / "munge" / "munged.pid")
+        _kill_survivors(f"SLURM_CONF={conf}".encode())
+        if munged is not None:
+            _stop_pid(munged)
+        if keep_logs is not None:
+            for log in root.glob("*.log"):
+                shutil.copy(log, keep_logs)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -141,8 +151,25 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def _stop_pid_file(path: Path) -> None:
+def _kill_survivors(marker: bytes) -> None:
+    """SIGKILL every process whose environment holds `marker` (this cluster's SLURM_CONF, which
+    slurmd hands its slurmstepd)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(pid) != os.getpid() and marker in Path(f"/proc/{pid}/environ").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            continue
+
+
+def _stop_pid(pid: int, timeout: float = 10) -> None:
+    """SIGTERM `pid` and wait for it to exit (munged writes its seed file as it stops: removing
+    its directory before that leaves one behind)."""
+    deadline = time.monotonic() + timeout
     try:
-        os.kill(int(path.read_text().strip()), signal.SIGTERM)
-    except (OSError, ValueError):
-        pass
+        os.kill(pid, signal.SIGTERM)
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)
+            time.sleep(0.1)
+    except OSError:
+        pass  # gone

@@ -23,9 +23,9 @@ SLURM = ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug"
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     root = Path(f"/tmp/fwslurm-{os.getpid()}")  # short: munge's socket path has a length limit
-    with slurm_cluster(root) as env:
+    with slurm_cluster(root, keep_logs=tmp_path_factory.mktemp("slurm-logs")) as env:
         yield env
 
 
@@ -70,6 +70,7 @@ def test_a_job_whose_rank_fails_is_reported_and_the_other_job_finishes(cluster, 
 def test_a_cancelled_job_is_reported_and_leaves_nothing_running(cluster, tmp_path):
     sweep, marker = tmp_path / "sweep", f"FRAMEWORK_TEST_MARKER={tmp_path.name}"
     env = {**cluster, "FRAMEWORK_TEST_MARKER": tmp_path.name}
+    earlier = {line.split()[0] for line in squeue(cluster).splitlines()}  # an earlier test's jobs are not this one
     command = subprocess.Popen(
         [str(Path(os.sys.executable)), "-m", "framework.train", *SLURM, "mesh=2x1", "trainer.max_steps=100000",
          "trainer.progress_bar=false", "logger.tensorboard=false", f"hydra.sweep.dir={sweep}"],
@@ -77,10 +78,14 @@ def test_a_cancelled_job_is_reported_and_leaves_nothing_running(cluster, tmp_pat
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 200
-        while "RUNNING" not in squeue(cluster) and time.monotonic() < deadline:
+        def running() -> list:
+            return [line.split()[0] for line in squeue(cluster).splitlines()
+                    if line.endswith(" RUNNING") and line.split()[0] not in earlier]
+
+        while not running() and time.monotonic() < deadline:
             time.sleep(1)
         time.sleep(5)
-        job_id, = [line.split()[0] for line in squeue(cluster).splitlines() if line.endswith(" RUNNING")]
+        job_id, = running()
         assert len(processes_with_marker(marker)) > 2  # the command and the job's tasks, which inherit it
         subprocess.run(["scancel", job_id], env={**os.environ, **cluster}, check=True)
         stdout, stderr = command.communicate(timeout=120)
