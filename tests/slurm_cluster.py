@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, Optional
 
+from tests.conftest import processes_with_marker
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scancel", "scontrol")
 
 
@@ -119,7 +121,7 @@ def slurm_cluster(root: Path, timeout: float = 60, keep_logs: Optional[Path] = N
             pass  # a controller that never came up: the daemons go below all the same
         for process in processes:
             _stop(process)
-        _kill_survivors(f"SLURM_CONF={conf}".encode())
+        _kill_survivors(f"SLURM_CONF={conf}")
         if munged is not None:
             _stop_pid(munged)
         if keep_logs is not None:
@@ -151,13 +153,12 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def _kill_survivors(marker: bytes) -> None:
+def _kill_survivors(marker: str) -> None:
     """SIGKILL every process whose environment holds `marker` (this cluster's SLURM_CONF, which
     slurmd hands its slurmstepd)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in processes_with_marker(marker):
         try:
-            if int(pid) != os.getpid() and marker in Path(f"/proc/{pid}/environ").read_bytes():
-                os.kill(int(pid), signal.SIGKILL)
+            os.kill(int(pid), signal.SIGKILL)
         except OSError:
             continue
 

@@ -71,6 +71,11 @@ def test_a_cancelled_job_is_reported_and_leaves_nothing_running(cluster, tmp_pat
     sweep, marker = tmp_path / "sweep", f"FRAMEWORK_TEST_MARKER={tmp_path.name}"
     env = {**cluster, "FRAMEWORK_TEST_MARKER": tmp_path.name}
     earlier = {line.split()[0] for line in squeue(cluster).splitlines()}  # an earlier test's jobs are not this one
+
+    def running() -> list:
+        return [line.split()[0] for line in squeue(cluster).splitlines()
+                if line.endswith(" RUNNING") and line.split()[0] not in earlier]
+
     command = subprocess.Popen(
         [str(Path(os.sys.executable)), "-m", "framework.train", *SLURM, "mesh=2x1", "trainer.max_steps=100000",
          "trainer.progress_bar=false", "logger.tensorboard=false", f"hydra.sweep.dir={sweep}"],
@@ -78,10 +83,6 @@ def test_a_cancelled_job_is_reported_and_leaves_nothing_running(cluster, tmp_pat
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 200
-        def running() -> list:
-            return [line.split()[0] for line in squeue(cluster).splitlines()
-                    if line.endswith(" RUNNING") and line.split()[0] not in earlier]
-
         while not running() and time.monotonic() < deadline:
             time.sleep(1)
         time.sleep(5)
