@@ -9,6 +9,8 @@ same thing. DP (--dp) is one of:
     torchrun --standalone --nproc-per-node 4 bench/handwritten.py --mesh 2 2 --steps 30 --out result.json
 
 --compile compiles each block's forward (fullgraph) after TP, as trainer.compile=blocks does.
+--bind-cores binds each rank to its share of the cores, as launcher.bind_cores does (by default
+on CPU); without it the ranks float, as a torchrun script's do unless it binds them itself.
 """
 import argparse
 import faulthandler
@@ -123,7 +125,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dp", choices=["after-backward", "ddp", "replicate"], default="after-backward")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block's forward")
+    parser.add_argument("--bind-cores", action="store_true", help="each rank on its own share of the cores")
     args = parser.parse_args()
+    if args.bind_cores:
+        cores, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+        local = int(os.environ["LOCAL_RANK"])
+        os.sched_setaffinity(0, {cores[(local * threads + i) % len(cores)] for i in range(threads)})
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # bench/stress_hangs.py asks hung ranks for stacks
 
     dist.init_process_group("gloo")

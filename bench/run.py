@@ -108,11 +108,13 @@ def checkpoint_costs(mesh: str, steps: int, repeats: int, work: Path) -> None:
               f"{median['blocking_s']:.3f} | {median['total_s']:.3f} | {median['load_s']:.3f} |", flush=True)
 
 
-def run_handwritten(mesh: str, steps: int, work: Path, dp_mode: str = "after-backward", compiled: bool = False) -> dict:
+def run_handwritten(mesh: str, steps: int, work: Path, dp_mode: str = "after-backward", compiled: bool = False,
+                    bound: bool = False) -> dict:
     dp, tp = mesh.split("x")
     out = work / f"hw-{mesh}-{time.time_ns()}.json"
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(int(dp) * int(tp)), "bench/handwritten.py",
-           "--mesh", dp, tp, "--steps", str(steps), "--out", str(out), "--dp", dp_mode] + (["--compile"] if compiled else [])
+           "--mesh", dp, tp, "--steps", str(steps), "--out", str(out), "--dp", dp_mode] + \
+        (["--compile"] if compiled else []) + (["--bind-cores"] if bound else [])
     return timed_launch(cmd, out)
 
 
@@ -149,6 +151,8 @@ def main() -> None:
     parser.add_argument("--only-dp-sync", action="store_true", help="just the DP sync comparison")
     parser.add_argument("--compile", action="store_true",
                         help="both sides compile each block (trainer.compile=blocks / handwritten.py --compile)")
+    parser.add_argument("--bound-hand-written", action="store_true",
+                        help="a third side: hand-written with its ranks bound to their cores, as the framework's are")
     args = parser.parse_args()
     if args.only_checkpoints or args.only_dp_sync:
         with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
@@ -160,20 +164,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
         work = Path(tmp)
         compiled = ["trainer.compile=blocks"] if args.compile else []
-        runs = interleaved({"framework": partial(run_framework, args.mesh, args.steps, work, *compiled),
-                            "hand-written": partial(run_handwritten, args.mesh, args.steps, work, compiled=args.compile)},
-                           args.repeats, "framework vs hand-written", rel_tol=1e-5)
+        sides = {"framework": partial(run_framework, args.mesh, args.steps, work, *compiled),
+                 "hand-written": partial(run_handwritten, args.mesh, args.steps, work, compiled=args.compile)}
+        if args.bound_hand_written:
+            sides["hand-written, bound"] = partial(run_handwritten, args.mesh, args.steps, work, compiled=args.compile,
+                                                   bound=True)
+        runs = interleaved(sides, args.repeats, "framework vs hand-written", rel_tol=1e-5)
         medians = {side: {key: statistics.median(r[key] for r in results) for key in ("median_step_s", "first_step_s")}
                    for side, results in runs.items()}
-        a, b = medians["framework"], medians["hand-written"]
+        a = medians["framework"]
         print(f"\nlm_small, lm_tp_sp, mesh {args.mesh}, {args.steps} steps, {args.repeats} interleaved repeats (medians)"
               + (", both sides compiled per block" if args.compile else ""))
-        print("| | framework | hand-written | framework / hand-written |")
-        print("|---|---|---|---|")
-        print(f"| step time (s) | {a['median_step_s']:.4f} | {b['median_step_s']:.4f} | "
-              f"{a['median_step_s'] / b['median_step_s']:.3f} |")
-        print(f"| time to first step (s) | {a['first_step_s']:.2f} | {b['first_step_s']:.2f} | "
-              f"{a['first_step_s'] / b['first_step_s']:.3f} |")
+        for other in list(medians)[1:]:
+            b = medians[other]
+            print(f"\n| | framework | {other} | framework / {other} |")
+            print("|---|---|---|---|")
+            print(f"| step time (s) | {a['median_step_s']:.4f} | {b['median_step_s']:.4f} | "
+                  f"{a['median_step_s'] / b['median_step_s']:.3f} |")
+            print(f"| time to first step (s) | {a['first_step_s']:.2f} | {b['first_step_s']:.2f} | "
+                  f"{a['first_step_s'] / b['first_step_s']:.3f} |")
         if args.throughput_meshes:
             print("\n| mesh | tokens/s (framework) |")
             print("|---|---|")

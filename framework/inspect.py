@@ -33,6 +33,7 @@ from framework.training.builder import build_and_run
 from framework.cli import command_status, compose_config
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
+from framework.launch.threads import binds_cores
 from framework.data.loader import DataPosition, batches
 from framework.training.profiling import format_summary, profiled, summary, trace_path
 from framework.training.trainer import Trainer
@@ -106,7 +107,10 @@ def on_ranks(function, overrides: List[str], *args) -> Dict[int, object]:
     cfg = compose_config(overrides)
     validate(cfg)
     with tempfile.TemporaryDirectory(prefix="framework-inspect-") as out_dir:
-        return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir, *args)
+        # each rank's threads and cores as in a run of this config: the profile is of that run
+        return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir, *args,
+                           threads_per_rank=cfg.launcher.threads_per_rank,
+                           bind_cores=binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type))
 
 
 def profile_of_steps(cfg_container: dict, out_dir: str, trace_dir: str) -> dict:

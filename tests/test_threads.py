@@ -1,35 +1,81 @@
 """Threads per rank: this host's cores shared out among its ranks unless the user says otherwise,
-read back from torch inside the ranks (whatever machine runs the suite)."""
+read back from torch inside the ranks (whatever machine runs the suite); and each rank bound to
+its share of the cores, read back from the kernel's affinity inside the ranks."""
+import json
 import os
 
 import pytest
 
-from framework.launch.threads import threads_per_rank
-from tests.conftest import TEST_MODELS, run_cli
+from framework.launch.threads import binds_cores, cores_of_rank, threads_per_rank
+from tests.conftest import TEST_MODELS, TORCHRUN, run_cli
 
 CORES = len(os.sched_getaffinity(0))
+ALL_CORES = sorted(os.sched_getaffinity(0))
 REPORT = [TEST_MODELS, "model._target_=tests.workers.ReportThreads",
           "trainer.max_steps=1", "trainer.progress_bar=false", "logger.tensorboard=false"]
 
 
-def threads_in_ranks(tmp_path, mesh: str, *overrides: str, omp: str | None = None) -> dict:
-    result = run_cli([*REPORT, f"+model.out={tmp_path}", f"mesh={mesh}", *overrides,
-                      f"hydra.run.dir={tmp_path / 'job'}"], env={"OMP_NUM_THREADS": omp}, timeout=120)
-    assert result.returncode == 0, result.stderr
+def ranks_of(mesh: str) -> int:
     ranks = 1
     for size in mesh.split("x"):
         ranks *= int(size)
+    return ranks
+
+
+def threads_in_ranks(tmp_path, mesh: str, *overrides: str, omp: str | None = None, prefix=()) -> dict:
+    result = run_cli([*REPORT, f"+model.out={tmp_path}", f"mesh={mesh}", *overrides,
+                      f"hydra.run.dir={tmp_path / 'job'}"], env={"OMP_NUM_THREADS": omp}, timeout=120, prefix=prefix)
+    assert result.returncode == 0, result.stderr
+    ranks = ranks_of(mesh)
     threads = {rank: int((tmp_path / f"threads.rank{rank}").read_text()) for rank in range(ranks)}
     assert f"{ranks} rank{'s' if ranks > 1 else ''} on {CORES} cores: {threads[0]} thread" in result.stdout
     return threads
 
 
+def cores_in_ranks(tmp_path, ranks: int) -> dict:
+    return {rank: json.loads((tmp_path / f"cores.rank{rank}").read_text()) for rank in range(ranks)}
+
+
+def assert_shared_out(cores: dict, threads: int) -> None:
+    """Each rank on `threads` cores; consecutive ranks on different ones until the host's cores are
+    used up, and every core carrying as many ranks as any other."""
+    assert all(len(mine) == threads for mine in cores.values()), cores
+    ranks = len(cores)
+    for rank in range(min(ranks, CORES // threads)):
+        for other in range(rank):
+            assert not set(cores[rank]) & set(cores[other]), cores
+    load = [sum(core in mine for mine in cores.values()) for core in ALL_CORES]
+    if ranks * threads % CORES == 0:
+        assert set(load) == {ranks * threads // CORES}, cores
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mesh,plan", [("1x1", "plan=none"), ("2x2", "plan=seed_mlp_tp")])
-def test_each_rank_gets_its_share_of_the_cores(mesh, plan, tmp_path):
+def test_each_rank_gets_its_share_of_the_cores_and_is_bound_to_them(mesh, plan, tmp_path):
     threads = threads_in_ranks(tmp_path, mesh, plan)
     ranks = len(threads)
     assert set(threads.values()) == {max(1, CORES // ranks)}
+    assert_shared_out(cores_in_ranks(tmp_path, ranks), max(1, CORES // ranks))
+
+
+@pytest.mark.timeout(150)
+def test_ranks_under_torchrun_are_bound_and_bind_cores_false_leaves_them_free(tmp_path):
+    threads = threads_in_ranks(tmp_path / "torchrun", "1x2", "plan=seed_mlp_tp",
+                               prefix=[TORCHRUN, "--standalone", "--nproc-per-node", "2"])
+    assert_shared_out(cores_in_ranks(tmp_path / "torchrun", 2), threads[0])
+    threads_in_ranks(tmp_path / "free", "1x2", "plan=seed_mlp_tp", "launcher.bind_cores=false")
+    assert cores_in_ranks(tmp_path / "free", 2) == {0: ALL_CORES, 1: ALL_CORES}
+
+
+def test_a_rank_s_cores_follow_the_previous_ranks_and_wrap_round():
+    sixteen = list(range(16))
+    assert [cores_of_rank(sixteen, rank, 5) for rank in range(3)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9],
+                                                                       [10, 11, 12, 13, 14]]
+    assert [cores_of_rank([0, 1], rank, 1) for rank in range(4)] == [[0], [1], [0], [1]]
+    assert [cores_of_rank([2, 3, 6, 7], rank, 3) for rank in range(2)] == [[2, 3, 6], [2, 3, 7]]
+    assert cores_of_rank([0, 1], 1, 4) == [0, 1]  # more threads than cores: all of them
+    assert binds_cores(None, "cpu") and not binds_cores(None, "cuda")
+    assert binds_cores(True, "cuda") and not binds_cores(False, "cpu")
 
 
 @pytest.mark.timeout(150)

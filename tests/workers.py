@@ -1,4 +1,5 @@
 """Functions the multi-process tests run inside each rank (importable by spawned processes)."""
+import json
 import os
 import signal
 import threading
@@ -28,12 +29,14 @@ class FailOnRank(SeedMLP):
 
 
 class ReportThreads(SeedMLP):
-    """The seed model, which writes the rank's torch thread count to `<out>/threads.rank<N>`."""
+    """The seed model, which writes the rank's torch thread count to `<out>/threads.rank<N>` and
+    the cores it may run on to `<out>/cores.rank<N>`."""
 
     def __init__(self, out: str, **sizes):
         super().__init__(**sizes)
         if "RANK" in os.environ:  # not the launcher's check on meta
             Path(out, f"threads.rank{os.environ['RANK']}").write_text(str(torch.get_num_threads()))
+            Path(out, f"cores.rank{os.environ['RANK']}").write_text(json.dumps(sorted(os.sched_getaffinity(0))))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

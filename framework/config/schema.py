@@ -151,6 +151,7 @@ class LauncherConfig:
     max_restarts: int = 0
     ranks_per_node: Optional[int] = None
     threads_per_rank: Optional[int] = None
+    bind_cores: Optional[bool] = None
 
 
 @dataclass

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from framework.launch.handoff import write_resolved_config
-from framework.launch.threads import apply_in_rank, for_ranks
+from framework.launch.threads import apply_in_rank, binds_cores, for_ranks
 from framework.launch.zygote import zygote_socket
 from framework.training.watchdog import stall_message
 
@@ -76,18 +76,19 @@ def _failure_message(error: ChildFailedError) -> str:
 
 
 def _with_rank_threads(function: Callable, *args: Any) -> Any:
-    apply_in_rank(None)  # decided by the launcher
+    apply_in_rank(None, False)  # decided by the launcher
     return function(*args)
 
 
 def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any, max_restarts: int = 0,
-                threads_per_rank: Optional[int] = None) -> Dict[int, Any]:
+                threads_per_rank: Optional[int] = None, bind_cores: bool = False) -> Dict[int, Any]:
     """Run `entrypoint(*args)` (a function, or a command with its arguments) in `world` fresh
     processes forming one process group on loopback; return each rank's result (None for a
     command). Any rank failing stops them all; the agent then starts them all again, up to
     `max_restarts` times, and after that raises RankFailed. A function runs in forks of a server
     that imported the framework once (multiprocessing's forkserver), not in fresh interpreters.
-    Each rank gets its share of this host's cores (framework.launch.threads)."""
+    Each rank gets its share of this host's cores (framework.launch.threads), with `bind_cores`
+    bound to them."""
     multiprocessing.set_forkserver_preload(["framework.training.builder"])
     if callable(entrypoint):
         entrypoint, args = _with_rank_threads, (entrypoint, *args)
@@ -102,7 +103,7 @@ def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any, max_restarts
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
-            with for_ranks(threads_per_rank, world):
+            with for_ranks(threads_per_rank, world, bind_cores):
                 return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as error:
             raise RankFailed(_failure_message(error)) from None
@@ -123,7 +124,8 @@ def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     try:
         spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.zygote", zygote_socket(),
                     "framework.launch.worker", config_path, out_dir, max_restarts=cfg.launcher.max_restarts,
-                    threads_per_rank=cfg.launcher.threads_per_rank)
+                    threads_per_rank=cfg.launcher.threads_per_rank,
+                    bind_cores=binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type))
     except RankFailed:
         stalled = stall_message(out_dir)  # the ranks' own account of a stall beats their exit codes
         if stalled:

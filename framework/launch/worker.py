@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from framework.launch.local import headline, lost_peer
-from framework.launch.threads import apply_in_rank
+from framework.launch.threads import apply_in_rank, binds_cores
 from framework.launch.zygote import restart_note
 from framework.training.builder import build_and_run
 from framework.training.watchdog import EXIT_LOCK
@@ -49,7 +49,7 @@ def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
     setup_rank_logging(out_dir, rank)
     try:
         cfg = OmegaConf.create(cfg_container)
-        threads = apply_in_rank(cfg.launcher.threads_per_rank)
+        threads = apply_in_rank(cfg.launcher.threads_per_rank, binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type))
         if rank == 0:
             log.info("%s", threads)
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), deep=False)
