@@ -95,10 +95,11 @@ def apply_in_rank(configured: Optional[int], bind: bool) -> str:
         threads, why = threads_per_rank(configured, ranks, os.environ.get("OMP_NUM_THREADS"))
         os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes the rank starts (data loader workers)
     torch.set_num_threads(threads)
-    line = f"{ranks} rank{'s' if ranks > 1 else ''} on {cores} cores: {threads} thread{'s' if threads > 1 else ''} each ({why})"
+    line = (f"{ranks} rank{'s' if ranks > 1 else ''} on {cores} cores: {threads} "
+            f"thread{'s' if threads > 1 else ''} each ({why})")
     if bind and hasattr(os, "sched_setaffinity"):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         mine = cores_of_rank(sorted(os.sched_getaffinity(0)), local, threads)
-        os.sched_setaffinity(0, mine)  # threads started later (gloo's, data loader workers) inherit it
+        os.sched_setaffinity(0, mine)  # what it starts later inherits it: gloo's threads, data loader workers
         line += f"; each rank bound to its share of the cores (local rank {local}: {mine}; launcher.bind_cores)"
     return line

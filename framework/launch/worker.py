@@ -49,7 +49,8 @@ def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
     setup_rank_logging(out_dir, rank)
     try:
         cfg = OmegaConf.create(cfg_container)
-        threads = apply_in_rank(cfg.launcher.threads_per_rank, binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type))
+        bind = binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type)
+        threads = apply_in_rank(cfg.launcher.threads_per_rank, bind)
         if rank == 0:
             log.info("%s", threads)
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), deep=False)
