@@ -9,8 +9,8 @@ import pytest
 from framework.launch.threads import binds_cores, cores_of_rank, threads_per_rank
 from tests.conftest import TEST_MODELS, TORCHRUN, run_cli
 
-CORES = len(os.sched_getaffinity(0))
 ALL_CORES = sorted(os.sched_getaffinity(0))
+CORES = len(ALL_CORES)
 REPORT = [TEST_MODELS, "model._target_=tests.workers.ReportThreads",
           "trainer.max_steps=1", "trainer.progress_bar=false", "logger.tensorboard=false"]
 
