@@ -12,6 +12,7 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, List
 
@@ -121,6 +122,9 @@ def write_csv(rows: List[dict], path: Path) -> None:
         writer.writerows({**row, "overrides": " ".join(row["overrides"])} for row in rows)
 
 
+LABEL_CHARS = 60  # a job's label in the plot; the table has its whole line of overrides
+
+
 def plot(rows: List[dict], path: Path) -> None:
     """Left: every job's loss per step on one axis; right: each job's samples/s."""
     # Imported here: Hydra builds the callback for every run, and most runs never plot.
@@ -130,7 +134,9 @@ def plot(rows: List[dict], path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     common = common_overrides(rows)
-    labels = [f"{row['job']}: {cell(row, 'overrides', common) or row['mesh']}" for row in rows]
+    # shortened: a long line of overrides (a path, a target list) squeezed the plot to nothing
+    labels = [textwrap.shorten(f"{row['job']}: {cell(row, 'overrides', common) or row['mesh']}", LABEL_CHARS)
+              for row in rows]
     fig = Figure(figsize=(13, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     loss_ax, speed_ax = fig.subplots(1, 2)

@@ -5,6 +5,7 @@ import json
 import math
 import statistics
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,15 @@ def test_the_callback_exits_1_only_when_a_job_failed(tmp_path, capsys):
         SweepReport().on_multirun_end(config=config)
     assert exit_.value.code == 1
     assert (tmp_path / "sweep_report.md").read_text().count("| failed | config error: mesh.shape=[1, 2]: why |") == 1
+
+
+def test_a_job_with_a_long_line_of_overrides_still_gets_a_readable_plot(tmp_path):
+    """Its label is shortened in the plot (matplotlib warned that the axes collapsed to zero and
+    drew nothing); the table keeps the whole line."""
+    long = [f"+model.out={tmp_path / ('x' * 120)}", "allowed_targets=[framework,torch.nn,torch.optim,tests]"]
+    fake_job(tmp_path, "0", 0, long, [2, 1], summary={"final_loss": 1.0, "losses": [2.0, 1.0], "val_losses": [],
+                                                      "step_times_s": [9.0, 0.5], "samples_per_s": 8.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        printed = write_report(sweep_rows(tmp_path), tmp_path)
+    assert " ".join(long) in printed
