@@ -6,6 +6,7 @@ line and the sweep goes on; the sweep report lists it and the command exits 1.
 """
 import os
 import shutil
+import signal
 import sys
 import warnings
 from typing import Optional
@@ -28,7 +29,7 @@ from framework.config.schema import register_schema
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
 from framework.launch.handoff import HYDRA_ONLY, under_torchrun
-from framework.launch.local import RankFailed, launch_local
+from framework.launch.local import Interrupted, RankFailed, launch_local
 from framework.launch.slurm import in_submitit_job
 from framework.report import clear_failure, record_failure
 
@@ -73,6 +74,9 @@ def hydra_app(cfg: DictConfig) -> None:
         line, status = str(error), 2
     except RankFailed as error:
         line, status = f"training failed: {error}", 1
+    except Interrupted as stop:  # in a sweep too: the signal ends the sweep, not just this job
+        print(stop, file=sys.stderr)
+        sys.exit(128 + stop.number)
     print(line, file=sys.stderr)
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         record_failure(out_dir, line)
@@ -92,6 +96,9 @@ def main() -> None:
         sys.exit(refused)
     try:
         hydra_app()
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started (after, the launcher's agent handles it)
+        print("interrupted by SIGINT before training started: nothing saved", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     except SystemExit as exit_:
         # Hydra prints its own errors (an override it cannot apply, a recipe that does not exist)
         # and exits 1 while handling them; those are config errors: exit 2, as the README says.

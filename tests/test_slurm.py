@@ -67,7 +67,9 @@ def test_a_job_whose_rank_fails_is_reported_and_the_other_job_finishes(cluster, 
     assert (sweep / "1" / "summary.json").exists() and not (sweep / "1" / "error.txt").exists()
 
 
-def test_a_cancelled_job_is_reported_and_leaves_nothing_running(cluster, tmp_path):
+def test_a_cancelled_job_saves_where_it_stopped_is_reported_and_leaves_nothing_running(cluster, tmp_path):
+    """scancel signals the job's tasks (SIGTERM): its ranks stop after one step, save, and the
+    sweep reports the job as ended before the run finished, naming the checkpoint."""
     sweep, marker = tmp_path / "sweep", f"FRAMEWORK_TEST_MARKER={tmp_path.name}"
     env = {**cluster, "FRAMEWORK_TEST_MARKER": tmp_path.name}
     earlier = {line.split()[0] for line in squeue(cluster).splitlines()}  # an earlier test's jobs are not this one
@@ -78,14 +80,14 @@ def test_a_cancelled_job_is_reported_and_leaves_nothing_running(cluster, tmp_pat
 
     command = subprocess.Popen(
         [str(Path(os.sys.executable)), "-m", "framework.train", *SLURM, "mesh=2x1", "trainer.max_steps=100000",
-         "trainer.progress_bar=false", "logger.tensorboard=false", f"hydra.sweep.dir={sweep}"],
+         "trainer.progress_bar=false", "logger.tensorboard=false", "checkpoint.every=100000", TEST_MODELS,
+         "model._target_=tests.workers.MarkTraining", f"+model.out={tmp_path}", f"hydra.sweep.dir={sweep}"],
         cwd=Path(__file__).resolve().parents[1], env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 200
-        while not running() and time.monotonic() < deadline:
-            time.sleep(1)
-        time.sleep(5)
+        while not (tmp_path / "training").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
         job_id, = running()
         assert len(processes_with_marker(marker)) > 2  # the command and the job's tasks, which inherit it
         subprocess.run(["scancel", job_id], env={**os.environ, **cluster}, check=True)
@@ -94,12 +96,13 @@ def test_a_cancelled_job_is_reported_and_leaves_nothing_running(cluster, tmp_pat
         if command.poll() is None:
             os.killpg(command.pid, 9)
     assert command.returncode == 1, stderr[-3000:]
-    assert f"slurm job {job_id} (job 0: launcher.ranks_per_node=2 mesh=2x1 " in stderr
-    assert stderr.strip().splitlines()[-2:] == [
-        f"slurm job {job_id} (job 0: {' '.join(SLURM[4:])} mesh=2x1 trainer.max_steps=100000 "
-        "trainer.progress_bar=False logger.tensorboard=False): CANCELLED",
-        "slurm job ended CANCELLED before the run finished"]
-    assert (sweep / "0" / "error.txt").read_text().strip() == "slurm job ended CANCELLED before the run finished"
+    state, line = stderr.strip().splitlines()[-2:]
+    assert state.startswith(f"slurm job {job_id} (job 0: launcher.ranks_per_node=2 mesh=2x1 ") and \
+        state.endswith("): CANCELLED")
+    saved = re.fullmatch(r"slurm job ended CANCELLED before the run finished; checkpoint (\S+) saved at step (\d+)", line)
+    assert saved and saved[1] == str(sweep / "0" / "checkpoints" / f"step_{saved[2]}"), line
+    assert os.path.isdir(saved[1])
+    assert (sweep / "0" / "error.txt").read_text().strip() == line
     assert "1 jobs, 1 failed" in stdout
     time.sleep(3)
     assert processes_with_marker(marker) == []  # the job's tasks inherited the marker (sbatch --export=ALL)

@@ -3,6 +3,7 @@ import json
 import os
 import signal
 import threading
+import time
 from typing import Optional
 from pathlib import Path
 
@@ -37,6 +38,32 @@ class ReportThreads(SeedMLP):
         if "RANK" in os.environ:  # not the launcher's check on meta
             Path(out, f"threads.rank{os.environ['RANK']}").write_text(str(torch.get_num_threads()))
             Path(out, f"cores.rank{os.environ['RANK']}").write_text(json.dumps(sorted(os.sched_getaffinity(0))))
+
+
+class MarkTraining(SeedMLP):
+    """The seed model, which creates `<out>/training` in rank 0's forward number `at`: a test
+    waits for it to signal a run that is training."""
+
+    def __init__(self, out: str, at: int = 5, **sizes):
+        super().__init__(**sizes)
+        self.marker, self.at, self.calls = Path(out, "training"), at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at and os.environ.get("RANK") == "0":
+            self.marker.touch()
+        return super().forward(x)
+
+
+class SlowToBuild(SeedMLP):
+    """The seed model, whose ranks create `<out>/building` and then take minutes to build: a test
+    signals a run before it trains."""
+
+    def __init__(self, out: str, **sizes):
+        super().__init__(**sizes)
+        if "RANK" in os.environ:  # not the launcher's check on meta
+            Path(out, "building").touch()
+            time.sleep(600)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

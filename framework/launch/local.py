@@ -13,11 +13,13 @@ import re
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from typing import Any, Callable, Dict, Optional
 
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -29,6 +31,30 @@ from framework.training.watchdog import stall_message
 
 class RankFailed(RuntimeError):
     """A rank raised or died; the message names the rank and its error."""
+
+
+class Interrupted(Exception):
+    """The launcher was signalled (Ctrl-C, SIGTERM) and its ranks have stopped; the message says
+    where, and what was saved (framework.training.interrupt)."""
+
+    def __init__(self, number: int, message: str = ""):
+        super().__init__(message or f"interrupted by {signal.Signals(number).name}")
+        self.number = number
+
+
+def interrupted_message(name: str, out_dir: str, since: float) -> str:
+    """What a signal to the launcher left: rank 0's summary of this launch says where the ranks
+    stopped and which checkpoint they saved there."""
+    summary_path = os.path.join(out_dir, "summary.json")
+    if not os.path.exists(summary_path) or os.path.getmtime(summary_path) < since:
+        return f"interrupted by {name} before training started: nothing saved"
+    with open(summary_path) as f:
+        stopped = json.load(f).get("stopped")
+    if not stopped:  # the signal came after the last step
+        return f"interrupted by {name} after the last step: the run is complete"
+    saved = (f"checkpoint {stopped['checkpoint']} saved; the same command resumes from it" if stopped["checkpoint"]
+             else "no checkpoint saved (checkpoint.every is null)")
+    return f"interrupted by {name}: every rank stopped after step {stopped['step']}; {saved}"
 
 
 # A rank whose peer died fails too, inside a collective; such errors are consequences.
@@ -93,8 +119,10 @@ def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any, max_restarts
     if callable(entrypoint):
         entrypoint, args = _with_rank_threads, (entrypoint, *args)
     # The agent logs each failed rank's whole traceback; the rank's own log has it, and
-    # RankFailed says which rank and why.
+    # RankFailed says which rank and why. Its agent also warns of the signal it relays to the
+    # ranks; Interrupted says it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="framework-elastic-") as log_dir:
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
@@ -107,6 +135,8 @@ def spawn_ranks(world: int, entrypoint: Callable | str, *args: Any, max_restarts
                 return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as error:
             raise RankFailed(_failure_message(error)) from None
+        except SignalException as stop:  # the agent signalled the ranks and waited for them to end
+            raise Interrupted(stop.sigval) from None
 
 
 def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
@@ -121,11 +151,14 @@ def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     which the agent hands back only from multiprocessing's processes, forked by its forkserver
     once the first rank starts."""
     config_path = write_resolved_config(cfg, out_dir)
+    started = time.time()
     try:
         spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.zygote", zygote_socket(),
                     "framework.launch.worker", config_path, out_dir, max_restarts=cfg.launcher.max_restarts,
                     threads_per_rank=cfg.launcher.threads_per_rank,
                     bind_cores=binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type))
+    except Interrupted as stop:
+        raise Interrupted(stop.number, interrupted_message(signal.Signals(stop.number).name, out_dir, started)) from None
     except RankFailed:
         stalled = stall_message(out_dir)  # the ranks' own account of a stall beats their exit codes
         if stalled:

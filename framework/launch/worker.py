@@ -9,6 +9,7 @@ the launcher, or by the rank itself when the agent restarts every rank after it)
 """
 import logging
 import os
+import signal
 import sys
 from typing import Optional
 
@@ -82,6 +83,8 @@ def _run_from_argv() -> None:
 def main() -> None:
     try:
         record(_run_from_argv, ErrorFileUnderExitLock())()
+    except KeyboardInterrupt:  # SIGINT before training (framework.training.interrupt handles it during)
+        sys.exit(128 + signal.SIGINT)
     except Exception as error:  # logged with its traceback, and in the error file
         note = restart_note()
         line = headline(f"{type(error).__name__}: {error}")

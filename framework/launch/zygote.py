@@ -80,8 +80,15 @@ def _die_with_parent() -> None:
         pass  # not Linux: the parent-pid check in serve() still ends the server
 
 
-def _run_rank(conn: socket.socket, stdio: list, request: dict) -> None:
-    """In the forked child: become the rank the client asked for, run it, exit with its status."""
+def _run_rank(conn: socket.socket, stdio: list, request: dict, zygote: int) -> None:
+    """In the forked child: become the rank the client asked for, run it, exit with its status.
+    A rank is the leader of its own session, as torchrun's are: a terminal's Ctrl-C reaches the
+    launcher alone, whose agent signals each rank once (framework.training.interrupt). Out of the
+    launcher's process group, it dies with the zygote, as the zygote dies with the launcher."""
+    os.setsid()
+    _die_with_parent()
+    if os.getppid() != zygote:  # it died before the line above
+        os._exit(1)
     for target, fd in enumerate(stdio):
         os.dup2(fd, target)
         os.close(fd)
@@ -119,12 +126,13 @@ def _run_rank(conn: socket.socket, stdio: list, request: dict) -> None:
 def _fork_rank(listener: socket.socket, conn: socket.socket, ranks: Dict[int, socket.socket]) -> None:
     header, stdio, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
     request = json.loads(_recv_exactly(conn, _HEADER.unpack(header)[0]))
+    zygote = os.getpid()
     pid = os.fork()
     if pid == 0:
         listener.close()
         for other in ranks.values():
             other.close()
-        _run_rank(conn, stdio, request)
+        _run_rank(conn, stdio, request, zygote)
     for fd in stdio:
         os.close(fd)
     ranks[pid] = conn
@@ -133,6 +141,10 @@ def _fork_rank(listener: socket.socket, conn: socket.socket, ranks: Dict[int, so
 
 def serve(path: str, preload: str) -> None:
     _die_with_parent()
+    # In the launcher's process group, but stopped only with the launcher: a Ctrl-C or SIGTERM to
+    # the group is the launcher's to act on (its ranks end their step and save first).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)

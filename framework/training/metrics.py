@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from framework.atomic import atomic_file
+from framework.checkpoint.layout import step_dir
 from framework.checkpoint.manager import restart_count
 from framework.parallel.mesh import layout_table
 from framework.training.logger import TensorBoardLogger
@@ -114,20 +115,24 @@ class Metrics:
             values["mfu"] = mfu(values["tokens_per_s"], self.flops_per_token, self.peak * dist.get_world_size())
         self.scalars(step, values)
 
-    def summary(self, history: dict) -> dict:
+    def summary(self, history: dict, stopped_by: Optional[str] = None) -> dict:
         """The attempt's summary; rank 0 also logs it, closes TensorBoard with the hparams and
-        writes summary.json."""
+        writes summary.json. `stopped_by`: the signal that ended the run before max_steps."""
         cfg, run = self.run.cfg, self.run
+        last = run.state.step  # trainer.max_steps, or where a signal stopped the run
         self.progress.close()
         wall = time.perf_counter() - self.start  # training time, evaluation excluded
-        steady_steps = cfg.trainer.max_steps - self.first  # this attempt's steps after its first
+        steady_steps = last - self.first  # this attempt's steps after its first
         # None (JSON null) when this attempt ran only its first step, which is not timed
         samples_per_s = self.global_batch * steady_steps / (wall - self.first_step_s) if steady_steps > 0 else None
         summary = {
             "mesh_shape": list(cfg.mesh.shape),
             "dim_names": list(cfg.mesh.dim_names),
             "plan": OmegaConf.to_container(cfg.plan, resolve=True),
-            "steps": cfg.trainer.max_steps,
+            "steps": last,
+            "stopped": {"signal": stopped_by, "step": last, "checkpoint": step_dir(run.checkpointer.dir, last)
+                        if history["checkpoints"] and history["checkpoints"][-1]["step"] == last else None}
+            if stopped_by else None,
             "final_loss": history["losses"][-1],
             "losses": history["losses"],
             "grad_norms": history["grad_norms"],
@@ -160,7 +165,7 @@ class Metrics:
                  **dict(override.split("=", 1) for override in summary["overrides"] if "=" in override)},
                 {"final/loss": summary["final_loss"],
                  **({"final/samples_per_s": samples_per_s} if samples_per_s else {})},
-                cfg.trainer.max_steps,
+                summary["steps"],
             )
             self.tb.close()
         with atomic_file(os.path.join(self.run.out_dir, "summary.json")) as f:

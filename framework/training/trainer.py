@@ -30,6 +30,7 @@ from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
 from framework.parallel.pipeline import Pipeline, microbatches
 from framework.parallel.plan import final_output_layout
 from framework.parallel.replica_check import check_replicas
+from framework.training.interrupt import Interrupt
 from framework.training.metrics import Metrics
 from framework.training.profiling import format_summary, profiled, summary, trace_path
 from framework.training.run import Run
@@ -280,7 +281,9 @@ class Trainer:
         # not yet averaged over DP: at most log_every (a logging step flushes them), nor more than the steps left
         self.pending = PendingLosses(min(trainer.log_every, trainer.max_steps - state.step), self.device)
         run.model.train()
-        with garbage_frozen(), profiled(run.out_dir, run.rank, trainer.profile_steps) as profiler:
+        stopped = None
+        with garbage_frozen(), profiled(run.out_dir, run.rank, trainer.profile_steps) as profiler, \
+                Interrupt(run.rank) as interrupt:
             for step in range(state.step + 1, trainer.max_steps + 1):
                 state.step = step
                 logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
@@ -290,26 +293,32 @@ class Trainer:
                 loss, grad_norm = self.train_step(inputs, targets, logging_step, on_gradients=lambda: self.watchdog.stage(
                     f"step {step}: gradient norm, optimizer step"))
                 self.pending.append(loss)
-                self._after_step(step, logging_step, grad_norm)
+                stopped = interrupt.agreed()
+                self._after_step(step, logging_step, grad_norm, stopping=stopped is not None)
                 if logging_step:
                     history = state.history
                     self.metrics.log_step(step, history["losses"][-1], lr, history["grad_norms"][-1])
                 if profiler:
                     profiler.step()
+                if stopped:
+                    break
         if profiler:  # each rank's own log (rank 0's is also the console)
             log.info("profile of steps 2-%d:\n%s", trainer.profile_steps + 1,
                      "\n".join(format_summary(run.rank, summary(profiler), trace_path(run.out_dir, run.rank))))
         self.watchdog.stage("waiting for the last checkpoint save")
         run.checkpointer.close()  # the last async save finishes before the run ends
-        if self.cfg.checkpoint.final_hf:
+        if self.cfg.checkpoint.final_hf and not stopped:  # the model at the end, not where a signal stopped it
             self.watchdog.stage("writing the Hugging Face model")
             save_hf_sharded(run.module, os.path.join(run.out_dir, "hf"), run.rank)
         self.watchdog.close()  # (a rank that raises exits, and its watchdog thread with it)
-        return self.metrics.summary(state.history)
+        return self.metrics.summary(state.history, stopped)
 
-    def _after_step(self, step: int, logging_step: bool, grad_norm: Optional[torch.Tensor]) -> None:
+    def _after_step(self, step: int, logging_step: bool, grad_norm: Optional[torch.Tensor],
+                    stopping: bool = False) -> None:
         """What follows a step, each when due: the replica check, evaluation, the losses'
-        all-reduce into the history, the checkpoint save (or publishing a finished async one)."""
+        all-reduce into the history, the checkpoint save (or publishing a finished async one).
+        The step a signal stops the run at (`stopping`) takes its losses and, when checkpoints
+        are on, a save."""
         run, trainer, history = self.run, self.cfg.trainer, self.run.state.history
         # replicate only: fsdp holds one shard per DP rank; hsdp's replicas of a shard are not compared yet
         if trainer.check_replicas_every and self.cfg.parallel.dp_strategy == "replicate" \
@@ -320,8 +329,8 @@ class Trainer:
             self.watchdog.stage(f"step {step}: evaluation")
             self.metrics.exclude(self._evaluate_and_log(step))
         self.metrics.step_done()
-        saving = run.checkpointer.due(step)
-        if logging_step or saving:  # a checkpoint holds every loss up to its step
+        saving = run.checkpointer.due(step) or (stopping and bool(run.checkpointer.every))
+        if logging_step or saving or stopping:  # a checkpoint holds every loss up to its step
             self.watchdog.stage(f"step {step}: loss all-reduce")
             history["losses"] += mean_over_dp(run, self.pending.take())
         if logging_step:

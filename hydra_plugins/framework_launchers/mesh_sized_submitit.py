@@ -2,11 +2,12 @@
 nodes and tasks per node, from its mesh (framework.launch.slurm.job_shape). On SLURM, every job's
 allocation is tested before any is submitted, and the launcher watches the jobs itself
 (framework.launch.slurm_watch: state changes on the console, hopeless jobs cancelled, no sacct);
-a job that ended without a result (cancelled, timed out, never started) is recorded in its job
-dir, so the sweep report lists it. Hydra only instantiates launchers found in the hydra_plugins
+a job that ended without a result or before its run finished (cancelled, timed out, never
+started) is recorded in its job dir, so the sweep report lists it. Hydra only instantiates launchers found in the hydra_plugins
 namespace, hence this module's home. Without the plugin (the `slurm` extra), the same names say
 which pip command installs it.
 """
+import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,15 @@ from framework.launch.slurm_watch import sbatch_refusal, watch
 from framework.report import clear_failure, record_failure
 
 RESULT_GRACE_S = 30.0  # how long a COMPLETED job's result file may take to show on a shared filesystem
+
+
+def saved(job_dir: Path) -> str:
+    """`; checkpoint ... saved at step N` when the job's ranks saved where a signal stopped them
+    (framework.training.interrupt), else ""."""
+    summary = job_dir / "summary.json"
+    stopped = json.loads(summary.read_text()).get("stopped") if summary.exists() else None
+    return f"; checkpoint {stopped['checkpoint']} saved at step {stopped['step']}" \
+        if stopped and stopped["checkpoint"] else ""
 
 try:
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -75,7 +85,8 @@ else:
 
         def _outcome(self, job: Any, overrides: Sequence[str], idx: int, how: str) -> JobReturn:
             """Task 0's JobReturn (it records a failed rank in the job dir itself), or, for a job
-            that left none, _unfinished's."""
+            that left none or did not complete, _unfinished's. (Cancelled or out of time, its ranks
+            got Slurm's SIGTERM, saved where they stopped and returned: not a finished run.)"""
             import submitit
 
             task = job.task(0)
@@ -84,7 +95,9 @@ else:
                 time.sleep(1)  # a shared filesystem may show the file late
             if task.paths.result_pickle.exists():
                 try:
-                    return task.results()[0]
+                    result = task.results()[0]
+                    if how == "COMPLETED":
+                        return result
                 except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as error:
                     how = f"{how} ({type(error).__name__})"
             return self._unfinished(overrides, idx, how)
@@ -113,7 +126,7 @@ else:
                 with open_dict(sweep_config):
                     del sweep_config["hydra"]
                 OmegaConf.save(sweep_config, job_dir / ".hydra" / "config.yaml")
-            line = how if "can never start" in how else f"slurm job ended {how} before the run finished"
+            line = how if "can never start" in how else f"slurm job ended {how} before the run finished{saved(job_dir)}"
             record_failure(str(job_dir), line)
             print(line, file=sys.stderr)
             # COMPLETED, as framework.train's own failed jobs return: a FAILED one would end the sweep
