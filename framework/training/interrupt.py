@@ -45,10 +45,10 @@ class Interrupt:
             self.previous[number] = signal.signal(number, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_) -> None:
         for number, handler in self.previous.items():
-            signal.signal(number, handler)
-        if self.in_flight is not None:  # every rank started it: every rank waits for it
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        if self.in_flight is not None and exc_type is None:  # every rank started it: every rank waits for it
             self.in_flight[0].wait()
             self.in_flight = None
 
