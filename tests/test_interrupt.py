@@ -120,3 +120,17 @@ def test_one_signal_delivered_twice_is_one_and_a_second_one_later_stops_at_once(
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_a_sweep_ends_the_sweep_not_just_its_job(tmp_path):
+    marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"
+    sweep = tmp_path / "sweep"
+    process = _start(["-m", "mesh=2x1,1x2", *SEED[1:], "checkpoint.every=100000", "trainer.max_steps=100000",
+                      "model._target_=tests.workers.MarkTraining", f"+model.out={tmp_path}",
+                      f"hydra.sweep.dir={sweep}"], marker)
+    code, _, stderr = _signal_when(tmp_path / "training", process, lambda: os.killpg(process.pid, signal.SIGINT))
+    assert code == 128 + signal.SIGINT, stderr
+    assert STOPPED.fullmatch(stderr.strip().splitlines()[-1]) and str(sweep / "0" / "checkpoints") in stderr
+    assert not (sweep / "1").exists()
+    assert _nothing_left(marker)
