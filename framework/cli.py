@@ -7,6 +7,7 @@ said in one line that names the key or the path and the fix, never a traceback.
 """
 import argparse
 import os
+import signal
 import sys
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -24,7 +25,7 @@ from framework.checkpoint.layout import CheckpointError
 from framework.config.errors import ConfigError
 from framework.config.schema import did_you_mean, register_schema, section_keys
 from framework.config.trust import check_composed
-from framework.launch.local import RankFailed
+from framework.launch.local import Interrupted, RankFailed
 
 # The configs inside the package (framework/conf links to conf/ in the source tree; a wheel holds a copy).
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
@@ -101,7 +102,8 @@ def parsed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[Option
 
 def command_status(body: Callable[[], int], failed: str, argv: List[str] = (), usage: str = "") -> int:
     """A command's exit status: `usage` for -h/--help (0); else its body's, or 2 with one
-    `config error:` line, or 1 with `<failed>: <the failed rank and its error>`."""
+    `config error:` line, or 1 with `<failed>: <the failed rank and its error>`, or 128 + a signal's
+    number (Ctrl-C, SIGTERM) with one line."""
     if usage and any(arg in ("-h", "--help") for arg in argv):
         print(usage)
         return 0
@@ -119,3 +121,9 @@ def command_status(body: Callable[[], int], failed: str, argv: List[str] = (), u
     except RankFailed as error:
         print(f"{failed}: {error}", file=sys.stderr)
         return 1
+    except Interrupted as stop:  # Ctrl-C or SIGTERM while ranks ran: they have stopped
+        print(stop, file=sys.stderr)
+        return 128 + stop.number
+    except KeyboardInterrupt:
+        print("interrupted by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT

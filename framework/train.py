@@ -1,9 +1,10 @@
 """`python -m framework.train [overrides]`: compose the config with Hydra, validate it, launch.
 
 A bad config exits with status 2 and one `config error: KEY=VALUE: FIX` line; a failed rank
-exits with status 1 and names the rank and its error; Ctrl-C or SIGTERM, 128 + the signal's number
-once the ranks have stopped and saved (framework.training.interrupt), saying where. In a sweep (-m) a failed job records that
-line and the sweep goes on; the sweep report lists it and the command exits 1.
+exits with status 1 and names the rank and its error. In a sweep (-m) a failed job records that
+line and the sweep goes on; the sweep report lists it and the command exits 1. Ctrl-C or SIGTERM
+ends the command (a sweep too) with 128 + the signal's number once the ranks have stopped and
+saved (framework.training.interrupt), saying where.
 """
 import os
 import shutil
