@@ -101,7 +101,8 @@ def test_ctrl_c_before_training_says_nothing_was_saved_and_leaves_nothing_runnin
                       f"hydra.run.dir={tmp_path / 'job'}"], marker)
     code, stdout, stderr = _signal_when(tmp_path / "building", process, lambda: os.killpg(process.pid, signal.SIGINT))
     assert code == 128 + signal.SIGINT, stderr
-    assert stderr.strip() == "interrupted by SIGINT before training started: nothing saved"
+    assert stderr.strip() == ("interrupted by SIGINT: the ranks stopped without saving (before training "
+                              "started, or at once on a second signal)")
     assert "Traceback" not in stdout
     assert _nothing_left(marker)
 

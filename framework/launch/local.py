@@ -47,7 +47,8 @@ def interrupted_message(name: str, out_dir: str, since: float) -> str:
     stopped and which checkpoint they saved there."""
     summary_path = os.path.join(out_dir, "summary.json")
     if not os.path.exists(summary_path) or os.path.getmtime(summary_path) < since:
-        return f"interrupted by {name} before training started: nothing saved"
+        return f"interrupted by {name}: the ranks stopped without saving (before training started, or at once on a " \
+               "second signal)"
     with open(summary_path) as f:
         stopped = json.load(f).get("stopped")
     if not stopped:  # the signal came after the last step
