@@ -70,8 +70,9 @@ class Interrupt:
             return
         self.received, self.received_at = number, time.monotonic()
         if self.rank == 0:
-            log.info("%s received: every rank stops after the next step and saves a checkpoint there "
-                     "(when checkpoint.every is set); send it again to stop at once", signal.Signals(number).name)
+            log.info("%s received: the ranks stop together within a few steps and save a checkpoint there "
+                     "(when checkpoint.every is set); send it again, a second later, to stop at once",
+                     signal.Signals(number).name)
 
     def agreed(self) -> Optional[str]:
         """After each step: the name of the signal some rank had received when the ranks last
