@@ -42,9 +42,10 @@ class Interrupted(Exception):
         self.number = number
 
 
-def interrupted_message(name: str, out_dir: str, since: float) -> str:
-    """What a signal to the launcher left: rank 0's summary of this launch says where the ranks
-    stopped and which checkpoint they saved there."""
+def interrupted_message(number: int, out_dir: str, since: float) -> str:
+    """What signal `number` to the launcher left: rank 0's summary of this launch says where the
+    ranks stopped and which checkpoint they saved there."""
+    name = signal.Signals(number).name
     summary_path = os.path.join(out_dir, "summary.json")
     if not os.path.exists(summary_path) or os.path.getmtime(summary_path) < since:
         return f"interrupted by {name}: the ranks stopped without saving (before training started, or at once on a " \
@@ -159,7 +160,7 @@ def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
                     threads_per_rank=cfg.launcher.threads_per_rank,
                     bind_cores=binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type))
     except Interrupted as stop:
-        raise Interrupted(stop.number, interrupted_message(signal.Signals(stop.number).name, out_dir, started)) from None
+        raise Interrupted(stop.number, interrupted_message(stop.number, out_dir, started)) from None
     except RankFailed:
         stalled = stall_message(out_dir)  # the ranks' own account of a stall beats their exit codes
         if stalled:

@@ -3,9 +3,9 @@ nodes and tasks per node, from its mesh (framework.launch.slurm.job_shape). On S
 allocation is tested before any is submitted, and the launcher watches the jobs itself
 (framework.launch.slurm_watch: state changes on the console, hopeless jobs cancelled, no sacct);
 a job that ended without a result or before its run finished (cancelled, timed out, never
-started) is recorded in its job dir, so the sweep report lists it. Hydra only instantiates launchers found in the hydra_plugins
-namespace, hence this module's home. Without the plugin (the `slurm` extra), the same names say
-which pip command installs it.
+started) is recorded in its job dir, so the sweep report lists it. Hydra only instantiates
+launchers found in the hydra_plugins namespace, hence this module's home. Without the plugin (the
+`slurm` extra), the same names say which pip command installs it.
 """
 import json
 import sys
