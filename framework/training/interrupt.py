@@ -6,12 +6,12 @@ client relays what it gets to its rank).
 
 The ranks are signalled one by one (by the launcher, torchrun or Slurm), each at another point of
 its step, and a rank that stopped alone would leave the others waiting in a collective. So every
-few steps the ranks compare notes: each puts whether it was signalled into an all-reduce over the
-whole world, on a gloo group of its own, started without waiting and read after the next step;
-all ranks then stop after the same step. A comparison costs about 1.5 ms on 2 busy cores (seed
-MLP on 2x1: 2.8 ms steps instead of 1.1 ms when made every step), so after the first steps the
-ranks make one per CHECK_EVERY_S of the slowest rank's step time: every step for steps of 0.2 s
-or more, about every 180 steps for the seed's. A signal is acted on within that and two steps.
+few steps the ranks compare notes: an all-reduce over the whole world, on a gloo group of its own,
+of whether each was signalled; all ranks then stop after the same step. It is blocking, between
+steps, never running beside a step's own collectives. A comparison costs about 1.5 ms on 2 busy
+cores (made every step, it took the seed MLP's 1.1 ms 2x1 step to 2.8 ms), so after the first
+steps the ranks make one per CHECK_EVERY_S of the slowest rank's step time: every step for steps
+of 0.5 s or more, about every 450 steps for the seed's. A signal is acted on within that.
 """
 import logging
 import os
@@ -27,7 +27,7 @@ log = logging.getLogger("framework")
 
 STOPPING = (signal.SIGINT, signal.SIGTERM)
 REPEAT_AFTER_S = 1.0  # a signal again sooner is the first one's other copy
-CHECK_EVERY_S = 0.2  # of training between two comparisons of notes
+CHECK_EVERY_S = 0.5  # of training between two comparisons of notes
 DECIDE_AT = 3  # the step whose time (the slowest rank's) sets how many steps that is (step 1 compiles)
 
 
@@ -40,7 +40,6 @@ class Interrupt:
         self.received_at = 0.0
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo") if distributed else None
-        self.in_flight: Optional[tuple] = None  # (work, tensor, step) of the last all-reduce started
         self.every = 1  # steps between comparisons, until DECIDE_AT's says
         self.steps, self.last = 0, time.monotonic()
         self.previous = {}
@@ -52,12 +51,9 @@ class Interrupt:
             self.previous[number] = signal.signal(number, self._handle)
         return self
 
-    def __exit__(self, exc_type, *_) -> None:
+    def __exit__(self, *_) -> None:
         for number, handler in self.previous.items():
             signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
-        if self.in_flight is not None and exc_type is None:  # every rank started it: every rank waits for it
-            self.in_flight[0].wait()
-            self.in_flight = None
 
     def _handle(self, number: int, _frame) -> None:
         if self.received and time.monotonic() - self.received_at < REPEAT_AFTER_S:
@@ -75,24 +71,18 @@ class Interrupt:
                      signal.Signals(number).name)
 
     def agreed(self) -> Optional[str]:
-        """After each step: the name of the signal some rank had received when the ranks last
-        compared notes (the same answer on every rank), else None."""
+        """After each step: the name of the signal some rank has received, when the ranks compare
+        notes at this step (the same answer on every rank), else None."""
         self.steps += 1
         now = time.monotonic()
         step_us, self.last = int((now - self.last) * 1e6), now
         if self.group is None:
             return signal.Signals(self.received).name if self.received else None
-        answer = None
-        if self.in_flight is not None:
-            work, notes, started_at = self.in_flight
-            work.wait()
-            self.in_flight = None
-            received, slowest_us = notes.tolist()
-            answer = signal.Signals(received).name if received else None
-            if started_at == DECIDE_AT:
-                self.every = max(1, int(CHECK_EVERY_S * 1e6) // max(slowest_us, 1))
-        if answer is None and self.steps % self.every == 0:
-            notes = torch.tensor([self.received, step_us], dtype=torch.int64)
-            work = dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            self.in_flight = (work, notes, self.steps)
-        return answer
+        if self.steps % self.every:
+            return None
+        notes = torch.tensor([self.received, step_us], dtype=torch.int64)
+        dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.group)
+        received, slowest_us = notes.tolist()
+        if self.steps == DECIDE_AT:
+            self.every = max(1, int(CHECK_EVERY_S * 1e6) // max(slowest_us, 1))
+        return signal.Signals(received).name if received else None
