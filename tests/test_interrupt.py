@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import QUIET, ROOT, TEST_MODELS, TORCHRUN, processes_with_marker, run_cli
 
 SEED = ["mesh=2x1", "optim=adamw", "optim.lr=0.01", *QUIET, TEST_MODELS]
-STOPPED = re.compile(r"interrupted by SIGINT: every rank stopped after step (\d+); "
+STOPPED = re.compile(r"interrupted by (SIGINT|SIGTERM): every rank stopped after step (\d+); "
                      r"checkpoint (\S+) saved; the same command resumes from it")
 
 
@@ -62,7 +62,7 @@ def test_ctrl_c_saves_where_every_rank_stopped_and_the_resume_trains_as_if_never
     assert "Traceback" not in stdout + stderr
     match = STOPPED.fullmatch(stderr.strip().splitlines()[-1])
     assert match, stderr
-    step, checkpoint = int(match[1]), match[2]
+    step, checkpoint = int(match[2]), match[3]
     assert step >= 5 and checkpoint == str(out / "checkpoints" / f"step_{step}") and os.path.isdir(checkpoint)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] == {"signal": "SIGINT", "step": step, "checkpoint": checkpoint}
@@ -80,7 +80,7 @@ def test_ctrl_c_saves_where_every_rank_stopped_and_the_resume_trains_as_if_never
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_to_torchrun_stops_its_ranks_after_one_step_with_a_checkpoint(tmp_path):
+def test_sigterm_to_torchrun_stops_its_ranks_together_with_a_checkpoint(tmp_path):
     marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"
     out = tmp_path / "job"
     process = _start([*SEED, "checkpoint.every=1000", "model._target_=tests.workers.MarkTraining",
@@ -132,6 +132,33 @@ def test_ctrl_c_in_a_sweep_ends_the_sweep_not_just_its_job(tmp_path):
                       f"hydra.sweep.dir={sweep}"], marker)
     code, _, stderr = _signal_when(tmp_path / "training", process, lambda: os.killpg(process.pid, signal.SIGINT))
     assert code == 128 + signal.SIGINT, stderr
-    assert STOPPED.fullmatch(stderr.strip().splitlines()[-1]) and str(sweep / "0" / "checkpoints") in stderr
+    assert STOPPED.fullmatch(stderr.strip().splitlines()[-1])[1] == "SIGINT"
+    assert str(sweep / "0" / "checkpoints") in stderr
     assert not (sweep / "1").exists()
+    assert _nothing_left(marker)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_one_rank_alone_stops_every_rank_at_the_same_step(tmp_path):
+    """Only rank 1 hears it: the others stop because the ranks compare notes, not because they
+    were signalled too; the launcher then reports it as a stop, not a finished run."""
+    marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"
+    out = tmp_path / "job"
+    process = _start([*SEED, "checkpoint.every=100000", "model._target_=tests.workers.MarkTraining",
+                      f"+model.out={tmp_path}", "trainer.max_steps=100000", f"hydra.run.dir={out}"], marker)
+
+    def signal_rank_1() -> None:
+        # The process the agent started as rank 1 (a fork of the zygote keeps the zygote's
+        # /proc environ; this one relays the signal to it, as it does the agent's).
+        rank_1, = [pid for pid in processes_with_marker(marker)
+                   if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()]
+        os.kill(int(rank_1), signal.SIGTERM)
+
+    code, _, stderr = _signal_when(tmp_path / "training", process, signal_rank_1)
+    assert code == 128 + signal.SIGTERM, stderr
+    match = STOPPED.fullmatch(stderr.strip().splitlines()[-1])
+    assert match and match[1] == "SIGTERM", stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"]["signal"] == "SIGTERM" and len(summary["losses"]) == int(match[2])
+    assert os.listdir(out / "checkpoints") == [f"step_{match[2]}"]
     assert _nothing_left(marker)

@@ -42,21 +42,28 @@ class Interrupted(Exception):
         self.number = number
 
 
-def interrupted_message(number: int, out_dir: str, since: float) -> str:
-    """What signal `number` to the launcher left: rank 0's summary of this launch says where the
-    ranks stopped and which checkpoint they saved there."""
+def interrupted_message(number: int, summary: Optional[dict]) -> str:
+    """What signal `number` left: rank 0's summary of this launch (None: it wrote none) says where
+    the ranks stopped and which checkpoint they saved there."""
     name = signal.Signals(number).name
-    summary_path = os.path.join(out_dir, "summary.json")
-    if not os.path.exists(summary_path) or os.path.getmtime(summary_path) < since:
+    if summary is None:
         return f"interrupted by {name}: the ranks stopped without saving (before training started, or at once on a " \
                "second signal)"
-    with open(summary_path) as f:
-        stopped = json.load(f).get("stopped")
+    stopped = summary.get("stopped")
     if not stopped:  # the signal came after the last step
         return f"interrupted by {name} after the last step: the run is complete"
     saved = (f"checkpoint {stopped['checkpoint']} saved; the same command resumes from it" if stopped["checkpoint"]
              else "no checkpoint saved (checkpoint.every is null)")
     return f"interrupted by {name}: every rank stopped after step {stopped['step']}; {saved}"
+
+
+def _summary(out_dir: str, since: float = 0.0) -> Optional[dict]:
+    """The job's summary.json, if rank 0 wrote it at or after `since`."""
+    path = os.path.join(out_dir, "summary.json")
+    if not os.path.exists(path) or os.path.getmtime(path) < since:
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 # A rank whose peer died fails too, inside a collective; such errors are consequences.
@@ -160,14 +167,14 @@ def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
                     threads_per_rank=cfg.launcher.threads_per_rank,
                     bind_cores=binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type))
     except Interrupted as stop:
-        raise Interrupted(stop.number, interrupted_message(stop.number, out_dir, started)) from None
+        raise Interrupted(stop.number, interrupted_message(stop.number, _summary(out_dir, started))) from None
     except RankFailed:
         stalled = stall_message(out_dir)  # the ranks' own account of a stall beats their exit codes
         if stalled:
             raise RankFailed(stalled) from None
         raise
-    summary_path = os.path.join(out_dir, "summary.json")
-    if not os.path.exists(summary_path):
-        return None
-    with open(summary_path) as f:
-        return json.load(f)
+    stopped = (_summary(out_dir, started) or {}).get("stopped")
+    if stopped:  # a signal to a rank, not to this launcher: the ranks still stopped together and saved
+        number = signal.Signals[stopped["signal"]]
+        raise Interrupted(number, interrupted_message(number, _summary(out_dir)))
+    return _summary(out_dir)
