@@ -100,24 +100,42 @@ def test_a_stalled_rank_failing_as_its_watchdog_exits_leaves_a_whole_error_file(
     assert (tmp_path / "job" / "logs" / "stall.rank0.json").exists()
 
 
-def stalled_lm(overrides: list, stall_timeout_s: int, tmp_path) -> str:
+@pytest.fixture(scope="module")
+def cold_inductor_cache(tmp_path_factory) -> dict:
+    """An inductor cache empty when this module's first compiled run starts, as on a fresh clone."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor_cache"))}
+
+
+def stalled_lm(overrides: list, stall_timeout_s: int, tmp_path, env: dict | None = None) -> str:
     """The tiny LM with rank 1 blocking in its step 3 (tests.workers.BlockingTransformer): the
     watchdog's one line, after checking the run failed with it."""
     result = run_cli([*TINY_LM, *overrides, TEST_MODELS, "model._target_=tests.workers.BlockingTransformer",
                       "+model.rank=1", "+model.at=3", f"trainer.stall_timeout_s={stall_timeout_s}",
-                      "trainer.eval_every=null", f"hydra.run.dir={tmp_path / 'job'}"], timeout=140)
+                      "trainer.eval_every=null", f"hydra.run.dir={tmp_path / 'job'}"], timeout=140, env=env)
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("training failed: stalled: nothing finished for "), last
     return last
 
 
-@pytest.mark.timeout(150)
-def test_a_stall_under_compiled_blocks_is_reported_like_an_eager_one(tmp_path):
+@pytest.mark.timeout(200)
+def test_a_first_step_that_compiles_for_longer_than_the_stall_timeout_trains_to_the_end(tmp_path, cold_inductor_cache):
+    """Compiling is progress: with an empty inductor cache the first step's compile of each block
+    takes many times the 2 s timeout here, and the run still ends with every step trained."""
+    result = run_cli([*TINY_LM, "mesh=1x2", "plan=lm_tp_sp", "trainer.compile=blocks", "trainer.max_steps=3",
+                      "trainer.log_every=1", "trainer.eval_every=null", "trainer.stall_timeout_s=2",
+                      f"hydra.run.dir={tmp_path}"], timeout=190, env=cold_inductor_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(json.loads((tmp_path / "summary.json").read_text())["losses"]) == 3
+    assert not list((tmp_path / "logs").glob("stall.rank*.json"))
+
+
+@pytest.mark.timeout(200)
+def test_a_stall_under_compiled_blocks_is_reported_like_an_eager_one(tmp_path, cold_inductor_cache):
     """trainer.compile=blocks on 1x2 TP+SP: rank 1 blocks before its blocks in step 3; rank 0
-    waits inside a compiled block's collective, and the watchdog names both (its timeout above
-    the first step's compile time, which counts as progress only once the step ends)."""
-    last = stalled_lm(["mesh=1x2", "plan=lm_tp_sp", "trainer.compile=blocks"], 30, tmp_path)
+    waits inside a compiled block's collective, and the watchdog names both (its 5 s timeout
+    shorter than the first steps' compiles, which it does not count)."""
+    last = stalled_lm(["mesh=1x2", "plan=lm_tp_sp", "trainer.compile=blocks"], 5, tmp_path, env=cold_inductor_cache)
     rank0, rank1 = last.split("; rank 0: ")[1].split("; rank 1: ")
     assert rank0.startswith("step 3: data, forward and backward, collective "), rank0
     assert rank1.startswith("step 3: data, forward and backward, not in a collective: at block_at "

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from framework.config.errors import ConfigError
-from framework.launch.slurm import job_shape, master_port, world_from_job
+from framework.launch.slurm import job_shape, master_port, node_address, world_from_job
 from tests.conftest import ROOT, TORCHRUN, compose_config, run_cli
 from tests.reference import reference_training
 
@@ -55,7 +55,8 @@ def test_two_torchrun_nodes_train_the_one_process_model_and_tp_across_them_is_re
     assert not (tmp_path / "across" / "summary.json").exists()
 
 
-def test_a_slurm_task_joins_its_jobs_world_from_slurms_variables(monkeypatch):
+def test_a_slurm_task_joins_its_jobs_world_from_slurms_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm client: gpu007 does not resolve and stays as named
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     for key, value in {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "13", "SLURM_NTASKS": "32", "SLURM_JOB_NUM_NODES": "4",
                        "SLURM_NODEID": "1", "SLURM_LOCALID": "5", "SLURM_JOB_NODELIST": "gpu[007-009,012]"}.items():
@@ -63,6 +64,15 @@ def test_a_slurm_task_joins_its_jobs_world_from_slurms_variables(monkeypatch):
     assert world_from_job() == {"RANK": "13", "WORLD_SIZE": "32", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
                                 "MASTER_ADDR": "gpu007", "MASTER_PORT": str(master_port("4242"))}
     assert 20000 <= master_port("4242") < 40000 and master_port("4242") != master_port("4243")
+
+
+def test_a_node_name_that_does_not_resolve_is_reached_at_the_address_scontrol_gives(monkeypatch, tmp_path):
+    scontrol = tmp_path / "scontrol"  # as Slurm's prints a node with several slurmd on one host
+    scontrol.write_text("#!/bin/sh\necho \"NodeName=$4 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=host1\"\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert node_address("n1.does-not-resolve.invalid") == "127.0.0.1"
+    assert node_address("localhost") == "localhost"  # resolves: scontrol is not asked
 
 
 def test_each_job_is_sized_from_its_mesh_and_ranks_per_node():

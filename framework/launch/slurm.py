@@ -66,9 +66,13 @@ def node_address(node: str) -> str:
         socket.getaddrinfo(node, None)
         return node
     except socket.gaierror:
+        pass
+    try:
         result = subprocess.run(["scontrol", "-o", "show", "node", node], capture_output=True, text=True, timeout=60)
-        fields = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
-        return fields.get("NodeAddr", node)
+    except FileNotFoundError:  # no Slurm client here (a submitit task outside Slurm): the name as given
+        return node
+    fields = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+    return fields.get("NodeAddr", node)
 
 
 def join_job_world(cfg: DictConfig, out_dir: str) -> Optional[dict]:

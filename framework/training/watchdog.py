@@ -5,7 +5,10 @@ save last finished. After `trainer.stall_timeout_s` without one it writes every 
 Python stack to the rank's log (faulthandler), a one-line report of the framework stage and the
 collective the main thread is blocked in (logs/stall.rank<N>.json), waits a few seconds so the
 other stuck ranks report too, and ends the process with exit 1; the launcher then prints every
-rank's report (stall_message). Stdlib only: the launcher reads the reports without torch.
+rank's report (stall_message). Compiling is progress, not a stall: torch.compile's start and end
+callbacks stop the clock while this rank compiles (a cold inductor cache can take minutes), and
+credit the compile's duration once more after it, for peers still compiling the same graphs while
+this rank waits for them in a collective. Stdlib only: the launcher reads the reports without torch.
 """
 import faulthandler
 import glob
@@ -83,10 +86,16 @@ class StallWatchdog:
         self.timeout_s, self.rank, self.out_dir = timeout_s, rank, out_dir
         self.current = "starting training"
         self.last_finished = time.monotonic()
+        self.compiling_since: Optional[float] = None
         self._stop = threading.Event()
         if os.path.exists(report_path(out_dir, rank)):
             os.remove(report_path(out_dir, rank))  # an earlier attempt's
         if timeout_s is not None:
+            # torch imported here: the launcher, which reads the reports, never makes a watchdog
+            from torch._dynamo import callback_handler
+
+            callback_handler.register_start_callback(self.compile_started)
+            callback_handler.register_end_callback(self.compile_ended)
             threading.Thread(target=self._watch, name="stall-watchdog", daemon=True).start()
 
     def stage(self, name: str) -> None:
@@ -95,14 +104,28 @@ class StallWatchdog:
     def finished(self) -> None:
         self.last_finished = time.monotonic()
 
+    def compile_started(self, _args=None) -> None:
+        self.compiling_since = time.monotonic()
+
+    def compile_ended(self, _args=None) -> None:
+        """The clock restarts after the compile plus as long again (peers may still compile)."""
+        now = time.monotonic()
+        self.last_finished = now + (now - self.compiling_since if self.compiling_since is not None else 0.0)
+        self.compiling_since = None
+
     def close(self) -> None:
         self._stop.set()
+        if self.timeout_s is not None:
+            from torch._dynamo import callback_handler
+
+            callback_handler.remove_start_callback(self.compile_started)
+            callback_handler.remove_end_callback(self.compile_ended)
 
     def _watch(self) -> None:
         interval = min(1.0, self.timeout_s / 5)
         while not self._stop.wait(interval):
             idle = time.monotonic() - self.last_finished
-            if idle >= self.timeout_s:
+            if idle >= self.timeout_s and self.compiling_since is None:
                 self._report(idle)
 
     def _report(self, idle: float) -> None:
