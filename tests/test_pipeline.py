@@ -160,3 +160,13 @@ def test_verify_passes_under_pp_x_tp_and_names_the_attention_that_reshapes_with_
     assert not ok
     assert verdict.endswith("first module whose output differs from one process with a matching input: "
                             "layers.0.attention (not in the plan)"), verdict
+
+
+@pytest.mark.timeout(120)
+def test_a_pipeline_runs_console_reads_like_any_other_runs(tmp_path):
+    """Each stage holds only its own layers: the plan's entries for the others' (tok_embeddings,
+    norm, output) are left out of its parallelize_module, not warned about with the model's repr."""
+    result = run_cli([*PP, "mesh=pp2x1x2", "plan=lm_tp_sp", "trainer.max_steps=2", "logger.tensorboard=false",
+                      f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "could not be resolved" not in result.stderr and "Warning" not in result.stderr, result.stderr[-3000:]

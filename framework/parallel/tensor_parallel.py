@@ -1,5 +1,6 @@
 """Tensor parallelism: parallelize_module over the TP submesh with the config's plan
 (checked beforehand by framework.parallel.plan)."""
+from fnmatch import fnmatch
 from typing import Any, Dict, Mapping
 
 from torch import nn
@@ -49,8 +50,24 @@ def build_plan(plan: Mapping[str, Mapping[str, Any]]) -> ParallelStyle | Dict[st
     return built.pop(ROOT) if ROOT in built else built
 
 
+def entries_present(module: nn.Module, plan: Mapping[str, Mapping[str, Any]]) -> Dict[str, Mapping[str, Any]]:
+    """The plan's entries that name a submodule of `module` (matched as parallelize_module
+    matches: fnmatch per dotted token). A pipeline stage holds only its own layers, so the
+    entries for the others' (tok_embeddings, output) are not for it; validation checked the
+    plan against the whole model already, and torch would warn with the whole module's repr."""
+    names = [name.split(".") for name, _ in module.named_modules() if name]
+
+    def present(pattern: str) -> bool:
+        tokens = pattern.split(".")
+        return any(len(name) == len(tokens) and all(map(fnmatch, name, tokens)) for name in names)
+
+    return {pattern: entry for pattern, entry in plan.items() if pattern == ROOT or present(pattern)}
+
+
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, Mapping[str, Any]]) -> nn.Module:
-    """Shard `module` in place per `plan`; an empty plan or a TP size of 1 leaves it as is."""
+    """Shard `module` in place per `plan` (its entries for this module's parts); an empty plan
+    or a TP size of 1 leaves it as is."""
+    plan = entries_present(module, plan) if plan else plan
     if not plan or tp_mesh.size() == 1:
         return module
     return parallelize_module(module, tp_mesh, build_plan(plan))
