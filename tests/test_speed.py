@@ -70,6 +70,8 @@ def test_inspect_profile_writes_each_ranks_trace_and_finds_collectives_only_wher
         result = run_cli(["profile", f"--out={out}", *tiny, f"mesh={mesh}", f"plan={plan}"], module="framework.inspect",
                          timeout=200)
         assert result.returncode == 0, result.stderr[-3000:]
+        # no profiler warnings, no kineto lines: the console reads like any other command's
+        assert "Warning" not in result.stderr and "profiler_st" not in result.stderr, result.stderr[-3000:]
         shares = re.findall(r"^rank (\d+): [\d.]+ ms per step, ([\d.]+)% of it in collectives; trace (\S+)$",
                             result.stdout, re.MULTILINE)
         assert [int(rank) for rank, _, _ in shares] == list(range(int(mesh[0]) * int(mesh[2])))

@@ -30,7 +30,12 @@ def profiled(out_dir: str, rank: int, steps: int, skip_first: int = 1) -> Iterat
         yield None
         return
     os.makedirs(os.path.dirname(trace_path(out_dir, rank)), exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=skip_first, warmup=0, active=steps),
+    # kineto's own lines (profiler_start / profiler_stop on stderr, every rank) off unless asked for;
+    # it reads the variable when the first profiler starts
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    # the skipped steps are the schedule's warm-up (torch warns when it has none)
+    with profile(activities=[ProfilerActivity.CPU],
+                 schedule=schedule(wait=max(0, skip_first - 1), warmup=min(1, skip_first), active=steps, repeat=1),
                  on_trace_ready=lambda prof: prof.export_chrome_trace(trace_path(out_dir, rank))) as prof:
         yield prof
 
