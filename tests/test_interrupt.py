@@ -94,6 +94,21 @@ def test_sigterm_to_torchrun_stops_its_ranks_together_with_a_checkpoint(tmp_path
     assert _nothing_left(marker)
 
 
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_the_command_still_imports_is_one_line_not_a_traceback(tmp_path):
+    marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"
+    process = _start([*SEED, f"hydra.run.dir={tmp_path / 'job'}"], marker)
+    deadline = time.monotonic() + 30
+    while len(processes_with_marker(marker)) < 2:  # its zygote started: the command imports Hydra and torch now
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=30)
+    assert (process.returncode, stderr) == (-signal.SIGINT, "interrupted by SIGINT\n")  # a shell's 130
+    assert not (tmp_path / "job").exists()
+    assert _nothing_left(marker)
+
+
 @pytest.mark.timeout(120)
 def test_ctrl_c_before_training_says_nothing_was_saved_and_leaves_nothing_running(tmp_path):
     marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"

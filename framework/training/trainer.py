@@ -310,6 +310,9 @@ class Trainer:
         if self.cfg.checkpoint.final_hf and not stopped:  # the model at the end, not where a signal stopped it
             self.watchdog.stage("writing the Hugging Face model")
             save_hf_sharded(run.module, os.path.join(run.out_dir, "hf"), run.rank)
+            if run.rank == 0:
+                log.info("the final model as a Hugging Face directory (checkpoint.final_hf): %s",
+                         os.path.join(run.out_dir, "hf"))
         self.watchdog.close()  # (a rank that raises exits, and its watchdog thread with it)
         return self.metrics.summary(state.history, stopped)
 
