@@ -1,11 +1,12 @@
 """`python -m framework.prepare INPUTS... --out DIR [--tokenizer PATH]`: tokenize your text once
 into the memory-mapped format training reads (framework.data.tokens).
 
-INPUTS are files or directories (their files, recursively, in sorted order): `.txt` (one
-document per file, or per line with --txt-lines), `.jsonl` (the --text-field of each line) and
-`.parquet` (the --text-field column, read in record batches). With --prompt-field and
---response-field, JSONL / Parquet records become instruction examples whose prompt tokens are
-masked out of the loss. Documents keep their input order; each ends with the tokenizer's EOS.
+INPUTS are files or directories (their files, recursively, in sorted order; files of other
+kinds are skipped and named in one line): `.txt` (one document per file, or per line with
+--txt-lines), `.jsonl` (the --text-field of each line) and `.parquet` (the --text-field column,
+read in record batches), all UTF-8. With --prompt-field and --response-field, JSONL / Parquet
+records become instruction examples whose prompt tokens are masked out of the loss. Documents
+keep their input order; each ends with the tokenizer's EOS.
 
 Memory stays bounded as inputs grow: records stream in chunks, at most two chunks per worker
 are in flight, and tokens are appended to the file as they come (only document offsets stay in
@@ -33,7 +34,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from framework.config.errors import ConfigError  # noqa: E402
-from framework.data.tokenizer import load_tokenizer  # noqa: E402
+from framework.data.tokenizer import EOS_CANDIDATES, load_tokenizer  # noqa: E402
 from framework.data.tokens import FORMAT, MASK, META, OFFSETS, TOKENS  # noqa: E402
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -77,11 +78,21 @@ def input_files(inputs: Iterable[str]) -> List[Path]:
         if not path.exists():
             raise InputError(name, "no such file or directory")
         found = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        found = [p for p in found if p.suffix in SUFFIXES]
-        if not found:
+        kept = [p for p in found if p.suffix in SUFFIXES]
+        if not kept:
             raise InputError(name, f"holds no {', '.join(SUFFIXES)} file")
-        files += found
+        _say_skipped(name, [p.relative_to(path) for p in found if p.suffix not in SUFFIXES])
+        files += kept
     return files
+
+
+def _say_skipped(directory: str, skipped: List[Path], shown: int = 3) -> None:
+    """One line for a directory's files of other kinds: a file left out in silence looks like
+    data that was tokenized."""
+    if skipped:
+        names = ", ".join(map(str, skipped[:shown])) + (", ..." if len(skipped) > shown else "")
+        print(f"skipped {len(skipped)} file{'s' * (len(skipped) > 1)} in {directory} (not {', '.join(SUFFIXES)}): "
+              f"{names}", file=sys.stderr)
 
 
 def _fields(args: argparse.Namespace) -> List[str]:
@@ -96,12 +107,21 @@ def _jsonl_problem(line: bytes, fields: List[str]):
         return None, "not UTF-8"
     except json.JSONDecodeError:
         return None, "not JSON"
-    if not isinstance(record, dict) or any(field not in record for field in fields):
-        return None, f"has no field {' / '.join(map(repr, fields))}"
+    missing = fields if not isinstance(record, dict) else [field for field in fields if field not in record]
+    if missing:
+        return None, f"has no field {_named(missing)}"
     values = [record[field] for field in fields]
-    if not all(isinstance(v, str) for v in values):
-        return None, f"its {' / '.join(map(repr, fields))} is not a string"
+    if _not_strings(fields, values):
+        return None, f"its {_named(_not_strings(fields, values))} is not a string"
     return values, None
+
+
+def _not_strings(fields: List[str], values: list) -> List[str]:
+    return [field for field, value in zip(fields, values) if not isinstance(value, str)]
+
+
+def _named(fields: List[str]) -> str:
+    return " / ".join(map(repr, fields))
 
 
 def _jsonl_records(path: Path, fields: List[str], skip_bad: bool, skipped: List[int]) -> Iterator:
@@ -133,8 +153,8 @@ def _parquet_records(path: Path, fields: List[str]) -> Iterator:
     row = 0
     for batch in parquet.iter_batches(columns=fields, batch_size=1024):
         for values in zip(*(batch.column(field).to_pylist() for field in fields)):
-            if not all(isinstance(v, str) for v in values):
-                raise InputError(f"{path}: row {row}", f"its {' / '.join(map(repr, fields))} is not a string "
+            if _not_strings(fields, values):
+                raise InputError(f"{path}: row {row}", f"its {_named(_not_strings(fields, values))} is not a string "
                                  f"({next(v for v in values if not isinstance(v, str))!r})")
             row += 1
             yield list(values) if len(values) > 1 else values[0]
@@ -150,10 +170,30 @@ def records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> 
         elif args.prompt_field:
             raise InputError(str(path), "instruction data comes from .jsonl or .parquet, not .txt")
         elif args.txt_lines:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield from (line.rstrip("\n") for line in f if line.strip())
+            yield from _txt_lines(path)
         else:
-            yield path.read_text(encoding="utf-8", errors="replace")
+            yield _text(path.read_bytes(), path)
+
+
+def _txt_lines(path: Path) -> Iterator[str]:
+    """A .txt's non-blank lines (split as text mode splits them), read as bytes so that bytes
+    that are not UTF-8 are named by their offset in the file."""
+    start = 0
+    with open(path, "rb") as f:
+        for line in f:
+            yield from (text for text in _text(line, path, start).split("\n") if text.strip())
+            start += len(line)
+
+
+def _text(data: bytes, path: Path, start: int = 0) -> str:
+    """`data` (at byte `start` of `path`) as UTF-8 with text mode's newlines, or one line naming
+    the byte: replaced bytes would train on U+FFFD, and the same bytes in .jsonl are refused."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InputError(f"{path}: byte {start + error.start}", "not UTF-8; convert the file to UTF-8 (e.g. "
+                         "iconv -f latin1 -t utf-8)") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def chunked(items: Iterator, chars: int = CHUNK_CHARS) -> Iterator[list]:
@@ -236,8 +276,9 @@ def prepare(args: argparse.Namespace) -> dict:
     files = input_files(args.inputs)
     tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
     if tokenizer.eos_id is None:
-        raise InputError(args.tokenizer, "defines no end-of-text token to separate documents; name one with "
-                         "--eos-token")
+        raise InputError(args.tokenizer, "defines no end-of-text token to separate documents (no eos_token in a "
+                         "tokenizer_config.json beside it, no special token named " + ", ".join(EOS_CANDIDATES) +
+                         "); name one with --eos-token")
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
     partial.mkdir(parents=True)
     try:

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from framework.data.tokens import IGNORE, InstructionDataset, TokenDataset
+from framework.data.tokens import IGNORE, InstructionDataset, TokenDataset, check_responses
 from framework.launch.local import spawn_ranks
 from framework.prepare import main as prepare_main
 from tests.conftest import QUIET, compose_config, run_cli
@@ -135,6 +135,118 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, capsys):
     assert code == 0 and meta["skipped_lines"] == 2 and meta["documents"] == 2
     assert prepare([good, "--out", out], capsys) == (2, f"input error: {out}: already exists; remove it or choose "
                                                         "another --out")
+
+
+def word_tokenizer(path, specials, words=("hello", "world")) -> str:
+    """A word-level tokenizer.json under `path` with `specials` as its special tokens (and no
+    tokenizer_config.json beside it); `words` are plain vocabulary pieces."""
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", *words])}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(list(specials))
+    path.mkdir()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return str(path / "tokenizer.json")
+
+
+def test_a_special_token_named_as_an_end_of_text_ends_documents_without_a_flag(tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text("hello world hello")
+    eos_only_by_name = word_tokenizer(tmp_path / "bos_eos", ["<|bos|>", "<|eos|>"])
+    assert prepare([tmp_path / "doc.txt", "--tokenizer", eos_only_by_name, "--out", tmp_path / "out"], capsys)[0] == 0
+    eos = Tokenizer.from_file(eos_only_by_name).token_to_id("<|eos|>")
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["tokenizer"]["eos_id"] == eos
+    assert np.fromfile(tmp_path / "out" / "tokens.bin", dtype=np.uint16).tolist() == [1, 2, 1, eos]
+    # a document's end before a chat turn's, whatever order the tokenizer defines them in
+    chat = word_tokenizer(tmp_path / "chat", ["<|im_end|>", "<|eos|>", "<|endoftext|>"])
+    assert prepare([tmp_path / "doc.txt", "--tokenizer", chat, "--out", tmp_path / "chat_out"], capsys)[0] == 0
+    assert json.loads((tmp_path / "chat_out" / "meta.json").read_text())["tokenizer"]["eos_id"] == \
+        Tokenizer.from_file(chat).token_to_id("<|endoftext|>")
+    plain = word_tokenizer(tmp_path / "plain", ["<|bos|>"], words=("hello", "</s>"))  # </s> is no special token
+    assert prepare([tmp_path / "doc.txt", "--tokenizer", plain, "--out", tmp_path / "none"], capsys) == (
+        2, f"input error: {plain}: defines no end-of-text token to separate documents (no eos_token in a "
+           "tokenizer_config.json beside it, no special token named <|end_of_text|>, <|endoftext|>, </s>, <eos>, "
+           "<|eos|>, <|im_end|>); name one with --eos-token")
+
+
+def test_a_txt_that_is_not_utf8_is_refused_naming_the_byte_and_newlines_read_as_before(tmp_path, capsys):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"good line\ncaf\xe9\n")  # the bad byte is the 14th: offset 10 + 3
+    for mode in ([], ["--txt-lines"]):
+        assert prepare([latin1, *mode, "--out", tmp_path / "out"], capsys) == (
+            2, f"input error: {latin1}: byte 13: not UTF-8; convert the file to UTF-8 (e.g. iconv -f latin1 "
+               "-t utf-8)")
+        assert not (tmp_path / "out").exists()
+    (tmp_path / "newlines.txt").write_bytes("a\r\nb\rc\u00e9\n\n".encode())  # text mode's \r\n and \r are \n
+    assert prepare([tmp_path / "newlines.txt", "--out", tmp_path / "whole"], capsys)[0] == 0
+    assert prepare([tmp_path / "newlines.txt", "--txt-lines", "--out", tmp_path / "lines"], capsys)[0] == 0
+    assert np.fromfile(tmp_path / "whole" / "tokens.bin", dtype=np.uint16).tolist() == [
+        *"a\nb\nc\u00e9\n\n".encode(), 0]
+    assert np.fromfile(tmp_path / "lines" / "tokens.bin", dtype=np.uint16).tolist() == [
+        *b"a", 0, *b"b", 0, *"c\u00e9".encode(), 0]
+
+
+def test_files_of_other_kinds_in_a_directory_are_named_in_one_line_and_the_rest_prepared(tmp_path, capsys):
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    for name in ("a.txt", "data.csv", "notes.md", "readme", "sub/x.json"):
+        (tmp_path / "in" / name).write_text("hello")
+    code, err = prepare([tmp_path / "in", "--out", tmp_path / "out"], capsys)
+    assert code == 0 and err == f"skipped 4 files in {tmp_path / 'in'} (not .txt, .jsonl, .parquet): data.csv, " \
+                                "notes.md, readme, ..."
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["documents"] == 1
+    for name in ("data.csv", "notes.md", "readme"):
+        (tmp_path / "in" / name).unlink()
+    assert prepare([tmp_path / "in", "--out", tmp_path / "again"], capsys) == (
+        0, f"skipped 1 file in {tmp_path / 'in'} (not .txt, .jsonl, .parquet): sub/x.json")
+
+
+def test_a_bad_instruction_line_names_only_the_fields_at_fault(tmp_path, capsys):
+    fields = ["--prompt-field", "prompt", "--response-field", "response"]
+    fix = "; fix it, or pass --skip-bad-lines to skip and count such lines"
+    cases = [({"prompt": "q"}, "has no field 'response'"), ({"answer": "a"}, "has no field 'prompt' / 'response'"),
+             ({"prompt": 1, "response": "r"}, "its 'prompt' is not a string")]
+    for record, problem in cases:
+        (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "q", "response": "r"}) + "\n" + json.dumps(record))
+        assert prepare([tmp_path / "sft.jsonl", *fields, "--out", tmp_path / "out"], capsys) == (
+            2, f"input error: {tmp_path / 'sft.jsonl'}:2: {problem}{fix}")
+
+
+def prepare_instructions(tmp_path, prompt_lengths) -> str:
+    """Byte-level instruction data: a prompt of each length (its tokens) and the response "ok"."""
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"prompt": "p" * n, "response": "ok"}) + "\n"
+                                                for n in prompt_lengths))
+    assert prepare_main([str(tmp_path / "sft.jsonl"), "--out", str(tmp_path / "sft"), "--prompt-field", "prompt",
+                         "--response-field", "response"]) == 0
+    return str(tmp_path / "sft")
+
+
+SFT_RUN = ["recipe=lm_files", "data=instructions", "model=lm_tiny", "data.dataset.seq_len=8",
+           "data.global_batch_size=8", "trainer.eval_every=null", "trainer.max_steps=2", *QUIET]
+
+
+def test_instruction_data_whose_seq_len_cuts_off_every_response_is_refused_before_launch(tmp_path):
+    prompts = [9 + i for i in range(20)]  # all longer than seq_len=8: no response token is ever a target
+    data = prepare_instructions(tmp_path, prompts)
+    train = prompts[:int(20 * 0.95)]  # the train split: all but the last 5%
+    result = run_cli([*SFT_RUN, f"data.path={data}", f"hydra.run.dir={tmp_path / 'run'}"], timeout=60)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"config error: data.dataset.seq_len=8: {len(train)} of the {len(train)} train examples in {data} keep no "
+        f"response token within seq_len+1=9 tokens (their prompts fill it), so the loss would be 0 at every step; "
+        f"raise it to at least {max(train)} (the longest prompt, in tokens) or shorten the prompts"), result.stderr
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_instruction_examples_that_lose_their_response_are_counted_in_a_warning(tmp_path, capsys):
+    prompts = [3, 8, 9, 12] * 5  # with seq_len=8, a prompt of 8 keeps one response target, of 9 none
+    data = prepare_instructions(tmp_path, prompts)
+    check_responses(compose_config([*SFT_RUN, f"data.path={data}"]))
+    train = InstructionDataset(data, seq_len=8)
+    lost = sum(bool((targets == IGNORE).all()) for _, targets in (train[i] for i in range(len(train))))
+    assert lost == sum(n > 8 for n in prompts[:len(train)]) == 9
+    assert capsys.readouterr().err.strip() == (
+        f"warning: data.dataset.seq_len=8: {lost} of the {len(train)} train examples in {data} keep no response "
+        f"token within seq_len+1=9 tokens (their prompts fill it) and add nothing to the loss; raise it to at least "
+        f"12 (the longest prompt, in tokens) or shorten the prompts")
+    check_responses(compose_config([*SFT_RUN, f"data.path={data}", "data.dataset.seq_len=12"]))
+    assert capsys.readouterr().err == ""
 
 
 def make_packed(tmp_path, name="data", repeat=60) -> str:

@@ -14,9 +14,10 @@ from typing import List, Optional, Sequence
 from framework.config.errors import ConfigError
 
 BYTE_LEVEL = "bytes"
-# Special tokens tokenizer.json files commonly end a text with (Llama 3, GPT-2 / Qwen, Llama 2 /
-# Mistral, Gemma), tried in order when no tokenizer_config.json beside it names the EOS token.
-EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+# Special tokens tokenizer.json files commonly end a text with, tried in this order when no
+# tokenizer_config.json beside it names the EOS token: a document's end (Llama 3, GPT-2 / Qwen,
+# Llama 2 / Mistral, Gemma, others) before a chat turn's (ChatML's <|im_end|>).
+EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
 
 
 class ByteTokenizer:
@@ -56,10 +57,16 @@ class FileTokenizer:
         if eos_token and self.eos_id is None:
             raise ConfigError("eos_token", eos_token, f"is not a token of {path}")
         if self.eos_id is None:
-            self.eos_id = next((self._id(t) for t in EOS_CANDIDATES if self._id(t) is not None), None)
+            self.eos_id = self._first_special(EOS_CANDIDATES)
 
     def _id(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._tokenizer.token_to_id(token)
+
+    def _first_special(self, names: Sequence[str]) -> Optional[int]:
+        """The id of the first of `names` that is one of its special tokens: a plain vocabulary
+        piece that happens to be spelled `</s>` ends no text."""
+        special = {t.content: i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
+        return next((special[name] for name in names if name in special), None)
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         # no BOS / EOS added here: documents are joined by the EOS id explicitly

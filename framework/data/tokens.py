@@ -11,15 +11,18 @@ and meta.json (its kind, dtype, counts, the tokenizer's identity and vocabulary,
   documents, sample i starting at token i * seq_len; the last val_fraction is held out.
 - InstructionDataset (kind "instruction"): one example per document, cut to seq_len + 1 tokens,
   targets -100 (ignored) on prompt tokens and on padding; the last val_fraction of the examples
-  is held out. Its `masked_targets` tells the Trainer to average the loss over the response
-  tokens of the whole global batch (framework.training.trainer).
+  is held out; an example's mask is its prompt's 0s, then its response's 1s. Its
+  `masked_targets` tells the Trainer to average the loss over the response tokens of the whole
+  global batch (framework.training.trainer).
 """
 import json
 import os
+import sys
 from typing import Optional
 
 import numpy as np
 import torch
+from hydra.utils import instantiate
 from torch.utils.data import Dataset
 
 from framework.config.errors import ConfigError
@@ -122,9 +125,25 @@ class InstructionDataset(_Prepared):
         targets[: len(tokens) - 1] = torch.where(learn[1:], tokens[1:], IGNORE)
         return inputs, targets
 
+    def without_response(self) -> np.ndarray:
+        """Per example, whether cutting it to seq_len + 1 tokens leaves no response token among
+        its targets (its tokens after the first). The mask's 1s come last, so the last target
+        tells: one byte read per example, not the whole mask."""
+        starts, ends = self.offsets[self.first:self.end], self.offsets[self.first + 1:self.end + 1]
+        last = starts + np.minimum(self.seq_len, ends - starts - 1)
+        return (last == starts) | (self.mask[last] == 0)
 
-DATASETS = ("framework.data.TokenDataset", "framework.data.InstructionDataset", f"{__name__}.TokenDataset",
-            f"{__name__}.InstructionDataset")
+    def longest_prompt(self) -> int:
+        """The seq_len from which every example keeps a response token (at least 1); it reads
+        the split's whole mask, so only once some example is known to lose its response."""
+        starts = self.offsets[self.first:self.end]
+        begin, end = int(starts[0]), int(self.offsets[self.end])
+        responses = np.add.reduceat(self.mask[begin:end], starts - begin, dtype=np.int64)
+        return max(1, int((np.diff(self.offsets[self.first:self.end + 1]) - responses).max()))
+
+
+INSTRUCTION_DATASETS = ("framework.data.InstructionDataset", f"{__name__}.InstructionDataset")
+DATASETS = ("framework.data.TokenDataset", f"{__name__}.TokenDataset", *INSTRUCTION_DATASETS)
 VOCAB_MULTIPLE = 64  # a padded vocabulary divides by any TP size up to 64 (nanoGPT's 50257 -> 50304)
 
 
@@ -159,3 +178,26 @@ def check_token_data(cfg) -> None:
                           f"the token data in {path} holds ids up to {meta['max_token_id']} (its tokenizer's "
                           f"vocabulary is {prepared['vocab_size']}); use at least {prepared['vocab_size']}, e.g. "
                           "${tokens_vocab:${data.path}} as recipes/lm_files.yaml does")
+
+
+def check_responses(cfg) -> None:
+    """Before launch, for instruction data: the examples cut to seq_len keep a response token.
+    A split where none does would train (or evaluate) on a loss of 0 at every step: refused.
+    Some that do not only add nothing to the loss: one warning line with their count."""
+    if cfg.data.dataset.get("_target_") not in INSTRUCTION_DATASETS:
+        return
+    for split in ("train", "val") if cfg.trainer.eval_every else ("train",):
+        data = instantiate(cfg.data.dataset, split=split)
+        cut = int(data.without_response().sum())
+        if cut:
+            _report_cut(data, split, cut)
+
+
+def _report_cut(data: InstructionDataset, split: str, cut: int) -> None:
+    seq_len = data.seq_len
+    what = (f"{cut} of the {len(data)} {split} examples in {data.path} keep no response token within "
+            f"seq_len+1={seq_len + 1} tokens (their prompts fill it)")
+    fix = f"raise it to at least {data.longest_prompt()} (the longest prompt, in tokens) or shorten the prompts"
+    if cut == len(data):
+        raise ConfigError("data.dataset.seq_len", seq_len, f"{what}, so the loss would be 0 at every step; {fix}")
+    print(f"warning: data.dataset.seq_len={seq_len}: {what} and add nothing to the loss; {fix}", file=sys.stderr)
