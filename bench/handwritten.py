@@ -10,7 +10,7 @@ same thing. DP (--dp) is one of:
 
 --compile compiles each block's forward (fullgraph) after TP, as trainer.compile=blocks does.
 --bind-cores binds each rank to its share of the cores, as launcher.bind_cores does (by default
-on CPU); without it the ranks float, as a torchrun script's do unless it binds them itself.
+for compiled runs on CPU); without it the ranks float, as a torchrun script's do unless it binds them itself.
 """
 import argparse
 import faulthandler

@@ -52,18 +52,18 @@ def assert_shared_out(cores: dict, threads: int) -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mesh,plan", [("1x1", "plan=none"), ("2x2", "plan=seed_mlp_tp")])
 def test_each_rank_gets_its_share_of_the_cores_and_is_bound_to_them(mesh, plan, tmp_path):
-    threads = threads_in_ranks(tmp_path, mesh, plan)
+    threads = threads_in_ranks(tmp_path, mesh, plan, "launcher.bind_cores=true")
     ranks = len(threads)
     assert set(threads.values()) == {max(1, CORES // ranks)}
     assert_shared_out(cores_in_ranks(tmp_path, ranks), max(1, CORES // ranks))
 
 
 @pytest.mark.timeout(150)
-def test_ranks_under_torchrun_are_bound_and_bind_cores_false_leaves_them_free(tmp_path):
-    threads = threads_in_ranks(tmp_path / "torchrun", "1x2", "plan=seed_mlp_tp",
+def test_ranks_under_torchrun_are_bound_and_an_eager_runs_default_leaves_them_free(tmp_path):
+    threads = threads_in_ranks(tmp_path / "torchrun", "1x2", "plan=seed_mlp_tp", "launcher.bind_cores=true",
                                prefix=[TORCHRUN, "--standalone", "--nproc-per-node", "2"])
     assert_shared_out(cores_in_ranks(tmp_path / "torchrun", 2), threads[0])
-    threads_in_ranks(tmp_path / "free", "1x2", "plan=seed_mlp_tp", "launcher.bind_cores=false")
+    threads_in_ranks(tmp_path / "free", "1x2", "plan=seed_mlp_tp")  # eager: null leaves them free
     assert cores_in_ranks(tmp_path / "free", 2) == {0: ALL_CORES, 1: ALL_CORES}
 
 
@@ -74,8 +74,10 @@ def test_a_rank_s_cores_follow_the_previous_ranks_and_wrap_round():
     assert [cores_of_rank([0, 1], rank, 1) for rank in range(4)] == [[0], [1], [0], [1]]
     assert [cores_of_rank([2, 3, 6, 7], rank, 3) for rank in range(2)] == [[2, 3, 6], [2, 3, 7]]
     assert cores_of_rank([0, 1], 1, 4) == [0, 1]  # more threads than cores: all of them
-    assert binds_cores(None, "cpu") and not binds_cores(None, "cuda")
-    assert binds_cores(True, "cuda") and not binds_cores(False, "cpu")
+    # null: compiled CPU runs bound, eager ones and GPU ones free
+    assert binds_cores(None, "cpu", compiled=True) and not binds_cores(None, "cpu", compiled=False)
+    assert not binds_cores(None, "cuda", compiled=True)
+    assert binds_cores(True, "cuda", compiled=False) and not binds_cores(False, "cpu", compiled=True)
 
 
 @pytest.mark.timeout(150)

@@ -2,11 +2,12 @@
 process may run on, shared out among the ranks on this host, at least 1 each. One rank on 2 cores
 gets 2 threads (1.8x the tokens/s of 1 thread, bench/README.md); 4 ranks on 2 cores get 1.
 
-With `launcher.bind_cores` (null: on for CPU meshes) each rank is bound to its own share: local
-rank r to the `threads` cores after the previous ranks' (round the host's cores again when ranks
-x threads exceed them). Unbound, the scheduler moves a rank's main thread between cores about
-15 times a second, and it waits longer in TP's collectives: measured on 2 cores, compiled lm_small
-1x2 ran 7% faster bound and 2x2 5%; 2x1 and eager 1x2 the same (bench/README.md).
+With `launcher.bind_cores` (null: on for compiled runs on CPU meshes) each rank is bound to its own
+share: local rank r to the `threads` cores after the previous ranks' (round the host's cores again
+when ranks x threads exceed them). Unbound, the scheduler moves a rank's main thread between cores
+about 15 times a second, and it waits longer in TP's collectives: measured on 2 cores, compiled
+lm_small 1x2 ran 7% faster bound and 2x2 5%; 2x1 and eager 1x2 the same; eager 2x2 5-10% slower
+(bench/README.md).
 
 Who decides, first match wins:
 1. OMP_NUM_THREADS exported by the user (a self-launched run's launcher sees it as it started;
@@ -51,10 +52,11 @@ def threads_per_rank(configured: Optional[int], ranks_on_host: int, exported: Op
     return max(1, available_cores() // ranks_on_host), "this host's cores shared out among its ranks"
 
 
-def binds_cores(configured: Optional[bool], device_type: str) -> bool:
-    """launcher.bind_cores, whose null means: bind on CPU meshes (where the ranks' own threads
-    compute), not on GPU ones."""
-    return configured if configured is not None else device_type == "cpu"
+def binds_cores(configured: Optional[bool], device_type: str, compiled: bool) -> bool:
+    """launcher.bind_cores, whose null means: bind compiled runs on CPU meshes (where the ranks'
+    own threads compute), not eager ones (measured on 2 cores: eager 2x2 5-10% slower bound,
+    compiled 1x2 7% faster; bench/README.md), nor GPU ones."""
+    return configured if configured is not None else device_type == "cpu" and compiled
 
 
 def cores_of_rank(cores: List[int], local_rank: int, threads: int) -> List[int]:
