@@ -100,6 +100,21 @@ def parsed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[Option
         return None, int(exit_.code or 0)
 
 
+def parsed_status(parser: argparse.ArgumentParser, argv: Sequence[str], body: Callable[[argparse.Namespace], int],
+                  failed: str) -> int:
+    """An argparse command's status (export, generate): argparse's (--help 0, a usage error 2),
+    else its body's, or 2 with one line `<failed>: <error>` for bad input (a ConfigError, an
+    unusable checkpoint)."""
+    args, status = parsed(parser, argv)
+    if args is None:
+        return status
+    try:
+        return body(args)
+    except (ConfigError, CheckpointError) as error:
+        print(f"{failed}: {error}", file=sys.stderr)
+        return 2
+
+
 def command_status(body: Callable[[], int], failed: str, argv: List[str] = (), usage: str = "") -> int:
     """A command's exit status: `usage` for -h/--help (0); else its body's, or 2 with one
     `config error:` line, or 1 with `<failed>: <the failed rank and its error>`, or 128 + a signal's

@@ -7,12 +7,16 @@ CHECKPOINT is a step_N dir (or a checkpoints dir, meaning its newest). The model
 config names is built in this one process, DCP loads the sharded weights into it with no
 process group (resharding whatever mesh and plan saved them into whole tensors), and OUT.pt
 gets `model.state_dict()`: the model's own keys, loadable with
-`model.load_state_dict(torch.load("OUT.pt"))` anywhere. Bad input exits 2 with one line.
+`model.load_state_dict(torch.load("OUT.pt"))` anywhere. Nothing is overwritten: OUT.pt must be new,
+OUT_DIR new or an empty directory, and the directory that holds either must exist. Bad input
+exits 2 with one line.
 """
 import argparse
+import os
 import sys
 import warnings
-from typing import List, Tuple
+from contextlib import contextmanager
+from typing import Iterator, List, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -22,13 +26,24 @@ from framework.atomic import atomic_file
 from framework.checkpoint.compat import check_model_keys
 from framework.checkpoint.layout import CheckpointError, read_meta, resolve
 from framework.checkpoint.safe_load import load_checkpoint
-from framework.cli import parsed
+from framework.cli import parsed_status
 from framework.config.errors import ConfigError
 from framework.config.schema import Config
 from framework.config.trust import check_targets
 from framework.config.validate import instantiate_checked
 from framework.models.hf import materialize
 from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, check_hf_out, save_hf
+
+
+@contextmanager
+def saved_config_errors(path: str) -> Iterator[None]:
+    """A ConfigError about a value of the checkpoint's saved config (a model.path since moved)
+    says the value came from there: the user never typed it."""
+    try:
+        yield
+    except ConfigError as error:
+        raise CheckpointError(path, f"{error.key}={error.value!r}, read from its saved config: {error.fix}") from None
+
 
 def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
     """The checkpoint's model, built in this process with whole tensors; its saved config; the
@@ -39,7 +54,7 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
     # FRAMEWORK_ALLOWED_TARGETS), never the one the checkpoint carries.
     cfg.allowed_targets = Config().allowed_targets
     check_targets(cfg)
-    with torch.device("cpu"):
+    with torch.device("cpu"), saved_config_errors(path):
         model = instantiate_checked(cfg.model)
     if any(p.is_meta for p in model.parameters()):  # a Hugging Face model comes on meta
         materialize(model, "cpu")
@@ -50,11 +65,26 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
     return model, cfg, path
 
 
+def check_out(out: str, format: str) -> None:
+    """Before the model is loaded: the output is new (an hf OUT_DIR may be an empty directory),
+    in a directory that exists, so nothing is overwritten and no write fails half-way."""
+    key = "OUT_DIR" if format == "hf" else "OUT"
+    if format == "hf":
+        check_hf_out(out)
+    elif os.path.isdir(out) or out.endswith(os.sep):
+        raise ConfigError(key, out, "names a directory; name the file to write (OUT.pt), or add --format hf to write "
+                                    "a Hugging Face directory")
+    elif os.path.exists(out):
+        raise ConfigError(key, out, "exists; name a new file (export overwrites nothing)")
+    parent = os.path.dirname(os.path.abspath(out.rstrip(os.sep)))
+    if not os.path.isdir(parent):
+        raise ConfigError(key, out, f"its directory {parent} does not exist; create it first")
+
+
 def export(checkpoint: str, out_path: str, format: str = "pt", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
     """Write the checkpoint's full model to out_path (atomically): a state_dict file, or a
     Hugging Face directory; return the checkpoint dir used."""
-    if format == "hf":
-        check_hf_out(out_path)
+    check_out(out_path, format)
     model, _, path = load_model(checkpoint)
     if format == "hf":
         save_hf(model, out_path, max_shard_bytes)
@@ -65,26 +95,25 @@ def export(checkpoint: str, out_path: str, format: str = "pt", max_shard_bytes: 
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a step_N dir, or a checkpoints dir (its newest)")
     p.add_argument("out", help="OUT.pt (--format pt) or OUT_DIR (--format hf)")
-    p.add_argument("--format", choices=["pt", "hf"], default="pt")
+    p.add_argument("--format", choices=["pt", "hf"], default="pt",
+                   help="pt: one state_dict file (the default); hf: a Hugging Face model directory")
     p.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**30,
                    help="hf: split the safetensors into files of at most this size, with an index")
     return p
 
 
-def main(argv: List[str]) -> int:
-    args, status = parsed(parser(), argv)
-    if args is None:
-        return status
-    try:
-        path = export(args.checkpoint, args.out, args.format, int(args.max_shard_gb * 2**30))
-    except (CheckpointError, ConfigError) as error:
-        print(f"export failed: {error}", file=sys.stderr)
-        return 2
+def _run(args: argparse.Namespace) -> int:
+    path = export(args.checkpoint, args.out, args.format, int(args.max_shard_gb * 2**30))
     print(f"exported the model of {path} to {args.out}")
     return 0
+
+
+def main(argv: List[str]) -> int:
+    return parsed_status(parser(), argv, _run, "export failed")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@
 SOURCE is a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a
 framework checkpoint (a step_N dir, or a checkpoints dir: its newest). The prompt is encoded
 with the model's tokenizer (the HF directory's tokenizer.json; for the framework's own LMs the
-run's data.tokenizer, else bytes), decoded token by token with a KV cache (each new token attends to the cached keys and
-values instead of recomputing the prefix), until N tokens or the end-of-text token. Greedy
-(temperature 0, the default) or sampled with nucleus (top-p) filtering, seeded.
+run's data.tokenizer, else bytes), decoded token by token with a KV cache (each new token
+attends to the cached keys and values instead of recomputing the prefix), until N tokens or the
+end-of-text token. Greedy (temperature 0, the default) or sampled with nucleus (top-p)
+filtering, seeded. A Hugging Face model is checked as training checks it (its safetensors, a
+tokenizer within its vocabulary, the prompt and N new tokens within its max_position_embeddings)
+before anything runs; bad input exits 2 with one line.
 """
 import argparse
 import json
@@ -18,11 +21,19 @@ from typing import List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from framework.checkpoint.layout import CheckpointError
-from framework.cli import parsed
+from framework.checkpoint.layout import CheckpointError, resolve
+from framework.cli import parsed_status
 from framework.config.errors import ConfigError
 from framework.data.tokenizer import load_tokenizer
+from framework.models.hf import HFTransformer, check_length, check_vocab, check_weights, load_hf_weights, materialize
 from framework.models.transformer import LayerCache
+
+SOURCES = ("a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a step_N checkpoint or a "
+           "checkpoints dir (its newest)")
+# (option, whether its value is allowed, the rule): each refused alone, by name
+OPTION_RULES = [("max_new_tokens", lambda n: n >= 1, "must be >= 1"),
+                ("temperature", lambda t: t >= 0, "must be >= 0 (0: greedy)"),
+                ("top_p", lambda p: 0 < p <= 1, "must be in (0, 1]")]
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
@@ -65,57 +76,100 @@ def _stop_ids(model_dir: Optional[str], tokenizer) -> Set[int]:
     return set() if tokenizer.eos_id is None else {tokenizer.eos_id}
 
 
-def load_source(source: str) -> Tuple[nn.Module, object, Set[int]]:
-    """(model with its weights, tokenizer, stop ids) of a Hugging Face directory or a checkpoint."""
-    from framework.export import load_model
-    from framework.models.hf import HFTransformer, load_hf_weights, materialize
+def _tokenizer(model: nn.Module, path: Optional[str]):
+    """The tokenizer at `path`, whose ids a Hugging Face model must have embeddings for (as
+    training checks its data)."""
+    tokenizer = load_tokenizer(path)  # None: bytes (the framework's own LMs)
+    if hasattr(model, "hf_path"):
+        check_vocab(model, tokenizer.vocab_size, tokenizer.path)
+    return tokenizer
 
-    if os.path.isfile(os.path.join(source, "config.json")):
-        model = HFTransformer(source)
-        model_dir = tokenizer_path = model.hf_path
-        materialize(model, "cpu")
-        with warnings.catch_warnings():  # DCP's note that it reads in one process
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            load_hf_weights(model, model.hf_path)
-    else:
-        model, cfg, _ = load_model(source)
-        model_dir = getattr(model, "hf_path", None)
-        tokenizer_path = model_dir or (cfg.get("data") or {}).get("tokenizer")
-    tokenizer = load_tokenizer(tokenizer_path)  # None: bytes (the framework's own LMs)
+
+def _hf_source(source: str) -> Tuple[nn.Module, object, Set[int]]:
+    """A Hugging Face directory's model, tokenizer and stop ids, checked as training checks them
+    before any weight is read."""
+    model = HFTransformer(source)
+    check_weights(model)
+    tokenizer = _tokenizer(model, model.hf_path)
+    materialize(model, "cpu")
+    with warnings.catch_warnings():  # DCP's note that it reads in one process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_hf_weights(model, model.hf_path)
+    return model, tokenizer, _stop_ids(model.hf_path, tokenizer)
+
+
+def _checkpoint_source(source: str) -> Tuple[nn.Module, object, Set[int]]:
+    """A checkpoint's model, its tokenizer and stop ids; what its saved config names is said to
+    come from there."""
+    from framework.export import load_model, saved_config_errors
+
+    if not os.path.isdir(source):
+        raise ConfigError("SOURCE", source, f"no such directory; give {SOURCES}")
+    try:
+        path = resolve(source, directory="")
+    except CheckpointError as error:  # its message names only checkpoints
+        raise ConfigError("SOURCE", source, f"no config.json there (a Hugging Face model directory has one), and "
+                                            f"{error}") from None
+    model, cfg, _ = load_model(path)
+    model_dir = getattr(model, "hf_path", None)
+    with saved_config_errors(path):
+        tokenizer = _tokenizer(model, model_dir or (cfg.get("data") or {}).get("tokenizer"))
     return model, tokenizer, _stop_ids(model_dir, tokenizer)
 
 
+def load_source(source: str) -> Tuple[nn.Module, object, Set[int]]:
+    """(model with its weights, tokenizer, stop ids) of a Hugging Face directory or a checkpoint."""
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        return _checkpoint_source(source)
+    try:
+        return _hf_source(source)
+    except ConfigError as error:  # framework.models.hf names model.path, training's key for SOURCE
+        raise (ConfigError("SOURCE", error.value, error.fix) if error.key == "model.path" else error) from None
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Before any loading: the first option that breaks its rule, named alone."""
+    for name, allowed, rule in OPTION_RULES:
+        if not allowed(getattr(args, name)):
+            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), rule)
+
+
+def encoded_prompt(args: argparse.Namespace, model: nn.Module, tokenizer) -> List[int]:
+    """The prompt's ids, with the model's BOS first (Llama is trained with one, as transformers'
+    tokenizer adds it); refused if empty, or if it and the new tokens pass a Hugging Face
+    model's positions (framework.models.hf.check_length, as training checks seq_len)."""
+    prompt = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode_batch([args.prompt])[0]
+    if not prompt:
+        raise ConfigError("--prompt", args.prompt, "encodes to no tokens; give some text")
+    if hasattr(model, "hf_path"):
+        check_length(model, "--max-new-tokens", args.max_new_tokens, before=len(prompt))
+    return prompt
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m framework.generate", description=__doc__.split("\n")[0])
-    p.add_argument("source", help="a Hugging Face model directory or a framework checkpoint")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(prog="python -m framework.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="SOURCE", help=SOURCES)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (>= 1; default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); > 0: sampled")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens whose probability "
+                                                            "reaches this, in (0, 1] (default 1: all)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling's seed (default 0)")
     return p
 
 
-def main(argv: List[str]) -> int:
-    args, status = parsed(parser(), argv)
-    if args is None:
-        return status
-    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        print("generate: --max-new-tokens must be >= 1, --temperature >= 0, --top-p in (0, 1]", file=sys.stderr)
-        return 2
-    try:
-        model, tokenizer, stop = load_source(args.source)
-    except (CheckpointError, ConfigError) as error:
-        print(f"generate failed: {error}", file=sys.stderr)
-        return 2
-    # a model trained with a BOS token (Llama) expects one first, as transformers' tokenizer adds it
-    prompt = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode_batch([args.prompt])[0]
-    if not prompt:
-        print("generate: the prompt encodes to no tokens", file=sys.stderr)
-        return 2
+def _run(args: argparse.Namespace) -> int:
+    check_options(args)
+    model, tokenizer, stop = load_source(args.source)
+    prompt = encoded_prompt(args, model, tokenizer)
     new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, stop)
     print(args.prompt + tokenizer.decode([t for t in new if t not in stop]))
     return 0
+
+
+def main(argv: List[str]) -> int:
+    return parsed_status(parser(), argv, _run, "generate failed")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Every command answers bad input in one line with exit 2 and `--help` with its usage and 0:
-framework.train (through Hydra), verify, inspect, dryrun and export."""
+framework.train (through Hydra), verify, inspect, dryrun, export and generate."""
+import json
 import subprocess
 import sys
 
 import pytest
 
-from framework import dryrun, export, inspect, verify
+from framework import dryrun, export, generate, inspect, verify
 from tests.conftest import ROOT, run_cli
 from tests.test_checkpoint import _fake_checkpoint
 
@@ -31,10 +32,65 @@ def test_a_config_typo_is_one_line_and_exit_2(command, argv, line, capsys):
     assert "Traceback" not in out + err
 
 
-@pytest.mark.parametrize("main", [verify.main, inspect.main, dryrun.main, export.main])
+@pytest.mark.parametrize("main", [verify.main, inspect.main, dryrun.main, export.main, generate.main])
 def test_help_prints_the_usage_and_exits_0(main, capsys):
     assert main(["--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: python -m framework.")
+
+
+@pytest.mark.parametrize("command", [export, generate])
+def test_help_of_export_and_generate_describes_them_whole(command, capsys):
+    assert command.main(["--help"]) == 0
+    assert command.__doc__.strip() in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt,out,line", [
+    ("pt", "a_dir", "OUT='{out}': names a directory; name the file to write (OUT.pt), or add --format hf to write a "
+                    "Hugging Face directory"),
+    ("pt", "empty_dir", "OUT='{out}': names a directory; name the file to write (OUT.pt), or add --format hf to "
+                        "write a Hugging Face directory"),
+    ("pt", "model.pt", "OUT='{out}': exists; name a new file (export overwrites nothing)"),
+    ("pt", "missing/model.pt", "OUT='{out}': its directory {tmp}/missing does not exist; create it first"),
+    ("hf", "a_dir", "OUT_DIR='{out}': exists and is not an empty directory; name a new directory"),
+    ("hf", "missing/hf", "OUT_DIR='{out}': its directory {tmp}/missing does not exist; create it first"),
+])
+def test_export_refuses_an_output_it_would_overwrite_or_cannot_write_in_one_line(fmt, out, line, tmp_path, capsys):
+    checkpoint = _fake_checkpoint(tmp_path / "checkpoints", "step_5")
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_dir" / "kept").write_text("kept")
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "model.pt").write_text("kept")
+    before = sorted(tmp_path.rglob("*"))
+    assert export.main([str(checkpoint), str(tmp_path / out), "--format", fmt]) == 2
+    assert capsys.readouterr().err == f"export failed: config error: {line.format(out=tmp_path / out, tmp=tmp_path)}\n"
+    assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "model.pt").read_text() == "kept"
+
+
+@pytest.mark.parametrize("command", [export, generate])
+def test_a_model_path_from_a_checkpoint_that_is_gone_is_said_to_come_from_the_checkpoint(command, tmp_path, capsys):
+    checkpoint = _fake_checkpoint(tmp_path / "checkpoints", "step_5")
+    moved = tmp_path / "llama_tiny"
+    (checkpoint / "framework.json").write_text(json.dumps(
+        {"config": {"model": {"_target_": "framework.models.hf.HFTransformer", "path": str(moved)}}}))
+    argv = [str(tmp_path / "out.pt")] if command is export else ["--prompt", "hi"]
+    assert command.main([str(checkpoint), *argv]) == 2
+    assert capsys.readouterr().err == (
+        f"{command.__name__.split('.')[-1]} failed: checkpoint {checkpoint}: model.path='{moved}', read from its saved "
+        f"config: no such directory; point it at a Hugging Face model directory (config.json, *.safetensors, "
+        f"tokenizer.json)\n")
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--max-new-tokens", "0"], "--max-new-tokens=0: must be >= 1"),
+    (["--temperature", "-1"], "--temperature=-1.0: must be >= 0 (0: greedy)"),
+    (["--top-p", "1.5"], "--top-p=1.5: must be in (0, 1]"),
+    ([], "SOURCE='{source}': no such directory; give a Hugging Face model directory (config.json, *.safetensors, "
+         "tokenizer.json), a step_N checkpoint or a checkpoints dir (its newest)"),
+])
+def test_generate_names_the_one_option_or_the_source_it_refuses(argv, line, tmp_path, capsys):
+    source = tmp_path / "none"
+    assert generate.main([str(source), "--prompt", "hi", *argv]) == 2
+    assert capsys.readouterr().err == f"generate failed: config error: {line.format(source=source)}\n"
 
 
 def test_export_of_a_run_dir_points_at_its_checkpoints(tmp_path, capsys):

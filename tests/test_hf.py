@@ -2,6 +2,7 @@
 logits, loss and gradients on one process and sharded, verify, bad directories refused."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -13,11 +14,13 @@ from framework.config.errors import ConfigError
 from framework.config.validate import validate
 from framework.launch.handoff import rank_config
 from framework.export import load_model
-from framework.generate import generate
+from framework.generate import generate, main as generate_main
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models import NextTokenLoss
 from framework.models.hf import HFTransformer, hf_name, load_hf_weights
-from tests.conftest import compose_config, run_cli
+from framework.models.hf_export import save_hf
+from framework.prepare import main as prepare
+from tests.conftest import ROOT, compose_config, run_cli
 from tests.hf_models import ARCHITECTURES, reference
 from tests.workers import one_step_gradients
 
@@ -36,9 +39,9 @@ def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours - theirs).abs().max() / theirs.abs().max())
 
 
-def loaded(path: str) -> HFTransformer:
+def loaded(path: str, **options) -> HFTransformer:
     """One process, no process group: built on meta, allocated, weights read by DCP's HF reader."""
-    model = HFTransformer(path)
+    model = HFTransformer(path, **options)
     model.to_empty(device="cpu")
     model.tie_weights()
     load_hf_weights(model, path)
@@ -125,7 +128,24 @@ def _rewrite_config(path: str, **changes) -> None:
 
 
 def _copy(hf_dirs, kind, tmp_path) -> str:
-    return shutil.copytree(hf_dirs[kind], tmp_path / kind)
+    return str(shutil.copytree(hf_dirs[kind], tmp_path / kind))
+
+
+def _index_naming_a_missing_shard(path: str) -> None:
+    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                  "lm_head.weight": "model-00002-of-00002.safetensors"}
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00002.safetensors"))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def _grow_tokenizer(path: str) -> None:
+    """The tokenizer.json in `path` grown to 512 tokens, twice the tiny models' vocab_size."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(256)])
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
 
 
 @pytest.mark.parametrize("case,match", [
@@ -136,13 +156,16 @@ def _copy(hf_dirs, kind, tmp_path) -> str:
     ("sliding_qwen", r"sets use_sliding_window: true"),
     ("shape", r"the safetensors' model.embed_tokens.weight has shape \[256, 64\], config.json implies \[512, 64\]"),
     ("missing_shard", r"model.safetensors.index.json names model-00002-of-00002.safetensors, which is missing"),
+    ("max_positions", r"data.dataset.seq_len=512: exceeds config.json's max_position_embeddings=256 \(in .*llama\), "
+                      r"the longest sequence the model was trained on; use at most 256 tokens, or set "
+                      r"\+model.max_positions=512 to go past it"),
     ("renamed", r"the safetensors lack model.layers.1.mlp.up_proj.weight \(shape \[96, 64\]\), which config.json implies"),
     ("kv_heads", r"model.n_kv_heads=2: the TP plan splits it across 4 ranks"),
     ("tied_layout", r"plan.output='rowwise': the model ties its output to tok_embeddings \(rowwise here\)"),
 ])
 def test_bad_model_directory_is_refused_before_launch_naming_what(case, match, hf_dirs, tmp_path):
     kind = {"window": "mistral", "sliding_qwen": "qwen2", "tied_layout": "qwen3"}.get(case, "llama")
-    path = str(_copy(hf_dirs, kind, tmp_path))
+    path = _copy(hf_dirs, kind, tmp_path)
     overrides = []
     if case == "no_config":
         os.remove(os.path.join(path, "config.json"))
@@ -157,11 +180,9 @@ def test_bad_model_directory_is_refused_before_launch_naming_what(case, match, h
     elif case == "shape":
         _rewrite_config(path, vocab_size=512)
     elif case == "missing_shard":
-        weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-                      "lm_head.weight": "model-00002-of-00002.safetensors"}
-        os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00002.safetensors"))
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+        _index_naming_a_missing_shard(path)
+    elif case == "max_positions":
+        overrides = ["data.dataset.seq_len=512"]
     elif case == "renamed":
         from safetensors.torch import load_file, save_file
 
@@ -174,6 +195,76 @@ def test_bad_model_directory_is_refused_before_launch_naming_what(case, match, h
         overrides = ["mesh=1x2", "plan=qk_norm_tp_sp", "plan.output.style=rowwise"]
     with pytest.raises(ConfigError, match=match):
         validate(hf_config(path, *overrides))
+
+
+def test_token_data_of_a_tokenizer_larger_than_the_model_is_refused_before_launch(hf_dirs, prepared, tmp_path):
+    path, tokens = _copy(hf_dirs, "llama", tmp_path), str(tmp_path / "tokens")
+    _grow_tokenizer(path)
+    assert prepare([os.path.join(os.path.dirname(prepared["packed"]), "text.txt"), "--tokenizer", path,
+                    "--out", tokens]) == 0
+    cfg = compose_config(["recipe=finetune_hf", f"model.path={path}", f"data.path={tokens}", "data.dataset.seq_len=64"])
+    with pytest.raises(ConfigError, match=re.escape(
+            f"model.path='{path}': config.json's vocab_size=256 is smaller than the vocabulary (512) of "
+            f"{path}/tokenizer.json, which the token data in {tokens} was prepared with: its ids from 256 on have no "
+            f"embedding; use a tokenizer of at most 256 tokens, the one the model was trained with")):
+        validate(cfg)
+
+
+def test_max_positions_lets_a_run_go_past_max_position_embeddings_and_its_export_says_so(hf_dirs, tmp_path):
+    validate(hf_config(hf_dirs["llama"], "data.dataset.seq_len=512", "data.dataset.max_bytes=262144",
+                       "+model.max_positions=512"))
+    out = str(tmp_path / "exported")
+    save_hf(loaded(hf_dirs["llama"], max_positions=512), out)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["max_position_embeddings"] == 512
+    assert generate_main([out, "--prompt", "hi", "--max-new-tokens", "300"]) == 0
+
+
+def test_a_relative_model_path_is_stored_absolute(hf_dirs, monkeypatch):
+    """What the ranks run and a checkpoint saves: export and generate find the model from any
+    directory, and so does an interpolation of it (recipes/finetune_hf.yaml's data.tokenizer)."""
+    monkeypatch.chdir(os.path.dirname(hf_dirs["llama"]))
+    cfg = hf_config("llama", "data.tokenizer=${model.path}")
+    validate(cfg)
+    saved = rank_config(cfg)
+    assert saved["model"]["path"] == saved["data"]["tokenizer"] == hf_dirs["llama"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path,fix", [
+    (None, "'???': not given; name the Hugging Face model directory on the command line: model.path=DIR"),
+    ("no_such_model", "'{root}/no_such_model': no such directory; point it at a Hugging Face model directory"),
+])
+def test_finetune_without_a_model_directory_is_one_line_naming_model_path_and_writes_nothing(path, fix, hf_dirs,
+                                                                                             tmp_path):
+    given = [f"model.path={path}"] if path else []
+    result = run_cli(["recipe=finetune_hf", f"data.path={hf_dirs['tokens']}", f"hydra.run.dir={tmp_path / 'job'}",
+                      *given], timeout=100)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"config error: model.path={fix.format(root=ROOT)} (config.json, *.safetensors, "
+                             f"tokenizer.json)\n")
+    assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("case,argv,fix", [
+    ("vocab", [], "SOURCE='{path}': config.json's vocab_size=256 is smaller than the vocabulary (512) of "
+                  "{path}/tokenizer.json: its ids from 256 on have no embedding; use a tokenizer of at most 256 "
+                  "tokens, the one the model was trained with"),
+    ("missing_shard", [], "SOURCE='{path}': model.safetensors.index.json names model-00002-of-00002.safetensors, "
+                          "which is missing"),
+    ("long", ["--max-new-tokens", "300"],
+     "--max-new-tokens=300: with the prompt's 2 tokens, exceeds config.json's max_position_embeddings=256 (in "
+     "{path}), the longest sequence the model was trained on; use at most 254 tokens"),
+])
+def test_generate_refuses_a_model_directory_as_train_does_in_one_line_naming_source(case, argv, fix, hf_dirs,
+                                                                                    tmp_path, capsys):
+    path = _copy(hf_dirs, "llama", tmp_path)
+    if case == "vocab":
+        _grow_tokenizer(path)
+    elif case == "missing_shard":
+        _index_naming_a_missing_shard(path)
+    assert generate_main([path, "--prompt", "hi", *argv]) == 2
+    assert capsys.readouterr().err == f"generate failed: config error: {fix.format(path=path)}\n"
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

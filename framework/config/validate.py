@@ -14,8 +14,8 @@ from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_
 from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.errors import ConfigError
 from framework.config.trust import check_targets
-from framework.data.tokens import check_token_data
-from framework.models.hf import check_weights
+from framework.data.tokens import DATASETS, check_responses, check_token_data, read_meta
+from framework.models.hf import check_length, check_model_path, check_vocab, check_weights
 from framework.models.meta import SkipRandomInit
 from framework.models.hf_export import check_hf_out
 from framework.parallel.roles import MeshRoles
@@ -166,14 +166,16 @@ def check_tied_layouts(plan: dict, model: torch.nn.Module) -> None:
 
 
 def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
-    """A Hugging Face model's safetensors match its config.json, and the sequence fits the
-    attention it implements (full attention equals a sliding window only up to the window)."""
+    """A Hugging Face model's safetensors match its config.json, the token data's ids fit its
+    vocabulary and the sequence its positions (framework.models.hf, as framework.generate checks)."""
     check_weights(model)
-    seq_len, window = cfg.data.dataset.get("seq_len"), model.attention_window
-    if window is not None and seq_len is not None and seq_len > window:
-        raise ConfigError("data.dataset.seq_len", seq_len, f"exceeds the model's sliding_window={window} (config.json "
-                                                           f"in {model.hf_path}), which this framework does not "
-                                                           f"implement; use at most {window} tokens")
+    dataset = cfg.data.dataset
+    if dataset.get("_target_") in DATASETS:
+        prepared = read_meta(dataset.path)["tokenizer"]
+        check_vocab(model, prepared["vocab_size"], f"{prepared['path']}, which the token data in {dataset.path} "
+                                                   f"was prepared with")
+    if dataset.get("seq_len") is not None:
+        check_length(model, "data.dataset.seq_len", dataset.seq_len, opt_out=True)
 
 
 def check_final_hf(model: torch.nn.Module, out_dir: Optional[str]) -> None:
@@ -284,6 +286,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     check_devices(cfg, per_host)
     check_targets(cfg)
     check_trainer_and_data(cfg)
+    check_model_path(cfg)  # before check_token_data reads data.tokenizer, often ${model.path}
     check_token_data(cfg)
     check_checkpoint_keys(cfg)
     if deep:
@@ -292,6 +295,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         check_pipeline_parallel(cfg, model, roles.pp_size, roles.dp_size)
         check_optimizer(cfg)
         check_dataset(cfg)
+        check_responses(cfg)
         if out_dir is not None:
             check_checkpoint_sources(cfg, checkpoint_dir(cfg, out_dir), model)
         if cfg.checkpoint.final_hf:

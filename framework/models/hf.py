@@ -11,9 +11,10 @@ import json
 import os
 import re
 import struct
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from framework.config.errors import ConfigError
@@ -56,8 +57,9 @@ def hf_state_dict(state: Dict[str, Any], tied: bool) -> Dict[str, Any]:
 def read_config(path: str) -> Dict[str, Any]:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        raise ConfigError("model.path", path, "holds no config.json: point it at a Hugging Face model directory "
-                                              "(config.json, *.safetensors, tokenizer.json)")
+        problem = "holds no config.json" if os.path.isdir(path) else "no such directory"
+        raise ConfigError("model.path", path, f"{problem}; point it at a Hugging Face model directory "
+                                              f"(config.json, *.safetensors, tokenizer.json)")
     try:
         with open(config_file) as f:
             return json.load(f)
@@ -120,15 +122,63 @@ def attention_window(config: Dict[str, Any]) -> Any:
 
 class HFTransformer(Transformer):
     """The model config.json in `path` describes, built on the meta device (no memory);
-    `hf_path` tells the builder to shard it, allocate it and load the weights from `path`."""
+    `hf_path` tells the builder to shard it, allocate it and load the weights from `path`.
+    `max_positions` (default: config.json's max_position_embeddings) is the longest sequence it
+    is run on (check_length): set it to train past what the model was trained on."""
 
-    def __init__(self, path: str, activation_checkpointing: str = "none"):
+    def __init__(self, path: str, activation_checkpointing: str = "none", max_positions: Optional[int] = None):
         path = os.path.abspath(os.path.expanduser(str(path)))
         config = read_config(path)
         with torch.device("meta"), SkipRandomInit():
             super().__init__(**transformer_args(config, path), activation_checkpointing=activation_checkpointing)
         self.hf_path = path
         self.attention_window = attention_window(config)
+        self.max_positions = max_positions or config.get("max_position_embeddings")
+        self.max_positions_key = "model.max_positions" if max_positions else "config.json's max_position_embeddings"
+
+
+def check_model_path(cfg: DictConfig) -> None:
+    """model=hf's model.path, before anything reads it (recipes/finetune_hf.yaml's data.tokenizer
+    is ${model.path}): given, holding a config.json, and made absolute in the config the ranks
+    run and checkpoints save, so export and generate find the model from any directory."""
+    model = cfg.model
+    if model.get("_target_") != f"{__name__}.{HFTransformer.__name__}":
+        return
+    if OmegaConf.is_missing(model, "path"):
+        raise ConfigError("model.path", "???", "not given; name the Hugging Face model directory on the command "
+                                               "line: model.path=DIR (config.json, *.safetensors, tokenizer.json)")
+    model.path = os.path.abspath(os.path.expanduser(model.path))
+    read_config(model.path)
+
+
+def check_vocab(model: HFTransformer, vocab: int, tokenizer: str) -> None:
+    """Every id of the tokenizer has a row of the embedding (else the first one past it fails
+    every rank mid-run: an IndexError in the embedding or the loss)."""
+    rows = model.tok_embeddings.num_embeddings
+    if vocab > rows:
+        raise ConfigError("model.path", model.hf_path, f"config.json's vocab_size={rows} is smaller than the "
+                                                       f"vocabulary ({vocab}) of {tokenizer}: its ids from {rows} "
+                                                       f"on have no embedding; use a tokenizer of at most {rows} "
+                                                       f"tokens, the one the model was trained with")
+
+
+def check_length(model: HFTransformer, key: str, value: int, before: int = 0, opt_out: bool = False) -> None:
+    """`value` tokens after `before` others (a prompt) fit the model: within Mistral's sliding
+    window (full attention equals it only that far) and max_positions (the rotary embedding
+    runs past it, on positions the model never saw: refused, unless `opt_out` names the key that
+    allows it)."""
+    length, path = before + value, model.hf_path
+    past = (f", or set +model.max_positions={length} to go past it (the rotary embedding extrapolates to "
+            f"positions the model never saw)") if opt_out else ""
+    limits = [(model.attention_window, f"the model's sliding_window={model.attention_window} (config.json in "
+                                       f"{path}), which this framework does not implement", ""),
+              (model.max_positions, f"{model.max_positions_key}={model.max_positions} (in {path}), the longest "
+                                    f"sequence the model was trained on", past)]
+    for limit, what, allow in limits:
+        if limit is not None and length > limit:
+            prompt = f"with the prompt's {before} tokens, " if before else ""
+            fix = f"use at most {limit - before} tokens" if limit > before else "shorten the prompt"
+            raise ConfigError(key, value, f"{prompt}exceeds {what}; {fix}{allow}")
 
 
 def _safetensors_header(file: str) -> Dict[str, Any]:

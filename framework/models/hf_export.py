@@ -51,14 +51,16 @@ def _file_numbers(sizes: Dict[str, int], max_bytes: int) -> Dict[str, int]:
     return numbers
 
 
-def _carry_side_files(source: str, out: str, dtype: torch.dtype) -> None:
+def _carry_side_files(model: nn.Module, out: str, dtype: torch.dtype) -> None:
     for name in SIDE_FILES:
-        if os.path.isfile(os.path.join(source, name)):
-            shutil.copy2(os.path.join(source, name), os.path.join(out, name))
+        if os.path.isfile(os.path.join(model.hf_path, name)):
+            shutil.copy2(os.path.join(model.hf_path, name), os.path.join(out, name))
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
     # the weights' dtype as written (transformers 5 reads `dtype`, 4.x `torch_dtype`)
     config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = str(dtype).split(".")[1]
+    if model.max_positions is not None:  # a run past config.json's (+model.max_positions) was trained that far
+        config["max_position_embeddings"] = model.max_positions
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -83,7 +85,7 @@ def save_hf_sharded(module: nn.Module, out: str, rank: int, max_shard_bytes: int
         if max(file_of.values()) == 1:  # one file: the name from_pretrained looks for without an index
             os.rename(os.path.join(partial, "model-00001-of-00001.safetensors"), os.path.join(partial, "model.safetensors"))
             os.remove(os.path.join(partial, "model.safetensors.index.json"))
-        _carry_side_files(module.hf_path, partial, next(iter(state.values())).dtype)
+        _carry_side_files(module, partial, next(iter(state.values())).dtype)
         os.rename(partial, out)
     dist.barrier()
 
@@ -117,7 +119,7 @@ def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD
                      "weight_map": {key: name for name, shard in zip(names, shards) for key in shard}}
             with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
-        _carry_side_files(model.hf_path, partial, next(iter(state.values())).dtype)
+        _carry_side_files(model, partial, next(iter(state.values())).dtype)
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
         os.rename(partial, out)
