@@ -16,7 +16,6 @@ from framework.launch.handoff import rank_config
 from framework.export import load_model
 from framework.generate import generate, main as generate_main
 from framework.launch.local import launch_local, spawn_ranks
-from framework.models import NextTokenLoss
 from framework.models.hf import HFTransformer, hf_name, load_hf_weights
 from framework.models.hf_export import save_hf
 from framework.prepare import main as prepare
@@ -57,10 +56,14 @@ def first_global_batch(cfg):
     return next(iter(DataLoader(dataset, batch_size=cfg.data.global_batch_size, sampler=sampler)))
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
 def reference_step(path: str, inputs: torch.Tensor, targets: torch.Tensor):
     """transformers' model: loss and gradients (by Hugging Face name) of one batch."""
     model = reference(path)
-    loss = NextTokenLoss()(model(inputs).logits, targets)
+    loss = cross_entropy(model(inputs).logits, targets)
     loss.backward()
     return float(loss), {name: p.grad for name, p in model.named_parameters()}
 
@@ -74,7 +77,7 @@ def test_logits_loss_and_gradients_equal_transformers_on_one_process(kind, hf_di
     print(f"{kind}: logits relative error {error:.1e}")
     assert error <= 1e-5
     inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
-    loss = NextTokenLoss()(ours(inputs), targets)
+    loss = cross_entropy(ours(inputs), targets)
     loss.backward()
     ref_loss, ref_grads = reference_step(path, inputs, targets)
     assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
@@ -316,6 +319,8 @@ def test_export_hf_loads_in_transformers_without_missing_keys_and_equal_logits(t
 
 def test_a_sharded_run_writes_its_final_model_as_a_hugging_face_directory(trained_qwen3):
     out = os.path.join(os.path.dirname(trained_qwen3), "hf")
+    log = open(os.path.join(os.path.dirname(trained_qwen3), "logs", "rank0.log")).read()
+    assert f"the final model as a Hugging Face directory (checkpoint.final_hf): {out}\n" in log  # said, not silent
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                                        "tokenizer_config.json"]
     assert transformers_logits_error(out, trained_qwen3) <= 1e-5

@@ -250,6 +250,18 @@ class BlockingTransformer(Transformer):
             threading.Event().wait()
 
 
+class LogitSquareTransformer(Transformer):
+    """The LM reporting an auxiliary term, as a mixture of experts reports its load-balancing
+    loss: each token's mean squared logit, summed over the micro-batch's tokens."""
+
+    auxiliary_losses: dict = {}
+
+    def forward(self, tokens):
+        logits = super().forward(tokens)
+        self.auxiliary_losses = {"logit_square": logits.float().pow(2).mean(-1).sum()}
+        return logits
+
+
 class ThreeLayers(nn.Module):
     """a feeds b on every rank; c only on rank 0; d on no rank. Registered d, c, a, b so that
     DataParallel's buckets (reverse order) take b's and a's gradients first, then c's, then d's."""
@@ -325,8 +337,9 @@ def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[to
     result = {"loss": mean_over_dp(run, local_value(loss).reshape(1))[0], "grads": grads,
               "response_tokens": int((targets != IGNORE).sum()), "logits": logits}
     if run.dp["size"] == 1:
-        with torch.no_grad():
-            halves = [float(trainer.compute_loss(inputs[r::2], targets[r::2])) for r in (0, 1)]
+        with torch.no_grad():  # each half's own mean: its loss sum over its own count
+            halves = [float(trainer.objective(run.model(inputs[r::2]), targets[r::2], run.module)
+                            / trainer.objective.count(targets[r::2])) for r in (0, 1)]
         result["mean_of_halves"] = sum(halves) / 2
     dist.destroy_process_group()
     return result

@@ -3,7 +3,7 @@
 Registered in Hydra's ConfigStore as `config_schema` and listed first in conf/config.yaml's
 defaults, so a wrong type or an unknown key fails when Hydra composes, before anything runs.
 Hydra lets `+key=value` add a key the schema lacks; `unknown_key` finds those, and validation
-refuses them before launch. Free-form nodes (`model`, `optim`, `data.dataset`, `data.loss`,
+refuses them before launch. Free-form nodes (`model`, `optim`, `data.dataset`, `objective`,
 the plan's entries) are checked by framework.config.validate instead.
 """
 import dataclasses
@@ -111,7 +111,6 @@ class DataConfig:
     path: Optional[str] = None  # prepared token data (data=tokens / instructions): framework.prepare's --out
     tokenizer: Optional[str] = None  # the tokenizer.json the model is meant for: other data is refused
     dataset: Any = None
-    loss: Any = None
 
 
 @dataclass
@@ -183,6 +182,7 @@ class Config:
     plan: Dict[str, Any] = field(default_factory=dict)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    objective: Any = None  # what a step optimizes (conf/objective/, framework.training.objectives)
     optim: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -228,8 +228,16 @@ def section_keys(section: str) -> List[str]:
     return sorted(f.name for f in dataclasses.fields(schema))
 
 
+# Keys that moved, and where to: a config that still sets one is told, not just refused.
+MOVED = {"data.loss": "the loss moved to the objective group: objective=lm (next-token cross entropy) or "
+                      "objective=mse, their options as objective.<key> (conf/objective/)"}
+
+
 def did_you_mean(key: str, known: List[str]) -> str:
-    """`did you mean trainer.max_steps?` for a misspelled key, else the section's keys."""
+    """`did you mean trainer.max_steps?` for a misspelled key (or where a moved key went), else
+    the section's keys."""
+    if key in MOVED:
+        return MOVED[key]
     section, _, name = key.rpartition(".")
     prefix = f"{section}." if section else ""
     close = difflib.get_close_matches(name, known, n=1)

@@ -111,7 +111,7 @@ def check_trainer_and_data(cfg: DictConfig) -> None:
         raise ConfigError("data.micro_batch_size", micro,
                           f"must divide the per-replica batch {gbs // dp} (data.global_batch_size={gbs} over DP size "
                           f"{dp}), or be null for no gradient accumulation")
-    for key in ("model", "optim", "data.dataset", "data.loss"):
+    for key in ("model", "optim", "data.dataset", "objective"):
         if OmegaConf.select(cfg, key) is None or "_target_" not in OmegaConf.select(cfg, key):
             raise ConfigError(key, OmegaConf.select(cfg, key), "give a node with a _target_")
 

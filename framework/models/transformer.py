@@ -260,13 +260,3 @@ class Transformer(nn.Module):
         over the full sequence. The embedding lookup is not a matmul and is left out. The whole
         model's, counted at construction (a pipeline stage keeps only its own modules)."""
         return 6 * self.matmul_params + 12 * self.n_layers * self.dim * seq_len
-
-
-class NextTokenLoss(nn.Module):
-    """Cross entropy of logits (batch, seq, vocab) against targets (batch, seq); targets of -100
-    (instruction data's prompt and padding) are ignored. `reduction="sum"` is how the Trainer
-    averages masked data over the whole global batch's counted tokens."""
-
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction=reduction)
-

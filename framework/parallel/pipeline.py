@@ -159,9 +159,11 @@ class Pipeline:
     forward only."""
 
     def __init__(self, stages: List[Tuple[int, nn.Module]], n_stages: int, pp_group, schedule: str, microbatches: int,
-                 loss_fn, scale_grads: bool, device: torch.device, make_stage: Optional[Callable] = None):
-        """make_stage(module, index, n_stages, device, group): torch's PipelineStage unless given
-        (the dry run's give their tensor shapes, which the fake process group cannot exchange)."""
+                 loss_fn, device: torch.device, make_stage: Optional[Callable] = None):
+        """loss_fn(outputs, targets): a micro-batch's share of the step's loss, so the schedule does
+        not rescale the gradients. make_stage(module, index, n_stages, device, group): torch's
+        PipelineStage unless given (the dry run's give their tensor shapes, which the fake process
+        group cannot exchange)."""
         from torch.distributed import pipelining
 
         self.n_stages, self.device = n_stages, device
@@ -173,7 +175,7 @@ class Pipeline:
         schedule_class = getattr(pipelining, SCHEDULES[schedule][0])
         one = SCHEDULES[schedule][1] == "1"
         self.schedule = schedule_class(self.stages[0] if one else self.stages, n_microbatches=microbatches,
-                                       loss_fn=loss_fn, scale_grads=scale_grads)
+                                       loss_fn=loss_fn, scale_grads=False)
 
     def _run(self, method, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: List[torch.Tensor] = []

@@ -149,9 +149,9 @@ def stage_dataloader(run: Run) -> None:
 
 def stage_optimizer(run: Run) -> None:
     """What a step needs besides data: the optimizer, built over the parameters as they are
-    after DP and TP (DTensor shards included), its warmup / decay schedule, and the loss."""
+    after DP and TP (DTensor shards included), its warmup / decay schedule, and the objective."""
     t = run.cfg.trainer
-    run.loss_fn = instantiate(run.cfg.data.loss)
+    run.objective = instantiate(run.cfg.objective)
     run.optimizer = instantiate(run.cfg.optim)(run.model.parameters())
     run.scheduler = build_scheduler(run.optimizer, t.warmup_steps, t.max_steps, t.lr_decay)
 

@@ -27,7 +27,7 @@ class Run:
     sampler: Any = None
     dataloader: Any = None
     val_dataloader: Any = None  # only with trainer.eval_every
-    loss_fn: Any = None
+    objective: Any = None  # framework.training.objectives: what a step optimizes
     optimizer: Any = None
     scheduler: Any = None
     state: Any = None  # framework.training.state.TrainState: step, data position, history

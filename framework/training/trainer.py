@@ -3,17 +3,20 @@ verify, inspect and the dry run share, evaluation, and the loop that steps, eval
 and logs. What it measures and reports is framework.training.metrics; what it carries across a
 checkpoint is framework.training.state.
 
-Losses stay on their ranks until a logging step; then one all-reduce over the DP group turns
-the pending per-replica losses into global-batch losses (TP ranks already agree), so the hot
-path has no extra collective. (Instruction data adds one: the count of response tokens of the
-global batch, a number all-reduced over DP once per step, which its loss divides by.)
+The step's loss is the objective's (framework.training.objectives): each micro-batch's loss sum
+over the step's denominator, the global batch's count of units over the DP size, so that DP's
+gradient average is the global sum over the global count on every mesh, with micro-batches and
+pipeline stages alike. Losses stay on their ranks until a logging step; then one all-reduce over
+the DP group turns the pending per-replica losses into global-batch losses (TP ranks already
+agree), so the hot path has no extra collective. (Data whose targets may not count, instruction
+data, adds one: its count of units, a number all-reduced over DP once per step.)
 """
 import gc
 import logging
 import os
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +25,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from framework.data.loader import batches
-from framework.data.tokens import IGNORE
 from framework.models.hf_export import save_hf_sharded
 from framework.parallel.data_parallel import DataParallel
 from framework.parallel.fully_shard import no_gradient_sync
@@ -101,28 +103,28 @@ class Trainer:
 
     def __init__(self, run: Run, make_stage: Optional[Callable] = None):
         """make_stage: how a pipeline stage is made (framework.parallel.pipeline.Pipeline)."""
-        self.run, self.cfg = run, run.cfg
+        self.run, self.cfg, self.objective = run, run.cfg, run.objective
         self.device = torch.device(run.cfg.mesh.device_type)
-        self.masked = getattr(run.dataset, "masked_targets", False)  # instruction data: targets -100 don't count
+        self.count_is_fixed = self.objective.count_is_fixed(run.dataset)
+        self.denominator = 1.0  # what the micro-batches' loss sums are divided by (per step; 1: sums)
+        self.terms: Dict[str, torch.Tensor] = {}  # the step's auxiliary terms, normalized as its loss
         self.pipeline = self._build_pipeline(make_stage) if run.stages else None
 
     def _build_pipeline(self, make_stage: Optional[Callable]) -> Pipeline:
-        """This rank's stages under parallel.pp_schedule. The schedule averages the gradients
-        over its micro-batches (scale_grads), except for masked data, whose loss_fn already
-        weighs each counted token of the global batch alike."""
+        """This rank's stages under parallel.pp_schedule. Each micro-batch's loss is already its
+        share of the step's (micro_batch_loss), so the schedule does not rescale the gradients."""
         run, p = self.run, self.cfg.parallel
         if isinstance(run.model, DataParallel):
             run.model.sync_after_pipeline()
         n_stages = run.pp["size"] * p.pp_stages_per_rank
         self.microbatches = microbatches(p, n_stages)
-        self.per_token: Optional[float] = None
         plan = OmegaConf.to_container(self.cfg.plan, resolve=True) if self.cfg.plan else {}
         layout, local = final_output_layout(plan["output"]) if "output" in plan else (None, True)
         # the DTensor compute_loss would see sharded on its last (vocabulary) dim
         self.sharded_logits = run.tp.get("size", 1) > 1 and not local and str(layout).replace(" ", "") in (
             "shard(-1)", "shard(2)")
-        return Pipeline(run.stages, n_stages, run.pp_group, p.pp_schedule, self.microbatches, self._pipeline_loss,
-                        scale_grads=not self.masked, device=self.device, make_stage=make_stage)
+        return Pipeline(run.stages, n_stages, run.pp_group, p.pp_schedule, self.microbatches, self.micro_batch_loss,
+                        device=self.device, make_stage=make_stage)
 
     def _pipeline_where(self) -> str:
         """For the stall watchdog's report: which stages this rank runs, and what it waits for."""
@@ -131,13 +133,6 @@ class Trainer:
         stages = ", ".join(str(index) for index, _ in self.run.stages)
         return (f" in pipeline stage {stages} of {self.pipeline.n_stages} (a wait here is the schedule's send/recv of "
                 f"activations or gradients with the neighbouring stages)")
-
-    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's loss on the last stage: its mean, or for masked data its sum times
-        the step's per-token scale."""
-        if self.per_token is None:
-            return self.run.loss_fn(logits, targets)
-        return self.run.loss_fn(logits, targets, reduction="sum") * self.per_token
 
     def pipeline_context(self):
         """What compute_loss enters around forward and loss, around the whole schedule (which
@@ -152,27 +147,28 @@ class Trainer:
         """The schedule's micro-batches (parallel.pp_microbatches) through the stages, then the
         replicate strategy's gradient sync, once. Returns what forward_backward does."""
         run = self.run
-        run.optimizer.zero_grad(set_to_none=True)
-        self.per_token = self._per_token_scale(targets) if self.masked else None
         with self.pipeline_context():
             total = self.pipeline.step(inputs, targets)
         if isinstance(run.model, DataParallel):
             run.model.sync_gradients()
-        return total if self.masked else total / self.microbatches
+        return total
 
     # -- one step -----------------------------------------------------------------------
 
-    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor, **loss_kwargs) -> torch.Tensor:
-        """Forward and loss, under autocast with trainer.mixed_precision=bf16 (fp32 master
-        weights: autocast casts per op, and its fp32 ops, the loss among them, stay fp32); logits
-        the plan leaves sharded on the vocabulary (output_layouts shard(-1), use_local_output
-        false) get torch's loss_parallel instead of a gather."""
-        run = self.run
+    def micro_batch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the step's loss: the objective's sum over the step's
+        denominator (the pipeline's last stage calls this too). Its auxiliary terms, so divided,
+        add up in `terms`."""
+        loss = self.objective(outputs, targets, self.run.module) / self.denominator
+        for name, value in self.objective.terms.items():
+            self.terms[name] = self.terms.get(name, 0.0) + value / self.denominator
+        return loss
+
+    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and micro_batch_loss, under autocast with trainer.mixed_precision=bf16 (fp32
+        master weights: autocast casts per op, and its fp32 ops, the loss among them, stay fp32)."""
         with self._autocast():
-            logits = run.model(inputs)
-            sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
-            with loss_parallel() if sharded else nullcontext():
-                return run.loss_fn(logits, targets, **loss_kwargs)
+            return self.micro_batch_loss(self.run.model(inputs), targets)
 
     def _autocast(self):
         """bf16 autocast with trainer.mixed_precision=bf16 under replicate; fsdp / hsdp: FSDP2's
@@ -182,44 +178,37 @@ class Trainer:
         return torch.autocast(cfg.mesh.device_type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Zero the gradients, then forward, loss and backward (gradients come out final).
-        With data.micro_batch_size, per micro-batch: each loss is weighted by its share of the
-        batch so the gradients add up to the whole batch's, and the DP strategy finalizes them
-        (TP partials, DP average) once, after the last. Data with masked targets (instruction
-        data) weighs every counted token alike instead: each micro-batch's loss is its sum over
-        its counted tokens divided by the global batch's count (one all-reduce of a number over
-        DP), times the DP size the gradient average divides by. Returns the replica's share of
-        the global-batch loss, whose mean over DP is the global-batch loss."""
+        """Zero the gradients, then forward, loss and backward (gradients come out final), per
+        micro-batch (data.micro_batch_size; under PP the schedule's): each loss is its share of
+        the step's (micro_batch_loss), so the gradients add up to the global batch's, and the DP
+        strategy finalizes them (TP partials, DP average) once, after the last. Returns the
+        replica's share of the global-batch loss, whose mean over DP is the global-batch loss."""
+        self.run.optimizer.zero_grad(set_to_none=True)
+        self.denominator, self.terms = self.units_per_replica(targets), {}
         if self.pipeline is not None:
             return self._pipeline_forward_backward(inputs, targets)
-        self.run.optimizer.zero_grad(set_to_none=True)
         size = self.cfg.data.micro_batch_size or len(inputs)
         chunks = list(zip(inputs.split(size), targets.split(size)))
-        per_token = self._per_token_scale(targets) if self.masked else None
         total = None
         for i, (micro_inputs, micro_targets) in enumerate(chunks):
-            if per_token is not None:
-                loss = self.compute_loss(micro_inputs, micro_targets, reduction="sum") * per_token
-            else:
-                loss = self.compute_loss(micro_inputs, micro_targets)
-                if len(chunks) > 1:
-                    loss = loss * (len(micro_inputs) / len(inputs))
+            loss = self.compute_loss(micro_inputs, micro_targets)
             with nullcontext() if i == len(chunks) - 1 else paused_gradient_sync(self.run.model):
                 with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
                     loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
-    def _per_token_scale(self, targets: torch.Tensor) -> float:
-        """DP size over the global batch's count of targets that count (not -100): a micro-batch's
-        summed loss times this, summed over micro-batches and averaged over DP, is the mean over
-        every counted token of the global batch, however they fall on replicas and micro-batches."""
-        count = (targets != IGNORE).sum().double()
-        if self.run.dp["size"] > 1:
+    def units_per_replica(self, targets: torch.Tensor) -> float:
+        """The global batch's count of units over the DP size: a micro-batch's loss sum over
+        this, summed over micro-batches and averaged over DP, is the global sum over the global
+        count, however the units fall on replicas and micro-batches. Where every unit counts it
+        is this replica's own count, with no communication; else one all-reduce over DP."""
+        count = self.objective.count(targets).double()
+        if not self.count_is_fixed and self.run.dp["size"] > 1:
             dist.all_reduce(count, group=self.run.dp_group)
-        if count.is_meta:  # the dry run (its collective recorder counted the all-reduce): no values
-            return self.run.dp["size"] / targets.numel()
-        return self.run.dp["size"] / max(1.0, count.item())
+        if count.is_meta:  # the dry run (its collective recorder counted any all-reduce): no values
+            return float(targets.numel())
+        return float(count) if self.count_is_fixed else max(1.0, count.item()) / self.run.dp["size"]
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, measure_norm: bool,
                    on_gradients: Callable[[], None] = lambda: None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -241,24 +230,23 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """The held-out loss over trainer.eval_batches global batches: the mean of their losses,
-        or for masked data the mean over every counted token of them all."""
+        """The held-out loss over trainer.eval_batches global batches: the objective's sum over
+        all their units over the count of them (the same normalization as a step's)."""
         run = self.run
         run.model.eval()
         data = iter(run.val_dataloader)
-        sums, counts = [], []
+        sums, counts, step_terms = [], [], self.terms
+        self.denominator = 1.0  # plain sums, divided by the count below
         for _ in range(min(self.cfg.trainer.eval_batches, len(run.val_dataloader))):
             inputs, targets = (t.to(self.device) for t in next(data))
-            if self.pipeline is not None:  # forward only through the stages; masked: plain sums
-                self.per_token = 1.0 if self.masked else None
+            if self.pipeline is not None:  # forward only through the stages
                 with self.pipeline_context():
-                    total = self.pipeline.evaluate(inputs, targets)
-                sums.append(total if self.masked else total / self.microbatches)
+                    sums.append(self.pipeline.evaluate(inputs, targets))
             else:
-                sums.append(local_value(self.compute_loss(inputs, targets,
-                                                          **({"reduction": "sum"} if self.masked else {}))))
-            counts.append((targets != IGNORE).sum().float() if self.masked else torch.ones((), device=self.device))
+                sums.append(local_value(self.compute_loss(inputs, targets)))
+            counts.append(self.objective.count(targets).float())
         run.model.train()
+        self.terms = step_terms  # the step's, not the evaluation's
         # batches' losses and counts summed here, then averaged over DP: their ratio is the global one
         total, count = mean_over_dp(run, torch.stack([torch.stack(sums).sum(), torch.stack(counts).sum()]))
         return total / max(count, 1.0)
@@ -338,6 +326,7 @@ class Trainer:
             history["losses"] += mean_over_dp(run, self.pending.take())
         if logging_step:
             history["grad_norms"].append(float(grad_norm))
+            self._log_terms(step)
         self.watchdog.finished()  # the step, and its evaluation
         if saving:
             self.watchdog.stage(f"step {step}: checkpoint save")
@@ -345,6 +334,15 @@ class Trainer:
             self.watchdog.finished()
         else:
             run.checkpointer.poll()
+
+    def _log_terms(self, step: int) -> None:
+        """The step's auxiliary terms (those objective.aux_coefficients weighs) as global-batch
+        values, like its loss, to TensorBoard as loss_<name>: one all-reduce, on logging steps."""
+        names = sorted(self.objective.aux_coefficients)
+        if names:
+            values = torch.stack([local_value(torch.as_tensor(self.terms.get(name, 0.0), device=self.device))
+                                  for name in names])
+            self.metrics.scalars(step, {f"loss_{name}": value for name, value in zip(names, mean_over_dp(self.run, values))})
 
     def _evaluate_and_log(self, step: int) -> float:
         """The validation loss at `step`, into the history and TensorBoard; returns its seconds."""
