@@ -17,6 +17,20 @@ ARCHITECTURES = {
     "qwen2": dict(num_key_value_heads=2),  # q/k/v bias
     "qwen3": dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),  # q/k norm, tied output
 }
+# Mixtures of experts, kept apart: the TP and pipeline tests that iterate ARCHITECTURES do not run experts yet.
+# 4 experts of 32, top 2; each makes one choice that transformers' own defaults would not.
+MOE_ARCHITECTURES = {
+    # weights renormalized, layer 1 dense (mlp_only_layers), the aux loss in transformers' loss
+    "qwen3_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], output_router_logits=True,
+                      router_aux_loss_coef=0.02),
+    # weights not renormalized, a gated shared expert, every 2nd of 4 layers sparse
+    "qwen2_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, num_hidden_layers=4, decoder_sparse_step=2),
+    # every layer sparse, experts intermediate_size wide, no sliding window
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                    sliding_window=None),
+}
 
 
 def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
@@ -30,16 +44,21 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[kind]
     options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=0,
-                   **{**ARCHITECTURES[kind], **overrides})
+                   num_attention_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=0)
+    options.update({**ARCHITECTURES, **MOE_ARCHITECTURES}[kind], **overrides)
     torch.manual_seed(seed)
     model = model_class(config_class(**options))
-    with torch.no_grad():  # transformers zero-initializes biases; random ones test them
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+            if name.endswith("bias") or "norm" in name:  # transformers zero-initializes biases; random ones test them
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.gate.weight"):  # a router's logits far apart: routing far from ties and uniform
+                p.normal_(0.0, 0.5)
     model.save_pretrained(out_dir)
     save_byte_tokenizer(out_dir)
     return out_dir

@@ -31,6 +31,8 @@ def reference_training(cfg: DictConfig) -> Dict[str, List[float]]:
         inputs, targets = next(batches)
         optimizer.zero_grad()
         loss = loss_fn(model(inputs), targets)
+        for name, value in getattr(model, "auxiliary_losses", {}).items():  # a sum over the batch's tokens
+            loss = loss + model.aux_coefficients[name] * value / inputs.numel()
         loss.backward()
         if cfg.trainer.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)

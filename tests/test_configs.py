@@ -25,6 +25,8 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
              for group, name in [("model", "lm_tiny"), ("model", "lm_small"), ("model", "lm_bench"), ("plan", "lm_tp"),
                                  ("plan", "lm_tp_sp"),
                                  ("plan", "lm_tp_sp_loss_parallel"), ("data", "byte_corpus")]},
+          ("model", "lm_moe_tiny"): ["recipe=lm_moe", "model=lm_moe_tiny"], ("model", "lm_moe_small"): ["recipe=lm_moe"],
+          ("plan", "lm_moe_tp"): ["recipe=lm_moe"],
           **{("mesh", name): ["recipe=lm_3d", f"mesh={name}"] for name in ("pp2x1x1", "pp2x2x1", "pp2x1x2", "pp2x2x2")},
           ("data", "tokens"): ["recipe=lm_files"], ("data", "instructions"): ["recipe=lm_files", "data=instructions"]}
 # Configs that read prepared token data: which kind (the `prepared` fixture's).

@@ -54,7 +54,7 @@ def test_a_term_the_model_reports_without_a_weight_is_refused_by_name():
 
     with pytest.raises(KeyError, match=r"Reports reports the auxiliary loss 'balance': give its weight as "
                                        r"objective.aux_coefficients.balance"):
-        NextTokenCrossEntropy()(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), Reports())
+        NextTokenCrossEntropy()(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), Reports(), 2.0, 2.0)
 
 
 AUX = [*TINY_LM, *QUIET, TEST_MODELS, "model._target_=tests.workers.LogitSquareTransformer", "plan=none",

@@ -338,7 +338,7 @@ def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[to
               "response_tokens": int((targets != IGNORE).sum()), "logits": logits}
     if run.dp["size"] == 1:
         with torch.no_grad():  # each half's own mean: its loss sum over its own count
-            halves = [float(trainer.objective(run.model(inputs[r::2]), targets[r::2], run.module)
+            halves = [float(trainer.objective.loss_sum(run.model(inputs[r::2]), targets[r::2])
                             / trainer.objective.count(targets[r::2])) for r in (0, 1)]
         result["mean_of_halves"] = sum(halves) / 2
     dist.destroy_process_group()
@@ -353,3 +353,11 @@ def compiled_blocks_and_names(cfg_container: dict, out_dir: str) -> dict:
               "names": sorted(run.module.state_dict())}
     dist.destroy_process_group()
     return result
+
+
+def expert_shapes(cfg_container: dict, out_dir: str) -> dict:
+    """Built through expert_parallel: the local shape of each stacked expert weight."""
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="expert_parallel")
+    shapes = {name: list(local_tensor(p).shape) for name, p in run.module.named_parameters() if ".experts." in name}
+    dist.destroy_process_group()
+    return shapes

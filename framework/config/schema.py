@@ -23,6 +23,7 @@ STAGES = [
     "pipeline_parallel",
     "data_parallel",
     "tensor_parallel",
+    "expert_parallel",
     "fully_shard",
     "sampler",
     "dataloader",
@@ -94,6 +95,7 @@ class ParallelConfig:
     pp_microbatches: Optional[int] = None
     pp_stages_per_rank: int = 1
     pp_layers_per_stage: Optional[List[int]] = None
+    ep_dims: Optional[List[str]] = None
 
 
 @dataclass

@@ -1,10 +1,12 @@
-"""Hugging Face Llama-family models: the architecture from config.json, the weights from
-*.safetensors, both read directly (transformers is not needed at run time).
+"""Hugging Face Llama-family models and their mixtures of experts (Qwen2-MoE, Qwen3-MoE,
+Mixtral): the architecture from config.json, the weights from *.safetensors, both read directly
+(transformers is not needed at run time).
 
 `model=hf model.path=DIR` builds framework.models.Transformer (HFTransformer) on the meta device with what
 config.json says; the parallel stages shard it, and the checkpoint stage loads each rank's own
 slices through DCP's HuggingFaceStorageReader (`load_hf_weights`), so no rank holds the whole
-model. Parameter names map one to one (`hf_name`); export writes them back (framework.export).
+model. Parameter names map one to one (`hf_name`), except a block's stacked experts, which the
+files hold one tensor per expert (`hf_state_dict`); export writes them back (framework.export).
 Anything in config.json that changes the math and is not implemented is refused, never ignored.
 """
 import json
@@ -21,7 +23,7 @@ from framework.config.errors import ConfigError
 from framework.models.meta import SkipRandomInit
 from framework.models.transformer import Transformer
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 # Files a Hugging Face model directory carries besides its weights (export copies them).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json")
@@ -39,19 +41,70 @@ _NAMES = [
     (r"layers\.(\d+)\.feed_forward\.w2\.weight", r"model.layers.\1.mlp.down_proj.weight"),
     (r"layers\.(\d+)\.feed_forward\.w3\.weight", r"model.layers.\1.mlp.up_proj.weight"),
 ]
+_SWIGLU = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+# each mixture of experts' module in the files, and its experts' names of our w1 (gate), w2 (down), w3 (up)
+_MOE_LAYOUT = {"qwen2_moe": ("mlp", _SWIGLU), "qwen3_moe": ("mlp", _SWIGLU),
+               "mixtral": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"})}
+EXPERT = "{expert}"  # where an expert's index goes in the Hugging Face name of a stacked expert weight
 
 
-def hf_name(name: str) -> str:
-    for ours, theirs in _NAMES:
+def _moe_names(kind: str) -> List[Tuple[str, str]]:
+    """A mixture of experts' names (the router, the stacked experts, Qwen2-MoE's gated shared expert)."""
+    block, experts = _MOE_LAYOUT[kind]
+    ours, theirs = r"layers\.(\d+)\.feed_forward", rf"model.layers.\1.{block}"
+    return [(rf"{ours}\.gate\.weight", rf"{theirs}.gate.weight"),
+            (rf"{ours}\.shared_expert_gate\.weight", rf"{theirs}.shared_expert_gate.weight"),
+            *[(rf"{ours}\.experts\.{w}", rf"{theirs}.experts.{EXPERT}.{name}.weight") for w, name in experts.items()],
+            *[(rf"{ours}\.shared_expert\.{w}\.weight", rf"{theirs}.shared_expert.{name}.weight")
+              for w, name in _SWIGLU.items()]]
+
+
+def hf_name(name: str, kind: str = "llama") -> str:
+    """Hugging Face's name of our parameter `name` in a `kind` (model_type) model; a stacked
+    expert weight's holds EXPERT where each expert's index goes."""
+    for ours, theirs in _NAMES + (_moe_names(kind) if kind in _MOE_LAYOUT else []):
         if re.fullmatch(ours, name):
             return re.sub(ours, theirs, name)
     raise KeyError(f"{name} has no Hugging Face name")
 
 
-def hf_state_dict(state: Dict[str, Any], tied: bool) -> Dict[str, Any]:
-    """Our state_dict under Hugging Face's names; a tied output projection is left out (it is
-    the embedding, and Hugging Face files store it once)."""
-    return {hf_name(k): v for k, v in state.items() if not (tied and k == "output.weight")}
+def expert_slices(stack: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
+    """(global expert index, its matrix: a view of this rank's storage) for each expert this rank
+    holds of a stacked expert weight: all of a plain tensor's, a DTensor's local ones when it is
+    sharded on the expert dim (expert parallelism, FSDP), so each rank reads and writes only
+    its own experts."""
+    if not hasattr(stack, "to_local"):
+        return ((e, stack[e]) for e in range(len(stack)))
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # (what DCP uses)
+
+    if not all(p == Shard(0) or isinstance(p, Replicate) for p in stack.placements):
+        raise NotImplementedError(f"expert weights laid out as {stack.placements}: only sharded on the expert dim "
+                                  f"(Shard(0)) or replicated")
+    local = stack.to_local()
+    _, offset = compute_local_shape_and_global_offset(stack.shape, stack.device_mesh, stack.placements)
+    return ((offset[0] + e, local[e]) for e in range(len(local)))
+
+
+def hf_state_dict(state: Dict[str, Any], tied: bool, kind: str = "llama") -> Dict[str, Any]:
+    """Our state_dict under Hugging Face's names, one entry per expert of a stacked expert
+    weight (the files' layout); a tied output projection is left out (it is the embedding, and
+    Hugging Face files store it once)."""
+    named = {}
+    for key, value in state.items():
+        if tied and key == "output.weight":
+            continue
+        name = hf_name(key, kind)
+        if EXPERT in name:
+            named.update((name.replace(EXPERT, str(e)), matrix) for e, matrix in expert_slices(value))
+        else:
+            named[name] = value
+    return named
+
+
+def model_state_dict(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
+    """`state` (model's state dict, or its shards') under Hugging Face's names for `model`'s type."""
+    return hf_state_dict(state, getattr(model, "tie_word_embeddings", False), getattr(model, "model_type", "llama"))
 
 
 def read_config(path: str) -> Dict[str, Any]:
@@ -92,32 +145,80 @@ def _refuse_unimplemented(config: Dict[str, Any], path: str) -> None:
         (not config.get("mlp_bias"), "mlp_bias: true"),
         (not config.get("use_sliding_window"), "use_sliding_window: true"),
         (all(t == "full_attention" for t in config.get("layer_types") or []), "layer_types other than full_attention"),
+        (not config.get("router_jitter_noise"), f"router_jitter_noise: {config.get('router_jitter_noise')} (noise on "
+                                                f"the experts' input in training)"),
     ]
     for ok, what in checks:
         if not ok:
             raise ConfigError("model.path", path, f"config.json sets {what}, which this framework does not implement")
 
 
+def _n_experts(config: Dict[str, Any]) -> int:
+    """Qwen's num_experts (transformers 5 saves Qwen3-MoE's as num_local_experts), Mixtral's num_local_experts."""
+    return config.get("num_experts", config.get("num_local_experts", 0))
+
+
+def sparse_layers(config: Dict[str, Any]) -> List[int]:
+    """The blocks whose feed-forward is the mixture: every one of Mixtral's; Qwen's every
+    decoder_sparse_step-th but those of mlp_only_layers (the others are dense, intermediate_size wide)."""
+    layers = range(config["num_hidden_layers"])
+    if config["model_type"] == "mixtral":
+        return list(layers)
+    dense, step = set(config.get("mlp_only_layers") or []), config.get("decoder_sparse_step", 1)
+    return [i for i in layers if _n_experts(config) > 0 and i not in dense and (i + 1) % step == 0]
+
+
+def aux_loss_coef(config: Dict[str, Any]) -> float:
+    """The load-balancing loss's weight in training, as transformers adds it to the loss: its
+    router_aux_loss_coef when output_router_logits is true, else 0 (reported, not trained)."""
+    return float(config.get("router_aux_loss_coef", 0.001)) if config.get("output_router_logits") else 0.0
+
+
+def moe_args(config: Dict[str, Any], path: str) -> Optional[Dict[str, Any]]:
+    """Transformer's `moe` for a mixture of experts' config.json (None: no block has experts).
+    Mixtral renormalizes its top-k weights and its experts are intermediate_size wide; Qwen2-MoE
+    adds a shared expert gated by sigmoid(shared_expert_gate) to every sparse block."""
+    kind, layers = config["model_type"], sparse_layers(config)
+    if kind not in _MOE_LAYOUT or not layers:
+        return None
+    n_experts, top_k = _n_experts(config), config["num_experts_per_tok"]
+    if top_k > n_experts:
+        raise ConfigError("model.path", path, f"config.json's num_experts_per_tok={top_k} exceeds its {n_experts} "
+                                              f"experts")
+    qwen2 = kind == "qwen2_moe"
+    return dict(n_experts=n_experts, top_k=top_k, layers=layers, aux_loss_coef=aux_loss_coef(config),
+                hidden_dim=config["intermediate_size" if kind == "mixtral" else "moe_intermediate_size"],
+                norm_topk_prob=kind == "mixtral" or bool(config.get("norm_topk_prob", False)),
+                shared_hidden_dim=config["shared_expert_intermediate_size"] if qwen2 else None, shared_gate=qwen2)
+
+
+def _attention_bias(config: Dict[str, Any]) -> Tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias): Qwen2's q/k/v bias always, Qwen2-MoE's as qkv_bias says (default
+    true), o_proj's never; the others' attention_bias: all four."""
+    kind = config["model_type"]
+    if kind in ("qwen2", "qwen2_moe"):
+        return kind == "qwen2" or bool(config.get("qkv_bias", True)), False
+    return (bool(config.get("attention_bias")),) * 2
+
+
 def transformer_args(config: Dict[str, Any], path: str) -> Dict[str, Any]:
     """framework.models.Transformer's arguments for a supported config.json."""
     _refuse_unimplemented(config, path)
     theta, scaling = _rope(config, path)
-    kind = config["model_type"]
+    qkv_bias, o_bias = _attention_bias(config)
     return dict(
         vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
         n_heads=config["num_attention_heads"], n_kv_heads=config.get("num_key_value_heads"),
         head_dim=config.get("head_dim"), hidden_dim=config["intermediate_size"], norm_eps=config["rms_norm_eps"],
-        rope_theta=theta, rope_scaling=scaling, rope_halves=True,
-        # Qwen2: q/k/v bias always, o_proj none; Llama / Qwen3's attention_bias: all four
-        qkv_bias=kind == "qwen2" or bool(config.get("attention_bias")),
-        o_bias=kind != "qwen2" and bool(config.get("attention_bias")), qk_norm=kind == "qwen3",
+        rope_theta=theta, rope_scaling=scaling, rope_halves=True, qkv_bias=qkv_bias, o_bias=o_bias,
+        qk_norm=config["model_type"] in ("qwen3", "qwen3_moe"), moe=moe_args(config, path),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
 def attention_window(config: Dict[str, Any]) -> Any:
-    """Mistral's sliding window (None: every position sees all earlier ones). The framework
-    runs full attention, which equals the window's only for sequences no longer than it."""
-    return config.get("sliding_window") if config.get("model_type") == "mistral" else None
+    """Mistral's and Mixtral's sliding window (None: every position sees all earlier ones). The
+    framework runs full attention, which equals the window's only for sequences no longer than it."""
+    return config.get("sliding_window") if config.get("model_type") in ("mistral", "mixtral") else None
 
 
 class HFTransformer(Transformer):
@@ -131,7 +232,7 @@ class HFTransformer(Transformer):
         config = read_config(path)
         with torch.device("meta"), SkipRandomInit():
             super().__init__(**transformer_args(config, path), activation_checkpointing=activation_checkpointing)
-        self.hf_path = path
+        self.hf_path, self.model_type = path, config["model_type"]
         self.attention_window = attention_window(config)
         self.max_positions = max_positions or config.get("max_position_embeddings")
         self.max_positions_key = "model.max_positions" if max_positions else "config.json's max_position_embeddings"
@@ -219,7 +320,7 @@ def check_weights(model: Transformer) -> None:
     """The safetensors hold exactly the tensors the model needs, with its shapes (headers only:
     milliseconds). Run before launch."""
     path = model.hf_path
-    expected = {name: list(t.shape) for name, t in hf_state_dict(model.state_dict(), model.tie_word_embeddings).items()}
+    expected = {name: list(t.shape) for name, t in model_state_dict(model, model.state_dict()).items()}
     stored = dict(_stored_shapes(path))
     for name, shape in expected.items():
         if name not in stored:
@@ -247,5 +348,5 @@ def load_hf_weights(module: nn.Module, path: str) -> None:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    hf_state = hf_state_dict(get_model_state_dict(module), getattr(module, "tie_word_embeddings", False))
+    hf_state = model_state_dict(module, get_model_state_dict(module))  # an expert's entry: its slice of the stack
     dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(path))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
-from framework.models.hf import SIDE_FILES, hf_state_dict
+from framework.models.hf import SIDE_FILES, model_state_dict
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
@@ -75,7 +75,7 @@ def save_hf_sharded(module: nn.Module, out: str, rank: int, max_shard_bytes: int
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = hf_state_dict(get_model_state_dict(module), module.tie_word_embeddings)
+    state = model_state_dict(module, get_model_state_dict(module))
     file_of = _file_numbers(_whole_model_sizes(state), max_shard_bytes)  # the same on every rank
     partial = f"{out.rstrip(os.sep)}.partial"
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(partial, fqn_to_index_mapping=file_of,
@@ -103,7 +103,7 @@ def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD
         raise ConfigError("--format", "hf", f"needs a model loaded from a Hugging Face directory (model=hf); this "
                                             f"one is a {type(model).__name__}: export it with --format pt")
     check_hf_out(out)
-    state = hf_state_dict(model.state_dict(), model.tie_word_embeddings)
+    state = model_state_dict(model, model.state_dict())
     numbers = _file_numbers(_sizes(state), max_shard_bytes)
     shards = [{k: t.contiguous() for k, t in state.items() if numbers[k] == n} for n in range(1, max(numbers.values()) + 1)]
     partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.config.errors import ConfigError
+from framework.models.moe import MoE, load_balance_loss
 
 
 def rotary_frequencies(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None,
@@ -163,12 +164,21 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, norm_eps: Optional[float], **attention: Any):
+    """Attention, then the feed-forward: SwiGLU, or with `moe` (framework.models.moe.MoE's
+    arguments) a mixture of experts."""
+
+    def __init__(self, dim: int, hidden_dim: int, norm_eps: Optional[float], moe: Optional[Dict[str, Any]] = None,
+                 **attention: Any):
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.attention = Attention(dim, norm_eps=norm_eps, **attention)
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.feed_forward = FeedForward(dim, hidden_dim)
+        if moe:
+            moe = dict(moe)
+            shared = moe.pop("shared_hidden_dim", None)
+            self.feed_forward = MoE(dim, **moe, shared_expert=FeedForward(dim, shared) if shared else None)
+        else:
+            self.feed_forward = FeedForward(dim, hidden_dim)
 
     def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cache=cache)
@@ -177,13 +187,19 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     """The defaults are the framework's own LMs; framework.models.hf sets the rest from a
-    Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3)."""
+    Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, and their mixtures of experts).
+
+    `moe`: the blocks' feed-forward is a mixture of experts (framework.models.moe.MoE's arguments
+    n_experts, top_k, hidden_dim, norm_topk_prob, shared_hidden_dim, shared_gate, plus `layers`:
+    which blocks, null for all, and `aux_loss_coef`); the model then reports the `load_balance`
+    term, weighted by aux_loss_coef unless objective.aux_coefficients.load_balance is given."""
 
     def __init__(self, vocab_size: int = 256, dim: int = 64, n_layers: int = 2, n_heads: int = 4,
                  hidden_dim: int = 128, activation_checkpointing: str = "none", n_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, norm_eps: Optional[float] = None, rope_theta: float = 10000.0,
                  rope_scaling: Optional[Dict[str, Any]] = None, rope_halves: bool = False, qkv_bias: bool = False,
-                 o_bias: bool = False, qk_norm: bool = False, tie_word_embeddings: bool = False):
+                 o_bias: bool = False, qk_norm: bool = False, tie_word_embeddings: bool = False,
+                 moe: Optional[Dict[str, Any]] = None):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if head_dim is None and dim % n_heads:
@@ -199,10 +215,20 @@ class Transformer(nn.Module):
         self.head_dim = head_dim = head_dim or dim // n_heads
         self.rope = rope = Rope(rope_theta, rope_scaling, rope_halves)  # one for all blocks: they share its table
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        moe = dict(moe or {})
+        layers = moe.pop("layers", None)
+        sparse = set(range(n_layers) if layers is None else layers) if moe else set()
+        aux_loss_coef = moe.pop("aux_loss_coef", 0.0)
         self.layers = nn.ModuleList(
-            TransformerBlock(dim, hidden_dim, norm_eps, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                             rope=rope, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-            for _ in range(n_layers))
+            TransformerBlock(dim, hidden_dim, norm_eps, moe=moe if i in sparse else None, n_heads=n_heads,
+                             n_kv_heads=n_kv_heads, head_dim=head_dim, rope=rope, qkv_bias=qkv_bias, o_bias=o_bias,
+                             qk_norm=qk_norm)
+            for i in range(n_layers))
+        self.sparse_layers = sorted(sparse)
+        if sparse:
+            self.auxiliary_losses: Dict[str, torch.Tensor] = {}  # framework.training.objectives reads it
+            self.aux_coefficients = {"load_balance": aux_loss_coef}  # (objective.aux_coefficients wins)
+            self.token_group = None  # the ranks holding other tokens, whose routing pools with ours
         self.norm = nn.RMSNorm(dim, eps=norm_eps)
         self.output = nn.Linear(dim, vocab_size, bias=False)
         self.tie_word_embeddings = tie_word_embeddings
@@ -212,6 +238,8 @@ class Transformer(nn.Module):
                                  if p.dim() == 2 and not name.startswith("tok_embeddings"))
         if tie_word_embeddings:  # the shared output projection is a matmul too (named once, as the embedding)
             self.matmul_params += self.output.weight.numel()
+        for block in self.moe_blocks():  # a token runs top_k of the stacked experts' matmuls
+            self.matmul_params += block.top_k * sum(w[0].numel() for w in block.experts.local_weights())
 
     def tie_weights(self) -> None:
         """With tie_word_embeddings the output projection is the embedding matrix itself (again
@@ -239,7 +267,12 @@ class Transformer(nn.Module):
         else:  # decoding (framework.generate): each block extends its layer's cache
             for layer, layer_cache in zip(self.layers, cache):
                 h = layer(h, layer_cache)
+        if self.sparse_layers:
+            self.auxiliary_losses = {"load_balance": load_balance_loss(self.moe_blocks(), self.token_group)}
         return self.output(self.norm(h))
+
+    def moe_blocks(self) -> List[MoE]:
+        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoE)]
 
     def tp_sharded_counts(self) -> Dict[str, int]:
         """Counts a TP plan splits whole across ranks (checked by framework.config.validate)."""

@@ -28,6 +28,17 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket cap
+
+
+def sharded_over_dp(param: torch.Tensor, dp_group) -> bool:
+    """A DTensor sharded over the DP ranks themselves (an expert stack under expert parallelism:
+    each rank holds other experts). Its gradient already sums every replica's contributions (the
+    expert served their tokens): DataParallel divides it by the DP size instead of all-reducing
+    it, and the replica check has no replicas of it to compare. Told from its placement, which
+    survives what replaces Parameters (to_empty), not from a mark on the Parameter."""
+    return isinstance(param, DTensor) and dp_group is not None and param.device_mesh.ndim == 1 \
+        and param.placements[0].is_shard() \
+        and dist.get_process_group_ranks(param.device_mesh.get_group()) == dist.get_process_group_ranks(dp_group)
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's cap for the first bucket, so communication starts early
 
 
@@ -96,6 +107,7 @@ class DataParallel(nn.Module):
         self.sync_after_backward = True  # False while micro-batches accumulate (no_sync)
         self._buckets: List[_Bucket] = []
         self._bucket_of: Dict[nn.Parameter, _Bucket] = {}
+        self._summed: List[nn.Parameter] = []  # sharded over DP (experts): divided, not all-reduced
         self._launched = 0  # buckets launched in this backward, in order
         self._broadcast_from_first_replica()
 
@@ -113,7 +125,9 @@ class DataParallel(nn.Module):
         """Hook and bucket the trainable parameters `.module` holds now (once: the first forward)."""
         if self._buckets or self.dp_size == 1:
             return
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self._summed = [p for p in trainable if sharded_over_dp(p, self.dp_group)]
+        params = [p for p in trainable if not any(p is q for q in self._summed)]
         self._buckets = [_Bucket(bucket) for bucket in _buckets(params[::-1], FIRST_BUCKET_BYTES)]
         self._bucket_of = {p: bucket for bucket in self._buckets for p in bucket.params}
         for p in params:
@@ -181,6 +195,9 @@ class DataParallel(nn.Module):
         self._sync_queued = False
         if self.dp_size > 1 and self._buckets:
             self._finish_all_reduces()
+        for p in self._summed:
+            if p.grad is not None:
+                p.grad.div_(self.dp_size)
         _reduce_partial_grads([p for p in self.module.parameters() if p.requires_grad and p.grad is not None])
 
     def _finish_all_reduces(self) -> None:

@@ -27,15 +27,25 @@ def submesh_ranks(shape: Sequence[int], rank: int, dim: int) -> List[int]:
     return [first + i * stride for i in range(shape[dim])]
 
 
-def layout_table(shape: Sequence[int], dim_names: Sequence[str]) -> str:
-    """One line per rank: coordinates on each dim, then the ranks of each named group."""
+def spanning_ranks(shape: Sequence[int], rank: int, dims: Sequence[int]) -> List[int]:
+    """Ranks whose coordinates differ from `rank`'s only on `dims` (a group over several dims)."""
+    mine = coordinates(shape, rank)
+    return [r for r in range(math.prod(shape))
+            if all(c == m for d, (c, m) in enumerate(zip(coordinates(shape, r), mine)) if d not in dims)]
+
+
+def layout_table(shape: Sequence[int], dim_names: Sequence[str], spans: Optional[Dict[str, Sequence[str]]] = None) -> str:
+    """One line per rank: coordinates on each dim, then the ranks of each named group, and of
+    each group in `spans` (a role over several dims by name: {"ep": ["dp"]})."""
     shape = list(shape)  # a plain list: indexing an OmegaConf ListConfig costs seconds over 1024 ranks
     world = math.prod(shape)
     grid = torch.arange(world).reshape(tuple(shape)).tolist()
-    header = ["rank", *dim_names, *(f"{name} group" for name in dim_names)]
+    spans = {label: [list(dim_names).index(d) for d in dims] for label, dims in (spans or {}).items() if dims}
+    header = ["rank", *dim_names, *(f"{name} group" for name in [*dim_names, *spans])]
     rows = []
     for rank in range(world):
         groups = [str(submesh_ranks(shape, rank, d)) for d in range(len(shape))]
+        groups += [str(spanning_ranks(shape, rank, dims)) for dims in spans.values()]
         rows.append([str(rank), *map(str, coordinates(shape, rank)), *groups])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]

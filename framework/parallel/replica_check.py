@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from framework.parallel.data_parallel import sharded_over_dp
+
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum and sum of squares weighted by position, so a swap or a sign flip also shows."""
@@ -34,6 +36,8 @@ def check_replicas(model: nn.Module, dp_group, step: int) -> None:
     groups: Dict[str, Tuple[List[str], List[torch.Tensor]]] = {"all ranks": ([], []), "its DP group": ([], [])}
     device = None
     for name, param in model.named_parameters():
+        if sharded_over_dp(param, dp_group):  # an expert under EP: each DP rank holds other experts
+            continue
         sharded = isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
         local = param.to_local() if isinstance(param, DTensor) else param
         device = local.device

@@ -6,7 +6,9 @@ the DeviceMesh exists it picks each role's submesh.
 Roles: `tp` (parallel.tp_dim), `dp` (parallel.dp_dim) and, when the mesh has a dim named
 parallel.dp_replicate_dim, the outer DP dim of hsdp; data parallelism spans both DP dims,
 outer first; `pp` (parallel.pp_dim, when the mesh has a dim of that name, outermost): pipeline
-stages. A role whose dim is null or absent has size 1.
+stages; `ep` (parallel.ep_dims, by name): the dims a mixture of experts' experts are spread over
+(framework.parallel.expert_parallel), for now exactly the DP dims. A role whose dim is null or
+absent has size 1.
 """
 import math
 from dataclasses import dataclass
@@ -27,12 +29,13 @@ class MeshRoles:
     tp_dim: Optional[str]
     dp_replicate_dim: str
     pp_dim: Optional[str] = None
+    ep_dims: Tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "MeshRoles":
         p = cfg.parallel
         return cls(tuple(cfg.mesh.shape), tuple(cfg.mesh.dim_names), p.dp_dim, p.tp_dim, p.dp_replicate_dim,
-                   p.get("pp_dim"))
+                   p.get("pp_dim"), tuple(p.get("ep_dims") or ()))
 
     def check(self) -> None:
         """The mesh's dims and sizes, and every role on a dim of its own (a dim larger than 1
@@ -65,11 +68,26 @@ class MeshRoles:
             raise ConfigError("mesh.dim_names", names, f"the PP dim {pp!r} must be outermost (first), as in "
                                                        f"conf/mesh/pp2x2x1.yaml: [pp, dp, tp]; its stages exchange "
                                                        f"activations least often, so they may sit farthest apart")
+        self.check_ep()
         for name, size in zip(names, shape):
             if name not in (dp, tp, replicate, pp) and size > 1:
                 raise ConfigError("mesh.shape", shape,
                                   f"dim {name!r} has size {size} but no role; set parallel.dp_dim, "
                                   f"parallel.tp_dim or parallel.pp_dim to it, or make it size 1")
+
+    def check_ep(self) -> None:
+        """EP's dims exist and are the DP dims: experts spread where the tokens differ."""
+        names = list(self.dim_names)
+        for name in self.ep_dims:
+            if name not in names:
+                raise ConfigError("parallel.ep_dims", list(self.ep_dims), f"{name!r} is not a mesh dim; name some "
+                                                                          f"of {names}, or null")
+            if name == self.pp_dim:
+                raise ConfigError("parallel.ep_dims", list(self.ep_dims), "experts cannot spread over the pp dim, "
+                                                                          "whose ranks hold other layers")
+        if self.ep_dims and sorted(self.ep_dims) != sorted(self.dp_dims):
+            raise ConfigError("parallel.ep_dims", list(self.ep_dims), f"experts spread over exactly the DP dims for "
+                                                                      f"now: parallel.ep_dims={self.dp_dims}, or null")
 
     def check_strategy(self, strategy: str) -> None:
         """fsdp needs DP ranks to shard over; hsdp a replica dim outside the shard dim."""
@@ -132,6 +150,14 @@ class MeshRoles:
     @property
     def pp_size(self) -> int:
         return self.size(self.pp_dim)
+
+    @property
+    def ep_size(self) -> int:
+        return math.prod(self.size(name) for name in self.ep_dims)
+
+    def ep_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
+        """The experts' mesh: the DP ranks as one 1-D mesh (check_ep), None without EP."""
+        return self.dp_mesh(mesh) if self.ep_dims else None
 
     def pp_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
         return mesh[self.pp_dim] if self.pp_size > 1 else None

@@ -22,6 +22,7 @@ from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
+from framework.parallel.expert_parallel import apply_ep
 from framework.parallel.tensor_parallel import apply_tp
 from framework.training.schedule import build_scheduler
 from framework.training.state import TrainState
@@ -73,7 +74,7 @@ def stage_mesh(run: Run) -> None:
     run.dp = coordinates_on(run.dp_mesh)
     run.tp = coordinates_on(run.roles.tp_mesh(run.mesh))
     if run.rank == 0:
-        log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names))
+        log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, {"ep": cfg.parallel.ep_dims}))
 
 
 def stage_model(run: Run) -> None:
@@ -112,6 +113,11 @@ def stage_tensor_parallel(run: Run) -> None:
         run.module = apply_tp(run.module, tp_mesh, plan)
         if hasattr(run.module, "tie_weights"):
             run.module.tie_weights()
+
+
+def stage_expert_parallel(run: Run) -> None:
+    """A mixture of experts: its experts over parallel.ep_dims, its routing pooled over DP."""
+    apply_ep(run.module, run.roles.ep_mesh(run.mesh), run.dp_group)
 
 
 def stage_fully_shard(run: Run) -> None:
@@ -199,6 +205,7 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
     "pipeline_parallel": stage_pipeline_parallel,
     "data_parallel": stage_data_parallel,
     "tensor_parallel": stage_tensor_parallel,
+    "expert_parallel": stage_expert_parallel,
     "fully_shard": stage_fully_shard,
     "sampler": stage_sampler,
     "dataloader": stage_dataloader,

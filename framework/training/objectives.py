@@ -7,9 +7,10 @@ on DP replicas, micro-batches and pipeline stages (framework.training.trainer.No
 that is what makes every mesh train the model one process trains, masked data included.
 
 A model may report auxiliary terms for a micro-batch (a mixture of experts' load-balancing loss):
-any submodule whose forward sets `auxiliary_losses = {name: sum over the micro-batch's units}`.
-The objective adds each times its coefficient (`objective.aux_coefficients`) to the sum, so the
-same normalization keeps them mesh-independent, and keeps their values for logging.
+any submodule whose forward sets `auxiliary_losses = {name: sum over the micro-batch's tokens}`.
+The objective adds each times its weight (`objective.aux_coefficients`, else the module's own
+`aux_coefficients`, e.g. an HF config's router_aux_loss_coef), normalized by the global batch's
+tokens the same way (a token count needs no communication), and keeps their values for logging.
 """
 from contextlib import nullcontext
 from typing import Dict, List, Mapping, Optional
@@ -44,19 +45,25 @@ class Objective:
         shape and the global count needs no communication."""
         return True
 
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, model: nn.Module) -> torch.Tensor:
-        """The micro-batch's loss sum plus each auxiliary term `model` reported times its coefficient."""
-        total = self.loss_sum(outputs, targets)
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, model: nn.Module, units: float,
+                 tokens: Optional[float]) -> torch.Tensor:
+        """The micro-batch's share of the step's loss: its loss sum over `units` (the step's count
+        of units per DP replica), plus each auxiliary term `model` reported times its weight over
+        `tokens` (the step's tokens per replica; None: no terms, as in evaluation). `terms` keeps
+        the terms so normalized."""
+        total, self.terms = self.loss_sum(outputs, targets) / units, {}
+        if tokens is None:
+            return total
         if self._reporters is None:  # found once: walking every module each micro-batch costs
             self._reporters = [module for module in model.modules() if hasattr(module, "auxiliary_losses")]
-        self.terms = {}
         for module in self._reporters:
             for name, value in (module.auxiliary_losses or {}).items():
-                if name not in self.aux_coefficients:
+                weight = self.aux_coefficients.get(name, getattr(module, "aux_coefficients", {}).get(name))
+                if weight is None:
                     raise KeyError(f"{type(module).__name__} reports the auxiliary loss {name!r}: give its weight "
                                    f"as objective.aux_coefficients.{name}")
-                total = total + self.aux_coefficients[name] * value
-                self.terms[name] = self.terms.get(name, 0.0) + value.detach()
+                total = total + weight * value / tokens
+                self.terms[name] = self.terms.get(name, 0.0) + value.detach() / tokens
         return total
 
 

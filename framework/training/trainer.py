@@ -107,6 +107,7 @@ class Trainer:
         self.device = torch.device(run.cfg.mesh.device_type)
         self.count_is_fixed = self.objective.count_is_fixed(run.dataset)
         self.denominator = 1.0  # what the micro-batches' loss sums are divided by (per step; 1: sums)
+        self.tokens: Optional[float] = 1.0  # and their auxiliary terms: the step's tokens per replica
         self.terms: Dict[str, torch.Tensor] = {}  # the step's auxiliary terms, normalized as its loss
         self.pipeline = self._build_pipeline(make_stage) if run.stages else None
 
@@ -157,11 +158,11 @@ class Trainer:
 
     def micro_batch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the step's loss: the objective's sum over the step's
-        denominator (the pipeline's last stage calls this too). Its auxiliary terms, so divided,
-        add up in `terms`."""
-        loss = self.objective(outputs, targets, self.run.module) / self.denominator
+        denominator, its auxiliary terms over the step's tokens (the pipeline's last stage calls
+        this too). The terms add up in `terms`."""
+        loss = self.objective(outputs, targets, self.run.module, self.denominator, self.tokens)
         for name, value in self.objective.terms.items():
-            self.terms[name] = self.terms.get(name, 0.0) + value / self.denominator
+            self.terms[name] = self.terms.get(name, 0.0) + value
         return loss
 
     def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,7 @@ class Trainer:
         strategy finalizes them (TP partials, DP average) once, after the last. Returns the
         replica's share of the global-batch loss, whose mean over DP is the global-batch loss."""
         self.run.optimizer.zero_grad(set_to_none=True)
-        self.denominator, self.terms = self.units_per_replica(targets), {}
+        self.denominator, self.tokens, self.terms = self.units_per_replica(targets), float(inputs.numel()), {}
         if self.pipeline is not None:
             return self._pipeline_forward_backward(inputs, targets)
         size = self.cfg.data.micro_batch_size or len(inputs)
@@ -235,8 +236,8 @@ class Trainer:
         run = self.run
         run.model.eval()
         data = iter(run.val_dataloader)
-        sums, counts, step_terms = [], [], self.terms
-        self.denominator = 1.0  # plain sums, divided by the count below
+        sums, counts, step_terms = [], [], dict(self.terms)
+        self.denominator, self.tokens = 1.0, None  # plain sums (divided by the count below), no auxiliary terms
         for _ in range(min(self.cfg.trainer.eval_batches, len(run.val_dataloader))):
             inputs, targets = (t.to(self.device) for t in next(data))
             if self.pipeline is not None:  # forward only through the stages
@@ -336,9 +337,11 @@ class Trainer:
             run.checkpointer.poll()
 
     def _log_terms(self, step: int) -> None:
-        """The step's auxiliary terms (those objective.aux_coefficients weighs) as global-batch
-        values, like its loss, to TensorBoard as loss_<name>: one all-reduce, on logging steps."""
-        names = sorted(self.objective.aux_coefficients)
+        """The step's auxiliary terms (those objective.aux_coefficients or the model weighs) as
+        global-batch values, like its loss, to TensorBoard as loss_<name>: one all-reduce, on
+        logging steps."""
+        weighed = (getattr(module, "aux_coefficients", {}) for module in self.run.module.modules())
+        names = sorted({*self.objective.aux_coefficients, *(name for weights in weighed for name in weights)})
         if names:
             values = torch.stack([local_value(torch.as_tensor(self.terms.get(name, 0.0), device=self.device))
                                   for name in names])

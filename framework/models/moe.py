@@ -1,0 +1,128 @@
+"""A mixture-of-experts feed-forward (Qwen3-MoE, Mixtral and Qwen2-MoE as transformers computes
+them; the framework's own LMs with `model.moe`).
+
+Router: the linear `gate` scores every token for every expert (softmax in fp32), each token goes
+to its top_k experts with those scores as weights, renormalized to sum to 1 when norm_topk_prob
+(Qwen3-MoE, Mixtral) or not (Qwen2-MoE). Dropless: every expert runs every token routed to it.
+Experts are SwiGLU, stacked ([n_experts, ...] per weight), so their names do not depend on how
+they are spread over ranks (framework.parallel.expert_parallel shards the stacks and sends the
+tokens to their experts' ranks; here, `dispatch` runs them all locally). An optional shared
+expert (Qwen2-MoE) sees every token, scaled by sigmoid(shared_expert_gate(x)).
+
+Load balancing: the auxiliary loss of Switch / Mixtral, as transformers' load_balancing_loss_func
+computes it over the routing of every MoE layer pooled (load_balance_loss). Each block keeps the
+statistics of its last forward; the model turns them into the `load_balance` term it reports
+(framework.training.objectives).
+"""
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from framework.config.errors import ConfigError
+
+
+def run_local_experts(experts: "Experts", tokens: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    """SwiGLU of each expert on its consecutive run of `tokens` (sorted by expert; `counts`
+    tokens each), one matmul per expert: the same numbers in fp32 and bf16 on every device."""
+    w1, w2, w3 = experts.local_weights()
+    outputs = [F.linear(F.silu(F.linear(chunk, w1[e])) * F.linear(chunk, w3[e]), w2[e])
+               for e, chunk in enumerate(tokens.split(counts))]
+    return torch.cat(outputs) if outputs else tokens[:0]
+
+
+def dispatch_locally(experts: "Experts", tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """Every expert on this rank: token slots (one per token and choice) sorted by expert, run,
+    and returned in the order of `expert_ids` (flattened)."""
+    order = expert_ids.argsort(stable=True)
+    counts = torch.bincount(expert_ids, minlength=experts.n_experts).tolist()
+    out = torch.empty_like(tokens)
+    out[order] = run_local_experts(experts, tokens[order], counts)
+    return out
+
+
+class Experts(nn.Module):
+    """n_experts SwiGLU experts, each weight stacked: w1 / w3 [E, hidden, dim] (gate / up), w2
+    [E, dim, hidden] (down), as Linear weights are laid out. Under expert parallelism the stacks
+    are DTensors sharded on the expert dim; `local_weights` is this rank's experts."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        for weight in (self.w1, self.w2, self.w3):  # as nn.Linear initializes each expert's matrix
+            for matrix in weight.data:
+                nn.init.kaiming_uniform_(matrix, a=5 ** 0.5)
+
+    def local_weights(self):
+        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+
+
+@dataclass
+class RoutingStats:
+    """One MoE block's routing of its last forward: per expert, the token slots it was chosen for
+    (no gradient) and the sum of its router probabilities over the tokens (with gradient)."""
+    chosen: torch.Tensor
+    probability_sums: torch.Tensor
+    tokens: int
+
+
+class MoE(nn.Module):
+    """The routed experts (+ an optional shared expert) in place of a block's feed-forward."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = True,
+                 shared_expert: Optional[nn.Module] = None, shared_gate: bool = False):
+        """shared_expert: a dense feed-forward every token also passes through (the block makes
+        it), gated per token with shared_gate."""
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ConfigError("model.moe.top_k", top_k, f"must be between 1 and model.moe.n_experts={n_experts}")
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.experts = Experts(n_experts, dim, hidden_dim)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_expert is not None and shared_gate else None
+        # how token slots reach their experts: all here, or over the EP ranks (framework.parallel.expert_parallel)
+        self.dispatch: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] = dispatch_locally
+        self.stats: Optional[RoutingStats] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probabilities = F.softmax(self.gate(tokens), dim=-1, dtype=torch.float32)
+        weights, expert_ids = probabilities.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        self.stats = RoutingStats(torch.bincount(expert_ids.flatten(), minlength=self.experts.n_experts).detach(),
+                                  probabilities.sum(dim=0), len(tokens))
+        slots = tokens.repeat_interleave(self.top_k, dim=0)  # token t's k-th choice at t * top_k + k
+        routed = self.dispatch(self.experts, slots, expert_ids.flatten())
+        out = (routed.view(-1, self.top_k, tokens.shape[-1]) * weights.to(routed.dtype)[..., None]).sum(dim=1)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            out = out + shared
+        return out.view_as(x)
+
+
+def load_balance_loss(blocks: List[MoE], group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """The auxiliary load-balancing loss as a sum over this rank's tokens: n_experts x sum_i f_i
+    x P_i (transformers' load_balancing_loss_func), where f_i is the share of all token slots of
+    every MoE layer that went to expert i and P_i the mean router probability of expert i over
+    every layer's tokens. f_i counts the whole global micro-batch (its counts all-reduced over
+    `group`, the ranks holding other tokens); P_i is linear in the tokens, so this rank's sum
+    over its own tokens carries its part of the gradient, and the normalization over the
+    global batch's tokens (framework.training.trainer) makes it the pooled mean."""
+    chosen = torch.stack([block.stats.chosen for block in blocks]).sum(dim=0).float()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(chosen, group=group)
+    slots = chosen.sum()  # layers x global tokens x top_k
+    top_k, n_experts = blocks[0].top_k, blocks[0].experts.n_experts
+    share = chosen / slots * top_k  # f_i as transformers sums it over the top_k choices
+    probability_sums = torch.stack([block.stats.probability_sums for block in blocks]).sum(dim=0)
+    return n_experts * (share * probability_sums).sum() / len(blocks)

@@ -1,0 +1,97 @@
+"""Expert parallelism: each mixture-of-experts block's experts spread over the ranks of
+`parallel.ep_dims` (the DP dims), every token slot sent to its expert's rank and back with the
+uneven all-to-all (the per-expert counts exchanged first), forward and backward alike.
+
+The stacked expert weights become DTensors sharded on the expert dim over the EP mesh, so each
+rank computes only its own experts, and checkpoints (DCP) keep the whole stacks under the same
+names whatever the EP size. An expert's gradient sums the contributions of every replica's
+tokens it served, each replica's loss already scaled for DP's average: DataParallel divides it
+by the DP size instead of all-reducing it (data_parallel.sharded_over_dp). The router's load
+statistics pool over the DP ranks (framework.models.moe.load_balance_loss) with or without EP.
+"""
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from framework.config.errors import ConfigError
+from framework.models.moe import MoE, Experts, run_local_experts
+
+
+def moe_blocks(model: nn.Module) -> List[MoE]:
+    return [module for module in model.modules() if isinstance(module, MoE)]
+
+
+def dispatch_over(group: dist.ProcessGroup) -> Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """MoE.dispatch over the EP ranks of `group`: rank r holds experts r*L .. r*L + L - 1 (L =
+    n_experts / EP). Slots sorted by expert go to their experts' ranks in one all-to-all, are
+    regrouped there by local expert, run, put back in arrival order, and return in another."""
+    size = dist.get_world_size(group)
+
+    def dispatch(experts: Experts, slots: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        local = experts.n_experts // size
+        order = expert_ids.argsort(stable=True)
+        counts = torch.bincount(expert_ids, minlength=experts.n_experts)
+        arriving = torch.empty_like(counts)  # [source rank, local expert]: what each rank sends to mine
+        dist.all_to_all_single(arriving, counts, group=group)
+        sent = counts.view(size, local).sum(dim=1).tolist()
+        received = arriving.view(size, local).sum(dim=1).tolist()
+        arrived = all_to_all_single_autograd(slots[order], received, sent, group)
+        # arrival order is (source, expert); the experts want (expert, source)
+        run = torch.repeat_interleave(torch.arange(size * local, device=counts.device), arriving)
+        by_expert = ((run % local) * size + run // local).argsort(stable=True)
+        computed = run_local_experts(experts, arrived[by_expert], arriving.view(size, local).sum(dim=0).tolist())
+        back = computed[by_expert.argsort()]
+        returned = all_to_all_single_autograd(back, sent, received, group)
+        return returned[order.argsort()]
+
+    return dispatch
+
+
+def apply_ep(model: nn.Module, ep_mesh: Optional[DeviceMesh], token_group: Optional[dist.ProcessGroup]) -> None:
+    """Experts sharded over `ep_mesh` (None: every rank keeps them all), and the routing
+    statistics pooled over `token_group` (the DP ranks, which hold other tokens)."""
+    if not moe_blocks(model):
+        return
+    model.token_group = token_group
+    if ep_mesh is None or ep_mesh.size() == 1:
+        return
+    for block in moe_blocks(model):
+        experts = block.experts
+        for name in ("w1", "w2", "w3"):
+            setattr(experts, name, nn.Parameter(distribute_tensor(getattr(experts, name).data, ep_mesh, [Shard(0)])))
+        block.dispatch = dispatch_over(ep_mesh.get_group())
+
+
+def check_expert_parallel(model: nn.Module, plan: dict, ep_size: int, pp_size: int, dp_strategy: str,
+                          compiled: bool) -> None:
+    """What the experts and their parallelism need of the model, the plan and the mesh."""
+    blocks = moe_blocks(model)
+    if ep_size > 1 and not blocks:
+        raise ConfigError("parallel.ep_dims", ep_size, f"spreads experts, and {type(model).__name__} has no "
+                                                       f"mixture-of-experts blocks; set it to null")
+    if not blocks:
+        return
+    if blocks[0].experts.n_experts % ep_size:
+        raise ConfigError("parallel.ep_dims", ep_size, f"the EP size {ep_size} must divide the "
+                                                       f"{blocks[0].experts.n_experts} experts of each block")
+    if pp_size > 1:
+        raise ConfigError("mesh.shape", pp_size, "mixture-of-experts models do not run under pipeline parallelism "
+                                                 "yet (the load-balancing loss pools every layer's routing); use a "
+                                                 "mesh without a pp dim")
+    if ep_size > 1 and dp_strategy != "replicate":
+        raise ConfigError("parallel.dp_strategy", dp_strategy, "expert parallelism runs with "
+                                                               "dp_strategy=replicate for now")
+    for key, entry in plan.items():
+        if entry.get("style") == "sequence_parallel" and key.split(".")[-1] == "ffn_norm":
+            raise ConfigError(f"plan.{key}.style", "sequence_parallel", "would hand the mixture-of-experts blocks "
+                                                                        "sequence shards, which they do not take yet; "
+                                                                        "use a plan without SP (plan=lm_moe_tp)")
+    if compiled:
+        raise ConfigError("trainer.compile", "blocks", "mixture-of-experts blocks route a data-dependent number "
+                                                       "of tokens to each expert, which fullgraph compile cannot "
+                                                       "trace; use trainer.compile=none")

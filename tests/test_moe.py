@@ -1,0 +1,161 @@
+"""Mixture of experts (framework.models.moe) and expert parallelism (framework.parallel.expert_parallel):
+a block against a per-token loop written by hand, the load-balancing loss against transformers'
+formula written out, and every expert layout against one process, checkpoints between layouts."""
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import open_dict
+
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
+from framework.launch.handoff import rank_config
+from framework.inspect import count_collectives
+from framework.launch.local import launch_local, spawn_ranks
+from framework.models.moe import MoE, load_balance_loss
+from framework.models.transformer import FeedForward, Transformer
+from tests.conftest import TINY_LM, compose_config
+from tests.reference import max_relative_error, reference_training
+from tests.workers import expert_shapes
+
+# The tiny MoE LM (4 experts, top 2, a shared expert) on the tiny corpus; SGD, so any gradient
+# error shows in the loss; the load-balancing loss weighted 0.1 so it moves the weights too.
+MOE = [*TINY_LM, "model=lm_moe_tiny", "plan=none", "model.moe.aux_loss_coef=0.1", "trainer.warmup_steps=0",
+       "trainer.lr_decay=constant", "trainer.grad_clip=null", "trainer.eval_every=null", "logger.tensorboard=false",
+       "optim=sgd", "~optim.betas", "optim.lr=0.5", "trainer.max_steps=8", "trainer.log_every=4"]
+
+
+def swiglu(x, w1, w2, w3):
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+def test_a_moe_block_sends_each_token_to_its_top_k_experts_as_a_loop_by_hand():
+    torch.manual_seed(0)
+    for norm, shared in ((True, None), (False, FeedForward(8, 6))):
+        block = MoE(8, 5, n_experts=4, top_k=2, norm_topk_prob=norm, shared_expert=shared, shared_gate=shared is not None)
+        x = torch.randn(3, 7, 8)
+        expected = []
+        for token in x.reshape(-1, 8):
+            probabilities = F.softmax(block.gate(token), dim=-1)
+            weights, chosen = probabilities.topk(2)
+            weights = weights / weights.sum() if norm else weights
+            out = sum(w * swiglu(token, *(getattr(block.experts, n)[e] for n in ("w1", "w2", "w3")))
+                      for w, e in zip(weights, chosen.tolist()))
+            if shared is not None:
+                out = out + torch.sigmoid(block.shared_expert_gate(token)) * shared(token)
+            expected.append(out)
+        torch.testing.assert_close(block(x), torch.stack(expected).view(3, 7, 8), rtol=1e-5, atol=1e-6)
+
+
+def test_the_load_balancing_loss_is_transformers_formula_over_every_layer_pooled():
+    """transformers' load_balancing_loss_func, written out: the gate logits of every MoE layer
+    concatenated, the share of each expert among the top-k choices times its mean probability,
+    summed and times the number of experts. The model reports it times the token count."""
+    torch.manual_seed(1)
+    model = Transformer(vocab_size=32, dim=8, n_layers=3, n_heads=2,
+                        moe={"n_experts": 4, "top_k": 2, "hidden_dim": 6, "layers": [0, 2]})
+    tokens = torch.randint(0, 32, (2, 5))
+    logits = []
+    for block in model.moe_blocks():  # the gate logits each MoE layer saw
+        block.register_forward_hook(lambda m, args, out: logits.append(m.gate(args[0].reshape(-1, 8))))
+    model(tokens)
+    assert len(logits) == 2
+    probabilities = F.softmax(torch.cat(logits), dim=-1)
+    chosen = F.one_hot(probabilities.topk(2, dim=-1).indices, 4).float()
+    expected = 4 * (chosen.mean(dim=0) * probabilities.mean(dim=0)).sum()
+    torch.testing.assert_close(model.auxiliary_losses["load_balance"] / tokens.numel(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(load_balance_loss(model.moe_blocks()), model.auxiliary_losses["load_balance"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("overrides", [
+    ["mesh=2x1"],                                          # experts on every rank, routing pooled over DP
+    ["mesh=2x1", "parallel.ep_dims=[dp]"],                 # 2 experts per rank, tokens all-to-all
+    ["mesh=4x1", "parallel.ep_dims=[dp]"],                 # 1 expert per rank
+    ["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp]"],   # + attention TP
+], ids=lambda o: " ".join(o))
+def test_every_expert_layout_trains_the_one_process_moe_model(overrides, tmp_path):
+    reference = reference_training(compose_config([*MOE, "mesh=1x1"]))
+    summary = launch_local(compose_config([*MOE, *overrides]), str(tmp_path))
+    error = max_relative_error(summary["losses"], reference["losses"])
+    print(f"MoE {' '.join(overrides)}: max relative loss error vs one process {error:.2e}")
+    assert error < 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_with_micro_batches_expert_parallelism_trains_what_plain_dp_trains(tmp_path):
+    """Micro-batching enters the load-balancing loss (its statistics are each global micro-batch's),
+    so EP is compared with DP on the same micro-batch split."""
+    micro = [*MOE, "mesh=2x1", "data.micro_batch_size=2"]
+    plain = launch_local(compose_config(micro), str(tmp_path / "dp"))
+    spread = launch_local(compose_config([*micro, "parallel.ep_dims=[dp]"]), str(tmp_path / "ep"))
+    assert max_relative_error(spread["losses"], plain["losses"]) < 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_each_ep_rank_holds_its_share_of_every_blocks_experts(tmp_path):
+    cfg = compose_config([*MOE, "mesh=4x1", "parallel.ep_dims=[dp]"])
+    shapes = spawn_ranks(4, expert_shapes, rank_config(cfg), str(tmp_path))
+    for rank_shapes in shapes.values():  # 4 experts of width 32 on dim 32: 1 per rank
+        assert rank_shapes == {f"layers.{i}.feed_forward.experts.{w}": shape for i in (0, 1)
+                               for w, shape in (("w1", [1, 32, 32]), ("w2", [1, 32, 32]), ("w3", [1, 32, 32]))}
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_saved_with_experts_over_2_ranks_resumes_over_4_and_on_one(tmp_path):
+    reference = reference_training(compose_config([*MOE, "mesh=1x1"]))
+    saved = tmp_path / "ep2"
+    launch_local(compose_config([*MOE, "mesh=2x1", "parallel.ep_dims=[dp]", "trainer.max_steps=4",
+                                 "checkpoint.every=4"]), str(saved))
+    for mesh in (["mesh=4x1", "parallel.ep_dims=[dp]"], ["mesh=1x1"]):
+        resumed = launch_local(compose_config([*MOE, *mesh, f"checkpoint.resume={saved / 'checkpoints' / 'step_4'}"]),
+                               str(tmp_path / mesh[0]))
+        assert max_relative_error(resumed["losses"], reference["losses"]) < 1e-5, mesh
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["mesh=2x1", "parallel.ep_dims=[ep]"], r"parallel.ep_dims=\['ep'\]: 'ep' is not a mesh dim; name some of "
+                                            r"\['dp', 'tp'\], or null"),
+    (["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[tp]"],
+     r"parallel.ep_dims=\['tp'\]: experts spread over exactly the DP dims for now: parallel.ep_dims=\['dp'\], or null"),
+    (["mesh=pp2x2x1", "parallel.ep_dims=[pp]"], r"parallel.ep_dims=\['pp'\]: experts cannot spread over the pp dim"),
+    (["mesh=4x1", "parallel.ep_dims=[dp]", "model.moe.n_experts=6"],
+     r"parallel.ep_dims=4: the EP size 4 must divide the 6 experts of each block"),
+    (["mesh=2x1", "model.moe.top_k=5"], r"model.moe.top_k=5: must be between 1 and model.moe.n_experts=4"),
+    (["mesh=2x1", "model=lm_tiny", "parallel.ep_dims=[dp]"],
+     r"parallel.ep_dims=2: spreads experts, and Transformer has no mixture-of-experts blocks; set it to null"),
+    (["mesh=pp2x2x1"], r"mixture-of-experts models do not run under pipeline parallelism yet"),
+    (["mesh=2x1", "parallel.ep_dims=[dp]", "parallel.dp_strategy=fsdp"],
+     r"parallel.dp_strategy='fsdp': expert parallelism runs with dp_strategy=replicate for now"),
+    (["mesh=2x1", "trainer.compile=blocks"], r"trainer.compile='blocks': mixture-of-experts blocks route a "
+                                             r"data-dependent number of tokens"),
+], ids=lambda o: " ".join(o) if isinstance(o, list) else None)
+def test_bad_expert_configs_are_refused_before_launch_naming_the_key(overrides, message):
+    base = [o for o in MOE if not o.startswith("model")] if "model=lm_tiny" in overrides else MOE
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config([*base, *overrides]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_step_with_experts_over_2_ranks_issues_the_all_to_alls_counted_by_hand(micro_batches):
+    """Per MoE block and micro-batch, forward: the per-expert counts (one all_to_all_single),
+    the token slots out and back (two, autograd's); backward: the two again, reversed. Besides:
+    one all-reduce of the routing counts per micro-batch (load_balance_loss) and DataParallel's
+    one bucketed gradient all-reduce per step (the experts are not in it)."""
+    blocks = 2
+    counts = count_collectives([*MOE, "mesh=2x1", "parallel.ep_dims=[dp]",
+                                f"data.micro_batch_size={4 // micro_batches}"])
+    for rank in (0, 1):
+        assert counts[rank] == {"c10d.alltoall_base_": blocks * micro_batches,
+                                "c10d_functional.all_to_all_single": 4 * blocks * micro_batches,
+                                "c10d.allreduce_": micro_batches + 1}, rank
+
+
+def test_a_sequence_parallel_plan_reaching_the_experts_is_refused_naming_the_entry():
+    cfg = compose_config([*MOE, "mesh=1x2", "plan=lm_tp_sp"])
+    with open_dict(cfg):  # lm_tp_sp without its feed-forward entries: only the SP norm reaches the experts
+        for name in ("w1", "w2", "w3"):
+            del cfg.plan[f"layers.*.feed_forward.{name}"]
+    with pytest.raises(ConfigError, match=r"plan.layers.\*.ffn_norm.style='sequence_parallel': would hand the "
+                                          r"mixture-of-experts blocks sequence shards, which they do not take yet"):
+        validate(cfg)
