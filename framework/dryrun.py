@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
 from framework.config.errors import ConfigError
+from framework.parallel.expert_parallel import moe_blocks
 from framework.config.validate import validate
 from framework.parallel.roles import MeshRoles
 from framework.parallel.collectives import CollectiveRecorder, counted
@@ -125,6 +126,11 @@ def stage_model_on_meta(run: Run) -> None:
     """The builder's model stage, with parameters on the meta device: shapes, no storage."""
     with torch.device("meta"):
         run.model = instantiate(run.cfg.model)
+    if moe_blocks(run.model):
+        raise ConfigError("model", run.cfg.model._target_, "is a mixture of experts, which routes by the data (how "
+                                                          "many tokens each expert gets): the dry run's meta tensors "
+                                                          "hold none, so it is not simulated yet; verify and inspect "
+                                                          "comm run it for real")
 
 
 def _placement(param: torch.Tensor) -> str:

@@ -13,9 +13,10 @@ from framework.inspect import count_collectives
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models.moe import MoE, load_balance_loss
 from framework.models.transformer import FeedForward, Transformer
-from tests.conftest import TINY_LM, compose_config
+from framework.verify import verify
+from tests.conftest import TINY_LM, compose_config, run_cli
 from tests.reference import max_relative_error, reference_training
-from tests.workers import expert_shapes
+from tests.workers import expert_biases, expert_shapes
 
 # The tiny MoE LM (4 experts, top 2, a shared expert) on the tiny corpus; SGD, so any gradient
 # error shows in the loss; the load-balancing loss weighted 0.1 so it moves the weights too.
@@ -159,3 +160,42 @@ def test_a_sequence_parallel_plan_reaching_the_experts_is_refused_naming_the_ent
     with pytest.raises(ConfigError, match=r"plan.layers.\*.ffn_norm.style='sequence_parallel': would hand the "
                                           r"mixture-of-experts blocks sequence shards, which they do not take yet"):
         validate(cfg)
+
+
+@pytest.mark.timeout(240)
+def test_the_aux_loss_free_expert_bias_moves_toward_balance_alike_on_every_layout(tmp_path):
+    """DeepSeek-V3's bias (model.moe.bias_update_rate): after each step every expert's bias moved
+    by the rate times the sign of the mean load minus its own over the global batch, so the
+    biases are multiples of the rate, not all zero, and the same with experts over 2 ranks."""
+    biased = [*MOE, "model.moe.aux_loss_coef=0.0", "model.moe.bias_update_rate=0.01", "trainer.max_steps=3",
+              "trainer.log_every=1"]  # an odd number of moves: a bias of 0 would mean it never moved
+    runs = {}
+    for mesh, ranks in ((("mesh=1x1",), 1), (("mesh=2x1", "parallel.ep_dims=[dp]"), 2)):
+        (tmp_path / str(ranks)).mkdir()
+        runs[mesh] = spawn_ranks(ranks, expert_biases, rank_config(compose_config([*biased, *mesh])),
+                                 str(tmp_path / str(ranks)))
+    one, spread = runs[("mesh=1x1",)][0], runs[("mesh=2x1", "parallel.ep_dims=[dp]")]
+    for name, bias in one["biases"].items():
+        steps = bias / 0.01
+        torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-4)  # whole steps of the rate
+        assert bias.abs().sum() > 0 and bias.max() > bias.min(), name
+        for rank in (0, 1):
+            assert torch.equal(spread[rank]["biases"][name], bias), (name, rank)
+    assert max_relative_error(spread[0]["losses"], one["losses"]) < 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_verify_proves_experts_over_dp_with_attention_tp_against_one_process():
+    ok, verdict, rows = verify(compose_config([*MOE, "mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp]",
+                                               "verify.steps=2"]))
+    assert ok, verdict
+    assert any(row["name"] == "layers.0.feed_forward.experts.w1" and row["what"].startswith("grad") for row in rows)
+
+
+def test_the_dry_run_refuses_a_mixture_of_experts_in_one_line(tmp_path):
+    result = run_cli(["recipe=lm_moe"], module="framework.dryrun", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "config error: model='framework.models.Transformer': is a mixture of experts, which routes by the data "
+        "(how many tokens each expert gets): the dry run's meta tensors hold none, so it is not simulated yet; "
+        "verify and inspect comm run it for real")

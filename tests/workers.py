@@ -361,3 +361,11 @@ def expert_shapes(cfg_container: dict, out_dir: str) -> dict:
     shapes = {name: list(local_tensor(p).shape) for name, p in run.module.named_parameters() if ".experts." in name}
     dist.destroy_process_group()
     return shapes
+
+
+def expert_biases(cfg_container: dict, out_dir: str) -> dict:
+    """Train the whole pipeline; each MoE block's expert bias after it, and the losses."""
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir)
+    biases = {name: buffer.clone() for name, buffer in run.module.named_buffers() if name.endswith("expert_bias")}
+    dist.destroy_process_group()
+    return {"biases": biases, "losses": run.summary["losses"]}

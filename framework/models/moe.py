@@ -9,10 +9,13 @@ they are spread over ranks (framework.parallel.expert_parallel shards the stacks
 tokens to their experts' ranks; here, `dispatch` runs them all locally). An optional shared
 expert (Qwen2-MoE) sees every token, scaled by sigmoid(shared_expert_gate(x)).
 
-Load balancing: the auxiliary loss of Switch / Mixtral, as transformers' load_balancing_loss_func
-computes it over the routing of every MoE layer pooled (load_balance_loss). Each block keeps the
-statistics of its last forward; the model turns them into the `load_balance` term it reports
-(framework.training.objectives).
+Load balancing, either or both: the auxiliary loss of Switch / Mixtral, as transformers'
+load_balancing_loss_func computes it over the routing of every MoE layer pooled
+(load_balance_loss; each block keeps the statistics of its last forward, the model turns them
+into the `load_balance` term it reports, framework.training.objectives); and DeepSeek-V3's
+aux-loss-free expert bias (`bias_update_rate`): a per-expert bias added to the scores only to
+choose the experts, moved after each optimizer step by bias_update_rate x the sign of the mean
+load minus each expert's load over the step's global batch (update_expert_biases).
 """
 from dataclasses import dataclass
 from typing import Callable, List, Optional
@@ -76,9 +79,10 @@ class MoE(nn.Module):
     """The routed experts (+ an optional shared expert) in place of a block's feed-forward."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = True,
-                 shared_expert: Optional[nn.Module] = None, shared_gate: bool = False):
+                 shared_expert: Optional[nn.Module] = None, shared_gate: bool = False,
+                 bias_update_rate: Optional[float] = None):
         """shared_expert: a dense feed-forward every token also passes through (the block makes
-        it), gated per token with shared_gate."""
+        it), gated per token with shared_gate. bias_update_rate: the expert bias's step (null: no bias)."""
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ConfigError("model.moe.top_k", top_k, f"must be between 1 and model.moe.n_experts={n_experts}")
@@ -90,24 +94,33 @@ class MoE(nn.Module):
         # how token slots reach their experts: all here, or over the EP ranks (framework.parallel.expert_parallel)
         self.dispatch: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] = dispatch_locally
         self.stats: Optional[RoutingStats] = None
+        self.bias_update_rate = bias_update_rate
+        if bias_update_rate is not None:
+            self.register_buffer("expert_bias", torch.zeros(n_experts))  # checkpointed with the model
+            self.register_buffer("step_load", torch.zeros(n_experts), persistent=False)  # token slots this step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        probabilities = F.softmax(self.gate(tokens), dim=-1, dtype=torch.float32)
-        weights, expert_ids = probabilities.topk(self.top_k, dim=-1)
+        # the gate and the shared expert see x as it comes (batch first: verify compares them per sample)
+        probabilities = F.softmax(self.gate(x), dim=-1, dtype=torch.float32).flatten(0, -2)
+        if self.bias_update_rate is None:
+            weights, expert_ids = probabilities.topk(self.top_k, dim=-1)
+        else:  # the bias chooses the experts; the weights stay the router's own probabilities
+            expert_ids = (probabilities + self.expert_bias).topk(self.top_k, dim=-1).indices
+            weights = probabilities.gather(1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         self.stats = RoutingStats(torch.bincount(expert_ids.flatten(), minlength=self.experts.n_experts).detach(),
                                   probabilities.sum(dim=0), len(tokens))
         slots = tokens.repeat_interleave(self.top_k, dim=0)  # token t's k-th choice at t * top_k + k
         routed = self.dispatch(self.experts, slots, expert_ids.flatten())
-        out = (routed.view(-1, self.top_k, tokens.shape[-1]) * weights.to(routed.dtype)[..., None]).sum(dim=1)
+        out = (routed.view(-1, self.top_k, tokens.shape[-1]) * weights.to(routed.dtype)[..., None]).sum(dim=1).view_as(x)
         if self.shared_expert is not None:
-            shared = self.shared_expert(tokens)
+            shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return out.view_as(x)
+        return out
 
 
 def load_balance_loss(blocks: List[MoE], group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
@@ -126,3 +139,26 @@ def load_balance_loss(blocks: List[MoE], group: Optional[dist.ProcessGroup] = No
     share = chosen / slots * top_k  # f_i as transformers sums it over the top_k choices
     probability_sums = torch.stack([block.stats.probability_sums for block in blocks]).sum(dim=0)
     return n_experts * (share * probability_sums).sum() / len(blocks)
+
+
+def count_step_load(blocks: List[MoE]) -> None:
+    """Add each biased block's routing of the forward just run to its step's load (training
+    forwards only: once per micro-batch, not again when activation checkpointing recomputes)."""
+    for block in blocks:
+        if block.bias_update_rate is not None and block.training and torch.is_grad_enabled():
+            block.step_load += block.stats.chosen
+
+
+@torch.no_grad()
+def update_expert_biases(blocks: List[MoE], group: Optional[dist.ProcessGroup] = None) -> None:
+    """After an optimizer step: each biased block's load over the global batch (all-reduced over
+    `group`, the ranks holding other tokens), its bias moved toward balance, the load reset."""
+    biased = [block for block in blocks if block.bias_update_rate is not None]
+    if not biased:
+        return
+    loads = torch.stack([block.step_load for block in biased])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads, group=group)
+    for block, load in zip(biased, loads):
+        block.expert_bias += block.bias_update_rate * torch.sign(load.mean() - load)
+        block.step_load.zero_()

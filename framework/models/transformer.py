@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.config.errors import ConfigError
-from framework.models.moe import MoE, load_balance_loss
+from framework.models.moe import MoE, count_step_load, load_balance_loss
 
 
 def rotary_frequencies(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None,
@@ -191,8 +191,9 @@ class Transformer(nn.Module):
 
     `moe`: the blocks' feed-forward is a mixture of experts (framework.models.moe.MoE's arguments
     n_experts, top_k, hidden_dim, norm_topk_prob, shared_hidden_dim, shared_gate, plus `layers`:
-    which blocks, null for all, and `aux_loss_coef`); the model then reports the `load_balance`
-    term, weighted by aux_loss_coef unless objective.aux_coefficients.load_balance is given."""
+    which blocks, null for all, `aux_loss_coef` and `bias_update_rate`); the model then reports
+    the `load_balance` term, weighted by aux_loss_coef unless objective.aux_coefficients.load_balance
+    is given."""
 
     def __init__(self, vocab_size: int = 256, dim: int = 64, n_layers: int = 2, n_heads: int = 4,
                  hidden_dim: int = 128, activation_checkpointing: str = "none", n_kv_heads: Optional[int] = None,
@@ -268,7 +269,9 @@ class Transformer(nn.Module):
             for layer, layer_cache in zip(self.layers, cache):
                 h = layer(h, layer_cache)
         if self.sparse_layers:
-            self.auxiliary_losses = {"load_balance": load_balance_loss(self.moe_blocks(), self.token_group)}
+            blocks = self.moe_blocks()
+            self.auxiliary_losses = {"load_balance": load_balance_loss(blocks, self.token_group)}
+            count_step_load(blocks)
         return self.output(self.norm(h))
 
     def moe_blocks(self) -> List[MoE]:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from framework.config.errors import ConfigError
-from framework.models.moe import MoE, Experts, run_local_experts
+from framework.models.moe import MoE, Experts, run_local_experts, update_expert_biases
 
 
 def moe_blocks(model: nn.Module) -> List[MoE]:
@@ -65,6 +65,14 @@ def apply_ep(model: nn.Module, ep_mesh: Optional[DeviceMesh], token_group: Optio
         for name in ("w1", "w2", "w3"):
             setattr(experts, name, nn.Parameter(distribute_tensor(getattr(experts, name).data, ep_mesh, [Shard(0)])))
         block.dispatch = dispatch_over(ep_mesh.get_group())
+
+
+def update_biases_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """DeepSeek-V3's expert bias moves after every optimizer step, from the step's global load
+    (as torchtitan hooks its optimizers); nothing for models without biased experts."""
+    blocks = [block for block in moe_blocks(model) if block.bias_update_rate is not None]
+    if blocks:
+        optimizer.register_step_post_hook(lambda *_: update_expert_biases(blocks, model.token_group))
 
 
 def check_expert_parallel(model: nn.Module, plan: dict, ep_size: int, pp_size: int, dp_strategy: str,

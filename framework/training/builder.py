@@ -22,7 +22,7 @@ from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
-from framework.parallel.expert_parallel import apply_ep
+from framework.parallel.expert_parallel import apply_ep, update_biases_after_each_step
 from framework.parallel.tensor_parallel import apply_tp
 from framework.training.schedule import build_scheduler
 from framework.training.state import TrainState
@@ -159,6 +159,7 @@ def stage_optimizer(run: Run) -> None:
     t = run.cfg.trainer
     run.objective = instantiate(run.cfg.objective)
     run.optimizer = instantiate(run.cfg.optim)(run.model.parameters())
+    update_biases_after_each_step(run.optimizer, run.module)
     run.scheduler = build_scheduler(run.optimizer, t.warmup_steps, t.max_steps, t.lr_decay)
 
 
