@@ -199,3 +199,14 @@ def test_the_dry_run_refuses_a_mixture_of_experts_in_one_line(tmp_path):
         "config error: model='framework.models.Transformer': is a mixture of experts, which routes by the data "
         "(how many tokens each expert gets): the dry run's meta tensors hold none, so it is not simulated yet; "
         "verify and inspect comm run it for real")
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_another_expert_count_is_refused_before_launch(tmp_path):
+    launch_local(compose_config([*MOE, "mesh=1x1", "trainer.max_steps=2", "checkpoint.every=2"]), str(tmp_path / "four"))
+    step = tmp_path / "four" / "checkpoints" / "step_2"
+    result = run_cli([*MOE, "mesh=1x1", "model.moe.n_experts=8", f"checkpoint.resume={step}",
+                      f"hydra.run.dir={tmp_path / 'eight'}"], timeout=100)
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith(f"checkpoint {step}: model key 'layers.0.feed_forward.gate.weight' has "
+                                          f"shape [4, 32] there but [8, 32] in this model"), result.stderr
