@@ -78,7 +78,7 @@ def hydra_error_line(error: Exception) -> str:
         group, _, name = error.missing_cfg_file.rpartition("/")
         options = ", ".join(error.options or [])
         return f"config error: {group}={name}: no such {group} config; the {group} configs are: {options}"
-    cause = error.__cause__
+    cause = error.__cause__ or error.__context__  # (a key a recipe or group file sets: raised while handling)
     key = getattr(cause, "full_key", None)
     if isinstance(error, ConfigCompositionException) and key and "not in" in str(cause):
         section = key.rpartition(".")[0]

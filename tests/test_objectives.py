@@ -48,6 +48,16 @@ def test_a_config_that_still_sets_data_loss_is_refused_naming_the_objective_grou
     assert not (tmp_path / "logs").exists()
 
 
+def test_a_recipe_that_still_sets_data_loss_is_told_where_it_moved(tmp_path):
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "old.yaml").write_text("# @package _global_\ndata:\n  loss:\n    _target_: torch.nn.MSELoss\n")
+    result = run_cli(["--config-dir", str(tmp_path), "recipe=old", f"hydra.run.dir={tmp_path / 'job'}"], timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("config error: data.loss: no such key; the loss moved to the objective group: "
+                                     "objective=lm (next-token cross entropy) or objective=mse, their options as "
+                                     "objective.<key> (conf/objective/)")
+
+
 def test_a_term_the_model_reports_without_a_weight_is_refused_by_name():
     class Reports(nn.Module):
         auxiliary_losses = {"balance": torch.tensor(1.0)}

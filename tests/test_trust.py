@@ -40,7 +40,7 @@ ROUTES = {
                        "config error: hydra.callbacks.x._target_='builtins.open': Hydra would instantiate it before "
                        "any check"),
     "widened-allowlist": ("allowed_targets: [framework, torch.nn, torch.optim, builtins]\n"
-                          "data:\n  loss:\n    _target_: builtins.open\n    _args_: [MARKER, w]\n",
+                          "objective:\n  _target_: builtins.open\n  _args_: [MARKER, w]\n",
                           "config error: allowed_targets=['framework', 'torch.nn', 'torch.optim', 'builtins']: set in "),
     "logging-factory": ("hydra:\n  job_logging:\n    handlers:\n      x:\n        (): builtins.open\n"
                         "        file: MARKER\n        mode: w\n",

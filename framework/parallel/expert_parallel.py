@@ -14,9 +14,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from framework.config.errors import ConfigError
 from framework.models.moe import MoE, Experts, run_local_experts, update_expert_biases
@@ -30,6 +28,9 @@ def dispatch_over(group: dist.ProcessGroup) -> Callable[[Experts, torch.Tensor, 
     """MoE.dispatch over the EP ranks of `group`: rank r holds experts r*L .. r*L + L - 1 (L =
     n_experts / EP). Slots sorted by expert go to their experts' ranks in one all-to-all, are
     regrouped there by local expert, run, put back in arrival order, and return in another."""
+    # imported here, as in apply_ep: validation imports this module, and the launcher must not load DTensor
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
     size = dist.get_world_size(group)
 
     def dispatch(experts: Experts, slots: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -55,6 +56,8 @@ def dispatch_over(group: dist.ProcessGroup) -> Callable[[Experts, torch.Tensor, 
 def apply_ep(model: nn.Module, ep_mesh: Optional[DeviceMesh], token_group: Optional[dist.ProcessGroup]) -> None:
     """Experts sharded over `ep_mesh` (None: every rank keeps them all), and the routing
     statistics pooled over `token_group` (the DP ranks, which hold other tokens)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     if not moe_blocks(model):
         return
     model.token_group = token_group
