@@ -20,6 +20,7 @@ import signal
 import time
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,7 +31,7 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from framework.data.corpus import ByteCorpus
-from framework.models.transformer import NextTokenLoss, Transformer
+from framework.models.transformer import Transformer
 
 
 def tp_sp_plan(n_layers: int) -> dict:
@@ -81,6 +82,10 @@ def average_gradients(model: torch.nn.Module, tp_group, dp_group, dp_size: int) 
         flat /= dp_size
         for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
 
 def train_step(model, optimizer, loss_fn, batch, mesh, average: bool) -> torch.Tensor:
@@ -144,7 +149,7 @@ def main() -> None:
             replicate(block, mesh=mesh["dp"])
         replicate(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.1, betas=(0.9, 0.95))
-    loss_fn = NextTokenLoss()
+    loss_fn = next_token_loss
 
     step_times, first_step_unix = [], None
     batches = batches_for(mesh, args.global_batch, args.seq_len)
