@@ -1,14 +1,18 @@
 """Declarative DP x TP training on PyTorch's DeviceMesh, driven by Hydra configs."""
+import os
 import sys
 
 
 def _interrupted_before_handling(kind, value, traceback, _default=sys.excepthook) -> None:
     """Ctrl-C while a command still imports (before framework.cli.command_status handles it):
-    the same one line, not Python's traceback. Python still exits by SIGINT (130 in a shell)."""
+    the same one line and exit status (130), not Python's traceback. It exits at once: shutting
+    the interpreter down with imports half done (torch's) could abort with a fatal error, and
+    nothing has been written yet; the ranks' zygote, if started, dies with this process."""
     if issubclass(kind, KeyboardInterrupt):
-        print("interrupted by SIGINT", file=sys.stderr)
-    else:
-        _default(kind, value, traceback)
+        print("interrupted by SIGINT", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+    _default(kind, value, traceback)
 
 
 if sys.argv[:1] == ["-m"]:  # `python -m framework.<command>` (argv[0] is "-m" while Python finds the module)

@@ -9,7 +9,7 @@ relays the agent's signals to the forked rank, and exits as the rank did (same c
 by the same signal). A rank kills itself when its client disappears, so nothing outlives the
 agent. Stdlib only: the client must start fast.
 
-    server: python -m framework.launch.zygote --serve SOCKET PRELOADED_MODULE
+    server: python -m framework.launch.zygote --serve SOCKET PRELOADED_MODULE LAUNCHER_PID
     client: python -m framework.launch.zygote SOCKET MODULE [ARGS...]
 """
 import atexit
@@ -57,8 +57,10 @@ def zygote_socket(preload: str = "framework.launch.worker") -> str:
         path = os.path.join(sock_dir, "zygote.sock")
         # One OpenMP thread in the zygote: it never computes, and a fork must not inherit a
         # thread pool; each rank sets its own count (framework.launch.threads).
-        _running = subprocess.Popen([sys.executable, "-m", __name__, "--serve", path, preload],
-                                    env={**os.environ, "OMP_NUM_THREADS": "1"}), path
+        # A session of its own: a terminal's Ctrl-C is the launcher's to act on, and must not
+        # reach the zygote while its interpreter still starts (before it can ignore signals).
+        _running = subprocess.Popen([sys.executable, "-m", __name__, "--serve", path, preload, str(os.getpid())],
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True), path
 
         def stop() -> None:
             _running[0].kill()
@@ -139,13 +141,16 @@ def _fork_rank(listener: socket.socket, conn: socket.socket, ranks: Dict[int, so
     conn.sendall(f"{pid}\n".encode())
 
 
-def serve(path: str, preload: str) -> None:
+def serve(path: str, preload: str, launcher: str) -> None:
+    """Fork ranks for clients until the launcher (pid `launcher`) is gone."""
     _die_with_parent()
-    # In the launcher's process group, but stopped only with the launcher: a Ctrl-C or SIGTERM to
-    # the group is the launcher's to act on (its ranks end their step and save first).
+    parent = int(launcher)
+    if os.getppid() != parent:  # the launcher died while this interpreter started
+        os._exit(1)
+    # Stopped only with the launcher: a SIGTERM or SIGHUP is the launcher's to act on (its ranks
+    # end their step and save first).
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(256)  # clients may connect (and wait) while the preload is importing
@@ -227,6 +232,6 @@ def run_client(path: str, module: str, args: list) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
-        serve(*sys.argv[2:4])
+        serve(*sys.argv[2:5])
     else:
         run_client(sys.argv[1], sys.argv[2], sys.argv[3:])
