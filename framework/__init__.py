@@ -15,5 +15,12 @@ def _interrupted_before_handling(kind, value, traceback, _default=sys.excepthook
     _default(kind, value, traceback)
 
 
+def imports_done() -> None:
+    """The command handles Ctrl-C itself from here on (framework.cli.command_status; the zygote
+    ignores it): Python's own hook again, so a later exit runs its atexit handlers."""
+    if sys.excepthook is _interrupted_before_handling:
+        sys.excepthook = sys.__excepthook__
+
+
 if sys.argv[:1] == ["-m"]:  # `python -m framework.<command>` (argv[0] is "-m" while Python finds the module)
     sys.excepthook = _interrupted_before_handling

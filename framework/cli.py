@@ -21,6 +21,7 @@ from hydra.errors import ConfigCompositionException, HydraException, MissingConf
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from framework import imports_done
 from framework.checkpoint.layout import CheckpointError
 from framework.config.errors import ConfigError
 from framework.config.schema import did_you_mean, register_schema, section_keys
@@ -119,6 +120,7 @@ def command_status(body: Callable[[], int], failed: str, argv: List[str] = (), u
     """A command's exit status: `usage` for -h/--help (0); else its body's, or 2 with one
     `config error:` line, or 1 with `<failed>: <the failed rank and its error>`, or 128 + a signal's
     number (Ctrl-C, SIGTERM) with one line."""
+    imports_done()
     if usage and any(arg in ("-h", "--help") for arg in argv):
         print(usage)
         return 0

@@ -110,7 +110,7 @@ def on_ranks(function, overrides: List[str], *args) -> Dict[int, object]:
         # each rank's threads and cores as in a run of this config: the profile is of that run
         return spawn_ranks(math.prod(cfg.mesh.shape), function, rank_config(cfg), out_dir, *args,
                            threads_per_rank=cfg.launcher.threads_per_rank,
-                           bind_cores=binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type, cfg.trainer.compile != "none"))
+                           bind_cores=binds_cores(cfg))
 
 
 def profile_of_steps(cfg_container: dict, out_dir: str, trace_dir: str) -> dict:

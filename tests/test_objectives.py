@@ -8,6 +8,8 @@ from hydra.utils import instantiate
 from torch import nn
 
 from framework.launch.local import launch_local
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
 from framework.training.objectives import MeanSquaredError, NextTokenCrossEntropy
 from tests.conftest import QUIET, TEST_MODELS, TINY_LM, compose_config, run_cli
 from tests.reference import max_relative_error
@@ -109,3 +111,9 @@ def test_an_auxiliary_term_is_weighted_logged_and_the_same_on_every_mesh(tmp_pat
         assert max_relative_error(summary["losses"], reference["losses"]) < 1e-5, mesh
     logged = [event.value for event in read_events(tmp_path / "2x1" / "tb").Scalars("loss_logit_square")]
     assert max_relative_error(logged, reference["squares"]) < 1e-5
+
+
+def test_a_model_reporting_terms_under_pipeline_parallelism_is_refused_before_launch():
+    with pytest.raises(ConfigError, match=r"mesh.shape=\[2, 1, 1\]: LogitSquareTransformer reports auxiliary loss terms, "
+                                          r"which pipeline parallelism cannot add to the last stage's loss yet"):
+        validate(compose_config([*AUX, "mesh=pp2x1x1", "model.n_layers=4"]))

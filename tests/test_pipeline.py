@@ -44,6 +44,7 @@ def one_process_clipped():
     ["mesh=pp2x2x1", "parallel.dp_strategy=fsdp"],        # + FSDP2, each stage a root
     ["mesh.shape=[2,1,2,1]", "mesh.dim_names=[pp,dp_replicate,dp,tp]", "parallel.dp_strategy=hsdp"],  # + HSDP
     ["mesh=pp2x1x2", "plan=lm_tp_sp", "parallel.pp_layers_per_stage=[1,3]"],  # + TP+SP, an uneven split
+    ["mesh=pp2x1x2", "plan=lm_tp_sp_loss_parallel"],     # + vocabulary-sharded logits on the last stage
 ], ids=lambda o: " ".join(o))
 def test_every_schedule_and_composition_trains_the_one_process_model(overrides, one_process, one_process_clipped,
                                                                      tmp_path):

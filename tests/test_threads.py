@@ -7,7 +7,7 @@ import os
 import pytest
 
 from framework.launch.threads import binds_cores, cores_of_rank, threads_per_rank
-from tests.conftest import TEST_MODELS, TORCHRUN, run_cli
+from tests.conftest import TEST_MODELS, TORCHRUN, compose_config, run_cli
 
 ALL_CORES = sorted(os.sched_getaffinity(0))
 CORES = len(ALL_CORES)
@@ -75,9 +75,11 @@ def test_a_rank_s_cores_follow_the_previous_ranks_and_wrap_round():
     assert [cores_of_rank([2, 3, 6, 7], rank, 3) for rank in range(2)] == [[2, 3, 6], [2, 3, 7]]
     assert cores_of_rank([0, 1], 1, 4) == [0, 1]  # more threads than cores: all of them
     # null: compiled CPU runs bound, eager ones and GPU ones free
-    assert binds_cores(None, "cpu", compiled=True) and not binds_cores(None, "cpu", compiled=False)
-    assert not binds_cores(None, "cuda", compiled=True)
-    assert binds_cores(True, "cuda", compiled=False) and not binds_cores(False, "cpu", compiled=True)
+    def binds(bind, device, compiled):
+        return binds_cores(compose_config([f"launcher.bind_cores={bind}", f"mesh.device_type={device}",
+                                           f"trainer.compile={'blocks' if compiled else 'none'}"]))
+    assert binds("null", "cpu", True) and not binds("null", "cpu", False) and not binds("null", "cuda", True)
+    assert binds("true", "cuda", False) and not binds("false", "cpu", True)
 
 
 @pytest.mark.timeout(150)

@@ -20,6 +20,7 @@ from framework.models.meta import SkipRandomInit
 from framework.models.hf_export import check_hf_out
 from framework.parallel.roles import MeshRoles
 from framework.parallel.expert_parallel import check_expert_parallel
+from framework.training.objectives import check_objective
 from framework.parallel.pipeline import check_pipeline_parallel
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules
 from framework.training.compile import compiled_blocks
@@ -295,7 +296,8 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         roles = MeshRoles.from_config(cfg)
         check_pipeline_parallel(cfg, model, roles.pp_size, roles.dp_size)
         check_expert_parallel(model, OmegaConf.to_container(cfg.plan, resolve=True) if cfg.plan else {},
-                              roles.ep_size, roles.pp_size, cfg.parallel.dp_strategy, cfg.trainer.compile != "none")
+                              roles, cfg.parallel.dp_strategy, cfg.trainer.compile != "none")
+        check_objective(cfg.objective, model, list(roles.shape), roles.pp_size)
         check_optimizer(cfg)
         check_dataset(cfg)
         check_responses(cfg)

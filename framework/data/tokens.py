@@ -12,8 +12,8 @@ and meta.json (its kind, dtype, counts, the tokenizer's identity and vocabulary,
 - InstructionDataset (kind "instruction"): one example per document, cut to seq_len + 1 tokens,
   targets -100 (ignored) on prompt tokens and on padding; the last val_fraction of the examples
   is held out; an example's mask is its prompt's 0s, then its response's 1s. Its
-  `masked_targets` tells the Trainer to average the loss over the response tokens of the whole
-  global batch (framework.training.trainer).
+  `masked_targets` tells the lm objective that not every target counts, so the step counts the
+  response tokens of the whole global batch (framework.training.objectives, trainer).
 """
 import json
 import os

@@ -165,7 +165,7 @@ def launch_local(cfg: DictConfig, out_dir: str) -> Optional[dict]:
         spawn_ranks(math.prod(cfg.mesh.shape), sys.executable, "-m", "framework.launch.zygote", zygote_socket(),
                     "framework.launch.worker", config_path, out_dir, max_restarts=cfg.launcher.max_restarts,
                     threads_per_rank=cfg.launcher.threads_per_rank,
-                    bind_cores=binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type, cfg.trainer.compile != "none"))
+                    bind_cores=binds_cores(cfg))
     except Interrupted as stop:
         raise Interrupted(stop.number, interrupted_message(stop.number, _summary(out_dir, started))) from None
     except RankFailed:

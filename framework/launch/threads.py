@@ -52,11 +52,12 @@ def threads_per_rank(configured: Optional[int], ranks_on_host: int, exported: Op
     return max(1, available_cores() // ranks_on_host), "this host's cores shared out among its ranks"
 
 
-def binds_cores(configured: Optional[bool], device_type: str, compiled: bool) -> bool:
+def binds_cores(cfg) -> bool:
     """launcher.bind_cores, whose null means: bind compiled runs on CPU meshes (where the ranks'
     own threads compute), not eager ones (measured on 2 cores: eager 2x2 5-10% slower bound,
-    compiled 1x2 7% faster; bench/README.md), nor GPU ones."""
-    return configured if configured is not None else device_type == "cpu" and compiled
+    compiled 1x2 7% faster; bench/README.md), nor GPU ones. `cfg`: the run's config."""
+    configured = cfg.launcher.bind_cores
+    return configured if configured is not None else cfg.mesh.device_type == "cpu" and cfg.trainer.compile != "none"
 
 
 def cores_of_rank(cores: List[int], local_rank: int, threads: int) -> List[int]:

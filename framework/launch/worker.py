@@ -50,7 +50,7 @@ def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
     setup_rank_logging(out_dir, rank)
     try:
         cfg = OmegaConf.create(cfg_container)
-        bind = binds_cores(cfg.launcher.bind_cores, cfg.mesh.device_type, cfg.trainer.compile != "none")
+        bind = binds_cores(cfg)
         threads = apply_in_rank(cfg.launcher.threads_per_rank, bind)
         if rank == 0:
             log.info("%s", threads)

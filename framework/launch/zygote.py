@@ -143,6 +143,8 @@ def _fork_rank(listener: socket.socket, conn: socket.socket, ranks: Dict[int, so
 
 def serve(path: str, preload: str, launcher: str) -> None:
     """Fork ranks for clients until the launcher (pid `launcher`) is gone."""
+    from framework import imports_done
+
     _die_with_parent()
     parent = int(launcher)
     if os.getppid() != parent:  # the launcher died while this interpreter started
@@ -151,6 +153,7 @@ def serve(path: str, preload: str, launcher: str) -> None:
     # end their step and save first).
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    imports_done()  # its ranks, forked from it, handle signals themselves (framework.training.interrupt)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(256)  # clients may connect (and wait) while the preload is importing

@@ -59,7 +59,7 @@ def _carry_side_files(model: nn.Module, out: str, dtype: torch.dtype) -> None:
         config = json.load(f)
     # the weights' dtype as written (transformers 5 reads `dtype`, 4.x `torch_dtype`)
     config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = str(dtype).split(".")[1]
-    if model.max_positions is not None:  # a run past config.json's (+model.max_positions) was trained that far
+    if model.max_positions is not None:  # config.json's, or +model.max_positions when a run went past it
         config["max_position_embeddings"] = model.max_positions
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

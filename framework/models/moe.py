@@ -42,9 +42,7 @@ def dispatch_locally(experts: "Experts", tokens: torch.Tensor, expert_ids: torch
     and returned in the order of `expert_ids` (flattened)."""
     order = expert_ids.argsort(stable=True)
     counts = torch.bincount(expert_ids, minlength=experts.n_experts).tolist()
-    out = torch.empty_like(tokens)
-    out[order] = run_local_experts(experts, tokens[order], counts)
-    return out
+    return run_local_experts(experts, tokens[order], counts)[order.argsort()]
 
 
 class Experts(nn.Module):
@@ -72,7 +70,6 @@ class RoutingStats:
     (no gradient) and the sum of its router probabilities over the tokens (with gradient)."""
     chosen: torch.Tensor
     probability_sums: torch.Tensor
-    tokens: int
 
 
 class MoE(nn.Module):
@@ -111,7 +108,7 @@ class MoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         self.stats = RoutingStats(torch.bincount(expert_ids.flatten(), minlength=self.experts.n_experts).detach(),
-                                  probabilities.sum(dim=0), len(tokens))
+                                  probabilities.sum(dim=0))
         slots = tokens.repeat_interleave(self.top_k, dim=0)  # token t's k-th choice at t * top_k + k
         routed = self.dispatch(self.experts, slots, expert_ids.flatten())
         out = (routed.view(-1, self.top_k, tokens.shape[-1]) * weights.to(routed.dtype)[..., None]).sum(dim=1).view_as(x)

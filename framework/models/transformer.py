@@ -219,6 +219,9 @@ class Transformer(nn.Module):
         moe = dict(moe or {})
         layers = moe.pop("layers", None)
         sparse = set(range(n_layers) if layers is None else layers) if moe else set()
+        if not sparse <= set(range(n_layers)):
+            raise ConfigError("model.moe.layers", layers, f"name blocks 0 to {n_layers - 1} (model.n_layers={n_layers}), "
+                                                          f"or null for all")
         aux_loss_coef = moe.pop("aux_loss_coef", 0.0)
         self.layers = nn.ModuleList(
             TransformerBlock(dim, hidden_dim, norm_eps, moe=moe if i in sparse else None, n_heads=n_heads,
@@ -268,7 +271,7 @@ class Transformer(nn.Module):
         else:  # decoding (framework.generate): each block extends its layer's cache
             for layer, layer_cache in zip(self.layers, cache):
                 h = layer(h, layer_cache)
-        if self.sparse_layers:
+        if self.sparse_layers and torch.is_grad_enabled():  # training: evaluation and decoding need no term
             blocks = self.moe_blocks()
             self.auxiliary_losses = {"load_balance": load_balance_loss(blocks, self.token_group)}
             count_step_load(blocks)

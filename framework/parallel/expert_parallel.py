@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from framework.config.errors import ConfigError
+from framework.parallel.roles import MeshRoles
 from framework.models.moe import MoE, Experts, run_local_experts, update_expert_biases
 
 
@@ -78,22 +79,21 @@ def update_biases_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Mo
         optimizer.register_step_post_hook(lambda *_: update_expert_biases(blocks, model.token_group))
 
 
-def check_expert_parallel(model: nn.Module, plan: dict, ep_size: int, pp_size: int, dp_strategy: str,
-                          compiled: bool) -> None:
+def check_expert_parallel(model: nn.Module, plan: dict, roles: MeshRoles, dp_strategy: str, compiled: bool) -> None:
     """What the experts and their parallelism need of the model, the plan and the mesh."""
-    blocks = moe_blocks(model)
-    if ep_size > 1 and not blocks:
-        raise ConfigError("parallel.ep_dims", ep_size, f"spreads experts, and {type(model).__name__} has no "
+    blocks, ep_dims, ep_size = moe_blocks(model), list(roles.ep_dims), roles.ep_size
+    if ep_dims and not blocks:
+        raise ConfigError("parallel.ep_dims", ep_dims, f"spreads experts, and {type(model).__name__} has no "
                                                        f"mixture-of-experts blocks; set it to null")
     if not blocks:
         return
     if blocks[0].experts.n_experts % ep_size:
-        raise ConfigError("parallel.ep_dims", ep_size, f"the EP size {ep_size} must divide the "
+        raise ConfigError("parallel.ep_dims", ep_dims, f"the EP size {ep_size} must divide the "
                                                        f"{blocks[0].experts.n_experts} experts of each block")
-    if pp_size > 1:
-        raise ConfigError("mesh.shape", pp_size, "mixture-of-experts models do not run under pipeline parallelism "
-                                                 "yet (the load-balancing loss pools every layer's routing); use a "
-                                                 "mesh without a pp dim")
+    if roles.pp_size > 1:
+        raise ConfigError("mesh.shape", list(roles.shape), "mixture-of-experts models do not run under pipeline "
+                                                           "parallelism yet (the load-balancing loss pools every "
+                                                           "layer's routing); use a mesh without a pp dim")
     if ep_size > 1 and dp_strategy != "replicate":
         raise ConfigError("parallel.dp_strategy", dp_strategy, "expert parallelism runs with "
                                                                "dp_strategy=replicate for now")

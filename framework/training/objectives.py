@@ -12,15 +12,13 @@ The objective adds each times its weight (`objective.aux_coefficients`, else the
 `aux_coefficients`, e.g. an HF config's router_aux_loss_coef), normalized by the global batch's
 tokens the same way (a token count needs no communication), and keeps their values for logging.
 """
-from contextlib import nullcontext
 from typing import Dict, List, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
+from framework.config.errors import ConfigError
 from framework.data.tokens import IGNORE
 
 
@@ -42,8 +40,13 @@ class Objective:
 
     def count_is_fixed(self, dataset) -> bool:
         """Whether every unit of `dataset`'s batches counts, so a batch's count follows from its
-        shape and the global count needs no communication."""
+        shape (fixed_count) and the global count needs no communication."""
         return True
+
+    def fixed_count(self, targets: torch.Tensor) -> int:
+        """The count when every unit counts, from the shape alone (no device sync): one unit per
+        target element (a token, an output value)."""
+        return targets.numel()
 
     def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, model: nn.Module, units: float,
                  tokens: Optional[float]) -> torch.Tensor:
@@ -70,12 +73,11 @@ class Objective:
 class NextTokenCrossEntropy(Objective):
     """Cross entropy of logits (batch, seq, vocab) against targets (batch, seq), summed over the
     targets that count (not -100: pre-training counts every token, instruction data its
-    responses). Logits the plan leaves sharded on the vocabulary get torch's loss_parallel."""
+    responses). Logits the plan leaves sharded on the vocabulary come under torch's loss_parallel,
+    which the Trainer enters (once: it does not nest) around forward and backward."""
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        sharded = isinstance(outputs, DTensor) and outputs.placements[0].is_shard(outputs.ndim - 1)
-        with loss_parallel() if sharded else nullcontext():
-            return F.cross_entropy(outputs.flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
+        return F.cross_entropy(outputs.flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         return (targets != IGNORE).sum()
@@ -92,3 +94,22 @@ class MeanSquaredError(Objective):
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         return torch.tensor(targets.numel(), device=targets.device)
+
+
+def check_objective(objective_cfg, model: nn.Module, mesh_shape: List[int], pp_size: int) -> None:
+    """Before launch: the auxiliary terms' weights name terms the model reports (a mistyped name
+    would leave the model's own weight in place), and no term under pipeline parallelism (the
+    last stage's loss cannot add a term an earlier stage's module reports)."""
+    reporters = [module for module in model.modules() if hasattr(module, "auxiliary_losses")]
+    if reporters and pp_size > 1:
+        raise ConfigError("mesh.shape", mesh_shape, f"{type(reporters[0]).__name__} reports auxiliary loss terms, "
+                                                    f"which pipeline parallelism cannot add to the last stage's "
+                                                    f"loss yet; use a mesh without a pp dim")
+    declared = [getattr(module, "aux_coefficients", None) for module in reporters]
+    if not reporters or None in declared:  # a reporter that declares no names: known only at its forward
+        return
+    names = sorted({name for weights in declared for name in weights})
+    for name, weight in (objective_cfg.get("aux_coefficients") or {}).items():
+        if name not in names:
+            raise ConfigError(f"objective.aux_coefficients.{name}", weight,
+                              f"the model reports no such term; it reports: {', '.join(names)}")

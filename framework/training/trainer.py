@@ -136,8 +136,9 @@ class Trainer:
                 f"activations or gradients with the neighbouring stages)")
 
     def pipeline_context(self):
-        """What compute_loss enters around forward and loss, around the whole schedule (which
-        also runs backward): bf16 autocast (replicate), loss_parallel (vocabulary-sharded logits)."""
+        """What compute_loss enters around forward and loss (and forward_backward around
+        backward), around the whole schedule instead, which runs both: bf16 autocast (replicate),
+        loss_parallel (vocabulary-sharded logits)."""
         contexts = ExitStack()
         contexts.enter_context(self._autocast())
         if self.sharded_logits:
@@ -167,9 +168,14 @@ class Trainer:
 
     def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and micro_batch_loss, under autocast with trainer.mixed_precision=bf16 (fp32
-        master weights: autocast casts per op, and its fp32 ops, the loss among them, stay fp32)."""
+        master weights: autocast casts per op, and its fp32 ops, the loss among them, stay fp32);
+        logits the plan leaves sharded on the vocabulary (output_layouts shard(-1),
+        use_local_output false) get torch's loss_parallel instead of a gather."""
         with self._autocast():
-            return self.micro_batch_loss(self.run.model(inputs), targets)
+            logits = self.run.model(inputs)
+            sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
+            with loss_parallel() if sharded else nullcontext():
+                return self.micro_batch_loss(logits, targets)
 
     def _autocast(self):
         """bf16 autocast with trainer.mixed_precision=bf16 under replicate; fsdp / hsdp: FSDP2's
@@ -204,12 +210,14 @@ class Trainer:
         this, summed over micro-batches and averaged over DP, is the global sum over the global
         count, however the units fall on replicas and micro-batches. Where every unit counts it
         is this replica's own count, with no communication; else one all-reduce over DP."""
+        if self.count_is_fixed:
+            return float(self.objective.fixed_count(targets))
         count = self.objective.count(targets).double()
-        if not self.count_is_fixed and self.run.dp["size"] > 1:
+        if self.run.dp["size"] > 1:
             dist.all_reduce(count, group=self.run.dp_group)
-        if count.is_meta:  # the dry run (its collective recorder counted any all-reduce): no values
+        if count.is_meta:  # the dry run (its collective recorder counted the all-reduce): no values
             return float(targets.numel())
-        return float(count) if self.count_is_fixed else max(1.0, count.item()) / self.run.dp["size"]
+        return max(1.0, count.item()) / self.run.dp["size"]
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, measure_norm: bool,
                    on_gradients: Callable[[], None] = lambda: None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -236,7 +244,7 @@ class Trainer:
         run = self.run
         run.model.eval()
         data = iter(run.val_dataloader)
-        sums, counts, step_terms = [], [], dict(self.terms)
+        sums, counts = [], []
         self.denominator, self.tokens = 1.0, None  # plain sums (divided by the count below), no auxiliary terms
         for _ in range(min(self.cfg.trainer.eval_batches, len(run.val_dataloader))):
             inputs, targets = (t.to(self.device) for t in next(data))
@@ -247,7 +255,6 @@ class Trainer:
                 sums.append(local_value(self.compute_loss(inputs, targets)))
             counts.append(self.objective.count(targets).float())
         run.model.train()
-        self.terms = step_terms  # the step's, not the evaluation's
         # batches' losses and counts summed here, then averaged over DP: their ratio is the global one
         total, count = mean_over_dp(run, torch.stack([torch.stack(sums).sum(), torch.stack(counts).sum()]))
         return total / max(count, 1.0)
