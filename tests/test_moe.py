@@ -16,6 +16,7 @@ from framework.models.transformer import FeedForward, Transformer
 from framework.verify import verify
 from tests.conftest import TINY_LM, compose_config, run_cli
 from tests.reference import max_relative_error, reference_training
+from tests.test_cli import read_events
 from tests.workers import expert_biases, expert_shapes
 
 # The tiny MoE LM (4 experts, top 2, a shared expert) on the tiny corpus; SGD, so any gradient
@@ -213,3 +214,20 @@ def test_a_checkpoint_of_another_expert_count_is_refused_before_launch(tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().endswith(f"checkpoint {step}: model key 'layers.0.feed_forward.gate.weight' has "
                                           f"shape [4, 32] there but [8, 32] in this model"), result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_tensorboard_shows_each_layers_expert_load_and_bias_spread_alike_on_every_layout(tmp_path):
+    """At each logging step, per MoE layer: the busiest expert's token slots over the mean since the
+    last logging step (over the global batches: the same with experts over 2 ranks as on one
+    process, >= 1), and the spread of the expert bias (> 0 where it moved; it can move back)."""
+    logged = [*MOE, "logger.tensorboard=true", "model.moe.bias_update_rate=0.01", "trainer.log_every=2"]
+    events = {}
+    for mesh in (["mesh=1x1"], ["mesh=2x1", "parallel.ep_dims=[dp]"]):
+        launch_local(compose_config([*logged, *mesh]), str(tmp_path / mesh[0]))
+        events[mesh[0]] = read_events(tmp_path / mesh[0] / "tb")
+    for layer in (0, 1):
+        loads = {mesh: [e.value for e in ev.Scalars(f"moe/layer{layer}_load_max_over_mean")] for mesh, ev in events.items()}
+        assert len(loads["mesh=1x1"]) == 4 and all(value >= 1.0 for value in loads["mesh=1x1"])
+        assert loads["mesh=2x1"] == loads["mesh=1x1"]  # integer counts, pooled the same
+        assert max(e.value for e in events["mesh=1x1"].Scalars(f"moe/layer{layer}_bias_spread")) > 0

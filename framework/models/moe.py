@@ -18,7 +18,7 @@ choose the experts, moved after each optimizer step by bias_update_rate x the si
 load minus each expert's load over the step's global batch (update_expert_biases).
 """
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,9 @@ class MoE(nn.Module):
         self.dispatch: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] = dispatch_locally
         self.stats: Optional[RoutingStats] = None
         self.bias_update_rate = bias_update_rate
+        # token slots per expert since the last logging step (routing_metrics): made from the first
+        # routing, so a model allocated later (to_empty, a Hugging Face model) holds no garbage
+        self.logged_load: Optional[torch.Tensor] = None
         if bias_update_rate is not None:
             self.register_buffer("expert_bias", torch.zeros(n_experts))  # checkpointed with the model
             self.register_buffer("step_load", torch.zeros(n_experts), persistent=False)  # token slots this step
@@ -139,11 +142,33 @@ def load_balance_loss(blocks: List[MoE], group: Optional[dist.ProcessGroup] = No
 
 
 def count_step_load(blocks: List[MoE]) -> None:
-    """Add each biased block's routing of the forward just run to its step's load (training
-    forwards only: once per micro-batch, not again when activation checkpointing recomputes)."""
+    """Add each block's routing of the forward just run to its load since the last logging step
+    and, when biased, to its step's load (called once per training micro-batch, outside the
+    blocks: not again when activation checkpointing recomputes them)."""
     for block in blocks:
-        if block.bias_update_rate is not None and block.training and torch.is_grad_enabled():
-            block.step_load += block.stats.chosen
+        if block.training:
+            block.logged_load = block.stats.chosen.clone() if block.logged_load is None \
+                else block.logged_load + block.stats.chosen
+            if block.bias_update_rate is not None:
+                block.step_load += block.stats.chosen
+
+
+@torch.no_grad()
+def routing_metrics(blocks: List[MoE], group: Optional[dist.ProcessGroup] = None) -> Dict[str, float]:
+    """Per MoE layer, since the last logging step, over the global batches: the busiest expert's
+    token slots over the mean (1: balanced), and the spread (max - min) of the expert bias when
+    there is one. One all-reduce over `group`; the loads start again."""
+    loads = torch.stack([block.logged_load if block.logged_load is not None else torch.zeros_like(block.stats.chosen)
+                         for block in blocks]).float()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads, group=group)
+    metrics = {}
+    for i, (block, load) in enumerate(zip(blocks, loads)):
+        metrics[f"moe/layer{i}_load_max_over_mean"] = float(load.max() / load.mean().clamp(min=1))
+        if block.bias_update_rate is not None:
+            metrics[f"moe/layer{i}_bias_spread"] = float(block.expert_bias.max() - block.expert_bias.min())
+        block.logged_load = None
+    return metrics
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.config.errors import ConfigError
-from framework.models.moe import MoE, count_step_load, load_balance_loss
+from framework.models.moe import MoE, count_step_load, load_balance_loss, routing_metrics
 
 
 def rotary_frequencies(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None,
@@ -279,6 +279,11 @@ class Transformer(nn.Module):
 
     def moe_blocks(self) -> List[MoE]:
         return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoE)]
+
+    def logged_metrics(self) -> Dict[str, float]:
+        """What TensorBoard shows of the model at a logging step (every rank calls it): the experts'
+        load and bias per MoE layer (framework.models.moe.routing_metrics); none for a dense model."""
+        return routing_metrics(self.moe_blocks(), self.token_group) if self.sparse_layers else {}
 
     def tp_sharded_counts(self) -> Dict[str, int]:
         """Counts a TP plan splits whole across ranks (checked by framework.config.validate)."""

@@ -335,6 +335,8 @@ class Trainer:
         if logging_step:
             history["grad_norms"].append(float(grad_norm))
             self._log_terms(step)
+            if hasattr(run.module, "logged_metrics"):
+                self.metrics.scalars(step, run.module.logged_metrics())
         self.watchdog.finished()  # the step, and its evaluation
         if saving:
             self.watchdog.stage(f"step {step}: checkpoint save")
