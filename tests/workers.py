@@ -337,9 +337,11 @@ def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[to
     result = {"loss": mean_over_dp(run, local_value(loss).reshape(1))[0], "grads": grads,
               "response_tokens": int((targets != IGNORE).sum()), "logits": logits}
     if run.dp["size"] == 1:
+        halves = []
         with torch.no_grad():  # each half's own mean: its loss sum over its own count
-            halves = [float(trainer.objective.loss_sum(run.model(inputs[r::2]), targets[r::2])
-                            / trainer.objective.count(targets[r::2])) for r in (0, 1)]
+            for r in (0, 1):
+                trainer.denominator, trainer.tokens = float(trainer.objective.count(targets[r::2])), None
+                halves.append(float(trainer.compute_loss(inputs[r::2], targets[r::2])))
         result["mean_of_halves"] = sum(halves) / 2
     dist.destroy_process_group()
     return result
