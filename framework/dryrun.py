@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
 from framework.config.errors import ConfigError
-from framework.parallel.expert_parallel import moe_blocks
+from framework.models.moe import moe_blocks
 from framework.config.validate import validate
 from framework.parallel.roles import MeshRoles
 from framework.parallel.collectives import CollectiveRecorder, counted

@@ -16,6 +16,7 @@ from framework.launch.handoff import rank_config
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models.hf import HFTransformer, hf_state_dict, load_hf_weights, materialize, model_state_dict
 from framework.models.hf_export import save_hf, save_hf_sharded
+from framework.models.moe import moe_blocks
 from framework.parallel.expert_parallel import apply_ep
 from tests.conftest import run_cli
 from tests.hf_models import MOE_ARCHITECTURES, make_hf_model, reference
@@ -127,11 +128,11 @@ def expert_parallel_load_and_save(path: str, out: str) -> dict:
     apply_ep(model, mesh, None)
     materialize(model, "cpu")
     load_hf_weights(model, path)
-    first = model.moe_blocks()[0].experts.w1
+    first = moe_blocks(model)[0].experts.w1
     offset = rank * first.to_local().shape[0]
     read = {offset + e: w.detach().clone() for e, w in enumerate(first.to_local())}
     with torch.no_grad():
-        for block in model.moe_blocks():
+        for block in moe_blocks(model):
             block.experts.w1.to_local().add_(rank + 1.0)
     names = sorted(name for name in model_state_dict(model, model.state_dict()) if ".experts." in name)
     save_hf_sharded(model, out, rank)

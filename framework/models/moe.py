@@ -141,6 +141,11 @@ def load_balance_loss(blocks: List[MoE], group: Optional[dist.ProcessGroup] = No
     return n_experts * (share * probability_sums).sum() / len(blocks)
 
 
+def moe_blocks(model: nn.Module) -> List[MoE]:
+    """The model's mixture-of-experts blocks, in order (none for a dense model)."""
+    return [module for module in model.modules() if isinstance(module, MoE)]
+
+
 def count_step_load(blocks: List[MoE]) -> None:
     """Add each block's routing of the forward just run to its load since the last logging step
     and, when biased, to its step's load (called once per training micro-batch, outside the

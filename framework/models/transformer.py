@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.config.errors import ConfigError
-from framework.models.moe import MoE, count_step_load, load_balance_loss, routing_metrics
+from framework.models.moe import MoE, count_step_load, load_balance_loss, moe_blocks, routing_metrics
 
 
 def rotary_frequencies(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None,
@@ -242,7 +242,7 @@ class Transformer(nn.Module):
                                  if p.dim() == 2 and not name.startswith("tok_embeddings"))
         if tie_word_embeddings:  # the shared output projection is a matmul too (named once, as the embedding)
             self.matmul_params += self.output.weight.numel()
-        for block in self.moe_blocks():  # a token runs top_k of the stacked experts' matmuls
+        for block in moe_blocks(self):  # a token runs top_k of the stacked experts' matmuls
             self.matmul_params += block.top_k * sum(w[0].numel() for w in block.experts.local_weights())
 
     def tie_weights(self) -> None:
@@ -272,18 +272,15 @@ class Transformer(nn.Module):
             for layer, layer_cache in zip(self.layers, cache):
                 h = layer(h, layer_cache)
         if self.sparse_layers and torch.is_grad_enabled():  # training: evaluation and decoding need no term
-            blocks = self.moe_blocks()
+            blocks = moe_blocks(self)
             self.auxiliary_losses = {"load_balance": load_balance_loss(blocks, self.token_group)}
             count_step_load(blocks)
         return self.output(self.norm(h))
 
-    def moe_blocks(self) -> List[MoE]:
-        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoE)]
-
     def logged_metrics(self) -> Dict[str, float]:
         """What TensorBoard shows of the model at a logging step (every rank calls it): the experts'
         load and bias per MoE layer (framework.models.moe.routing_metrics); none for a dense model."""
-        return routing_metrics(self.moe_blocks(), self.token_group) if self.sparse_layers else {}
+        return routing_metrics(moe_blocks(self), self.token_group) if self.sparse_layers else {}
 
     def tp_sharded_counts(self) -> Dict[str, int]:
         """Counts a TP plan splits whole across ranks (checked by framework.config.validate)."""

@@ -9,7 +9,7 @@ tokens it served, each replica's loss already scaled for DP's average: DataParal
 by the DP size instead of all-reducing it (data_parallel.sharded_over_dp). The router's load
 statistics pool over the DP ranks (framework.models.moe.load_balance_loss) with or without EP.
 """
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,11 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework.config.errors import ConfigError
 from framework.parallel.roles import MeshRoles
-from framework.models.moe import MoE, Experts, run_local_experts, update_expert_biases
-
-
-def moe_blocks(model: nn.Module) -> List[MoE]:
-    return [module for module in model.modules() if isinstance(module, MoE)]
+from framework.models.moe import Experts, moe_blocks, run_local_experts, update_expert_biases
 
 
 def dispatch_over(group: dist.ProcessGroup) -> Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor]:
