@@ -44,6 +44,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
+from framework.data.batch import Batch
 from framework.config.errors import ConfigError
 from framework.models.moe import moe_blocks
 from framework.config.validate import validate
@@ -174,14 +175,14 @@ def rehearsed_stage(tensors: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> Ca
     return make
 
 
-def rehearsal_trainer(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> Trainer:
+def rehearsal_trainer(run: Run, batch: Batch) -> Trainer:
     """The trainer of the step to count. Under pipeline parallelism its stages are given their
     tensors, and a first step (the stages' warm-up exchange) is run and not counted."""
     trainer = Trainer(run)
     if trainer.pipeline is None:
         return trainer
-    trainer = Trainer(run, make_stage=rehearsed_stage(stage_tensors(run, trainer, inputs)))
-    trainer.forward_backward(inputs, targets)
+    trainer = Trainer(run, make_stage=rehearsed_stage(stage_tensors(run, trainer, batch.inputs)))
+    trainer.forward_backward(batch)
     run.optimizer.step()
     return trainer
 
@@ -194,14 +195,14 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
     try:
         # no stage up to the optimizer writes anything
         run = build_and_run(cfg, "", through="optimizer", replace={"model": stage_model_on_meta})
-        inputs, targets = (t.to("meta") for t in next(iter(run.dataloader)))
+        batch = Batch.of(next(iter(run.dataloader)), "meta")
         params = list(run.module.named_parameters())
-        trainer = rehearsal_trainer(run, inputs, targets)
+        trainer = rehearsal_trainer(run, batch)
         activations = SavedActivations([p for _, p in params])
         totals: Dict[Tuple[str, str], List[int]] = {}
         collectives = CollectiveRecorder(counted(totals, lambda op, dim: (op, dim)), run.group_labels(), "other")
         with collectives, activations.hooks():
-            trainer.forward_backward(inputs, targets)
+            trainer.forward_backward(batch)
             run.optimizer.step()
         sizes = state_bytes(run.module, run.optimizer)
         return RankReport(

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed._tools.mod_tracker import ModTracker
 
+from framework.data.batch import Batch
 from framework.parallel.collectives import CollectiveRecorder, counted
 from framework.training.builder import build_and_run
 from framework.cli import command_status, compose_config
@@ -47,27 +48,27 @@ PROFILED_STEPS = 3  # after a first step, which compiles and warms caches
 def build_for_one_step(cfg_container: dict, out_dir: str):
     """In every rank: the run built up to the optimizer, and its first batch."""
     run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="optimizer")
-    return run, next(iter(run.dataloader))
+    return run, Batch.of(next(iter(run.dataloader)), run.cfg.mesh.device_type)
 
 
-def pipeline_warmed(run, inputs, targets) -> Trainer:
+def pipeline_warmed(run, batch: Batch) -> Trainer:
     """The run's trainer; under pipeline parallelism after a first step, which also exchanges
     the stages' tensor shapes (3 sends and 3 receives per stage boundary) and infers the
     gradients' with autograd.grad (which ModTracker's hooks on leaves refuse)."""
     trainer = Trainer(run)
     if run.stages:
-        trainer.forward_backward(inputs, targets)
+        trainer.forward_backward(batch)
         run.optimizer.step()
     return trainer
 
 
 def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]:
     """Runs in every rank: one counted step (under pipeline parallelism the second)."""
-    run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
-    trainer = pipeline_warmed(run, inputs, targets)
+    run, batch = build_for_one_step(cfg_container, out_dir)
+    trainer = pipeline_warmed(run, batch)
     totals: Dict[str, List[int]] = {}
     with CollectiveRecorder(counted(totals, lambda op, dim: op)):
-        trainer.forward_backward(inputs, targets)
+        trainer.forward_backward(batch)
         run.optimizer.step()
     dist.destroy_process_group()
     return {op: count for op, (count, _) in totals.items()}
@@ -76,8 +77,8 @@ def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]
 def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
     """Runs in every rank: the order of module forward/backward passes in one step, and the
     collectives issued inside each (those outside any module under `step`)."""
-    run, (inputs, targets) = build_for_one_step(cfg_container, out_dir)
-    trainer = pipeline_warmed(run, inputs, targets)
+    run, batch = build_for_one_step(cfg_container, out_dir)
+    trainer = pipeline_warmed(run, batch)
     dim_of_group = run.group_labels()
     names = {module: name or "(model)" for name, module in run.module.named_modules()}
     events = [{"pass": "step", "module": "start", "collectives": []}]
@@ -95,7 +96,7 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
         events[-1]["collectives"].append(f"{op.split('.')[1]}[{dim}]")
 
     with tracker, CollectiveRecorder(record, dim_of_group):
-        trainer.forward_backward(inputs, targets)
+        trainer.forward_backward(batch)
         events.append({"pass": "step", "module": "optimizer", "collectives": []})
         run.optimizer.step()
     dist.destroy_process_group()
@@ -120,7 +121,7 @@ def profile_of_steps(cfg_container: dict, out_dir: str, trace_dir: str) -> dict:
     data = batches(run.sampler, run.dataloader, DataPosition(), run.cfg.data.global_batch_size)
     with profiled(trace_dir, run.rank, PROFILED_STEPS) as profiler:
         for _ in range(PROFILED_STEPS + 1):
-            trainer.train_step(*next(data), measure_norm=False)
+            trainer.train_step(Batch.of(next(data), run.cfg.mesh.device_type), measure_norm=False)
             profiler.step()
     dist.destroy_process_group()
     return summary(profiler)

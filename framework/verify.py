@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement
 
+from framework.data.batch import Batch
 from framework.data.loader import DataPosition, batches
 from framework.cli import command_status, compose_config
 from framework.config.errors import ConfigError
@@ -97,10 +98,10 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
     trainer = Trainer(run)
     steps = []
     for step in range(cfg.verify.steps):
-        inputs, targets = next(data)
+        batch = Batch.of(next(data), "cpu")
         grads: Dict[str, torch.Tensor] = {}
         # before clipping: one wrong gradient changes the global norm, and so every clipped one
-        loss, _ = trainer.train_step(inputs, targets, measure_norm=False, on_gradients=lambda: grads.update(
+        loss, _ = trainer.train_step(batch, measure_norm=False, on_gradients=lambda: grads.update(
             {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}))
         if step == 0:
             for hook in hooks:

@@ -28,9 +28,9 @@ def reference_training(cfg: DictConfig) -> Dict[str, List[float]]:
     losses, grad_norms = [], []
     batches = iter(loader)
     for _ in range(cfg.trainer.max_steps):
-        inputs, targets = next(batches)
+        inputs, targets, *positions = next(batches)  # positions: document-masked token data
         optimizer.zero_grad()
-        loss = loss_fn(model(inputs), targets)
+        loss = loss_fn(model(inputs, **({"positions": positions[0]} if positions else {})), targets)
         for name, value in getattr(model, "auxiliary_losses", {}).items():  # a sum over the batch's tokens
             loss = loss + model.aux_coefficients[name] * value / inputs.numel()
         loss.backward()

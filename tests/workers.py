@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from framework.data.batch import Batch
 from framework.training.builder import build_and_run
 from framework.models import SeedMLP, Transformer
 from framework.models.transformer import Attention, rotary, rotary_frequencies, rotation
@@ -330,8 +331,9 @@ def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[to
         with torch.no_grad():
             logits = run.model(logits_of)
         logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
-    inputs, targets = next(iter(run.dataloader))
-    loss = trainer.forward_backward(inputs, targets)
+    batch = Batch.of(next(iter(run.dataloader)), "cpu")
+    inputs, targets = batch.inputs, batch.targets
+    loss = trainer.forward_backward(batch)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
              for name, p in run.module.named_parameters()}
     result = {"loss": mean_over_dp(run, local_value(loss).reshape(1))[0], "grads": grads,
@@ -341,7 +343,7 @@ def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[to
         with torch.no_grad():  # each half's own mean: its loss sum over its own count
             for r in (0, 1):
                 trainer.denominator, trainer.tokens = float(trainer.objective.count(targets[r::2])), None
-                halves.append(float(trainer.compute_loss(inputs[r::2], targets[r::2])))
+                halves.append(float(trainer.compute_loss(Batch(inputs[r::2], targets[r::2]))))
         result["mean_of_halves"] = sum(halves) / 2
     dist.destroy_process_group()
     return result

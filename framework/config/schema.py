@@ -24,6 +24,7 @@ STAGES = [
     "data_parallel",
     "tensor_parallel",
     "expert_parallel",
+    "context_parallel",
     "fully_shard",
     "sampler",
     "dataloader",
@@ -96,6 +97,7 @@ class ParallelConfig:
     pp_stages_per_rank: int = 1
     pp_layers_per_stage: Optional[List[int]] = None
     ep_dims: Optional[List[str]] = None
+    cp_dim: Optional[str] = "cp"
 
 
 @dataclass
@@ -112,6 +114,7 @@ class DataConfig:
     num_workers: int = 0
     path: Optional[str] = None  # prepared token data (data=tokens / instructions): framework.prepare's --out
     tokenizer: Optional[str] = None  # the tokenizer.json the model is meant for: other data is refused
+    document_masking: bool = False  # packed token data: attention within each document (data=tokens sets it)
     dataset: Any = None
 
 

@@ -14,11 +14,12 @@ from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_
 from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.errors import ConfigError
 from framework.config.trust import check_targets
-from framework.data.tokens import DATASETS, check_responses, check_token_data, read_meta
+from framework.data.tokens import DATASETS, check_document_masking, check_responses, check_token_data, read_meta
 from framework.models.hf import check_length, check_model_path, check_vocab, check_weights
 from framework.models.meta import SkipRandomInit
 from framework.models.hf_export import check_hf_out
 from framework.parallel.roles import MeshRoles
+from framework.parallel.context_parallel import check_context_parallel
 from framework.parallel.expert_parallel import check_expert_parallel
 from framework.training.objectives import check_objective
 from framework.parallel.pipeline import check_pipeline_parallel
@@ -297,6 +298,8 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         check_pipeline_parallel(cfg, model, roles.pp_size, roles.dp_size)
         check_expert_parallel(model, OmegaConf.to_container(cfg.plan, resolve=True) if cfg.plan else {},
                               roles, cfg.parallel.dp_strategy, cfg.trainer.compile != "none")
+        check_context_parallel(cfg, model, roles.cp_size, roles.tp_size)
+        check_document_masking(cfg, model)
         check_objective(cfg.objective, model, list(roles.shape), roles.pp_size)
         check_optimizer(cfg)
         check_dataset(cfg)

@@ -15,6 +15,7 @@ and meta.json (its kind, dtype, counts, the tokenizer's identity and vocabulary,
   `masked_targets` tells the lm objective that not every target counts, so the step counts the
   response tokens of the whole global batch (framework.training.objectives, trainer).
 """
+import inspect
 import json
 import os
 import sys
@@ -80,12 +81,28 @@ class _Prepared(Dataset):
                               "tokens; prepare more data or use a shorter seq_len")
 
 
+def positions_in_documents(document_starts: np.ndarray, begin: int, length: int) -> torch.Tensor:
+    """Each token's place in its document, for the tokens [begin, begin + length) of a stream
+    whose documents start at `document_starts` (sorted). The window's first token is at 0
+    whatever the document it cuts into: the window holds none of that document's earlier tokens."""
+    index = np.arange(begin, begin + length)
+    starts = document_starts[np.searchsorted(document_starts, index, side="right") - 1]
+    return torch.from_numpy(index - np.maximum(starts, begin))
+
+
 class TokenDataset(_Prepared):
+    """With `document_masking` each sample also carries its tokens' positions in their documents
+    (framework.models.documents): a token attends to its own document only, and its rotary
+    angle counts from the document's start. The target of a document's last token (its EOS) is
+    the next document's first token, predicted from the ending document alone (torchtitan keeps
+    these targets too)."""
     kind = "packed"
 
-    def __init__(self, path: str, seq_len: int = 128, split: str = "train", val_fraction: float = 0.05):
+    def __init__(self, path: str, seq_len: int = 128, split: str = "train", val_fraction: float = 0.05,
+                 document_masking: bool = False):
         super().__init__(path, seq_len, split, val_fraction)
         self.start, _ = split_range(len(self.tokens), val_fraction, split)
+        self.document_starts = np.load(os.path.join(self.path, OFFSETS))[:-1] if document_masking else None
         self._check_not_empty()
 
     def __len__(self) -> int:
@@ -94,7 +111,9 @@ class TokenDataset(_Prepared):
     def __getitem__(self, index: int):
         begin = self.start + index * self.seq_len
         window = torch.from_numpy(self.tokens[begin: begin + self.seq_len + 1].astype(np.int64))
-        return window[:-1], window[1:]
+        if self.document_starts is None:
+            return window[:-1], window[1:]
+        return window[:-1], window[1:], positions_in_documents(self.document_starts, begin, self.seq_len)
 
 
 class InstructionDataset(_Prepared):
@@ -143,7 +162,8 @@ class InstructionDataset(_Prepared):
 
 
 INSTRUCTION_DATASETS = ("framework.data.InstructionDataset", f"{__name__}.InstructionDataset")
-DATASETS = ("framework.data.TokenDataset", f"{__name__}.TokenDataset", *INSTRUCTION_DATASETS)
+PACKED_DATASETS = ("framework.data.TokenDataset", f"{__name__}.TokenDataset")
+DATASETS = (*PACKED_DATASETS, *INSTRUCTION_DATASETS)
 VOCAB_MULTIPLE = 64  # a padded vocabulary divides by any TP size up to 64 (nanoGPT's 50257 -> 50304)
 
 
@@ -178,6 +198,23 @@ def check_token_data(cfg) -> None:
                           f"the token data in {path} holds ids up to {meta['max_token_id']} (its tokenizer's "
                           f"vocabulary is {prepared['vocab_size']}); use at least {prepared['vocab_size']}, e.g. "
                           "${tokens_vocab:${data.path}} as recipes/lm_files.yaml does")
+
+
+def check_document_masking(cfg, model) -> None:
+    """data.document_masking needs packed token data, which has the documents' boundaries, and a
+    model whose forward takes the tokens' positions in their documents."""
+    dataset = cfg.data.dataset
+    masking = bool(cfg.data.get("document_masking")) or bool(dataset.get("document_masking"))
+    if not masking:
+        return
+    if dataset.get("_target_") not in PACKED_DATASETS:
+        raise ConfigError("data.document_masking", True, f"{dataset.get('_target_')} has no document boundaries "
+                                                         f"(only packed token data, data=tokens, has); set "
+                                                         f"data.document_masking=false")
+    if "positions" not in inspect.signature(type(model).forward).parameters:
+        raise ConfigError("data.document_masking", True, f"{type(model).__name__} takes no document positions "
+                                                         f"(framework.models.Transformer does); set "
+                                                         f"data.document_masking=false")
 
 
 def check_responses(cfg) -> None:

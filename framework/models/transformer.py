@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.config.errors import ConfigError
+from framework.models.documents import AttentionLayout, attention_layout, gather_keys
 from framework.models.moe import MoE, count_step_load, load_balance_loss, moe_blocks, routing_metrics
 
 
@@ -49,9 +50,12 @@ def rotation(freqs: torch.Tensor, start: int, length: int) -> Tuple[torch.Tensor
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool = False) -> torch.Tensor:
     """Rotate pairs of channels of x (batch, seq, heads, head_dim) by the angles whose cos and sin
-    (seq, head_dim/2) are given. Pairs are (2i, 2i+1), or with `halves` (i, i + head_dim/2),
-    Hugging Face's layout, whose checkpoints' q/k weights are ordered for it."""
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    (seq, head_dim/2), or per sequence (batch, seq, head_dim/2), are given. Pairs are (2i, 2i+1),
+    or with `halves` (i, i + head_dim/2), Hugging Face's layout, whose checkpoints' q/k weights
+    are ordered for it."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if cos.dim() == 3:
+        cos, sin = cos[None], sin[None]
     if halves:
         first, second = x.float().chunk(2, dim=-1)
         return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)
@@ -124,6 +128,7 @@ class Attention(nn.Module):
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False, norm_eps: Optional[float] = None):
         super().__init__()
         self.head_dim, self.rope = head_dim, rope
+        self.context_parallel = None  # framework.parallel.context_parallel: whose keys and values join ours
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
@@ -132,16 +137,21 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps)
 
-    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None,
+                layout: Optional[AttentionLayout] = None) -> torch.Tensor:
+        """`layout`: document-masked attention (and, under context parallelism, keys and values
+        from every CP rank, framework.parallel.context_parallel); None: causal over the window."""
         batch, seq = x.shape[0], x.shape[1]
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         start = cache.length if cache is not None else 0
-        cos, sin = self.rope.cos_sin(self.head_dim, start, seq, x.device)
+        cos, sin = (layout.cos, layout.sin) if layout is not None else self.rope.cos_sin(self.head_dim, start, seq, x.device)
         q, k = (rotary(t, cos, sin, self.rope.halves) for t in (q, k))
         mask = None
-        if cache is not None:
+        if layout is not None:
+            k, v, mask = gather_keys(self, k), gather_keys(self, v), layout.mask
+        elif cache is not None:
             k, v = cache.extend(k, v)
             # query i (position start + i) sees keys 0 .. start + i
             mask = torch.arange(k.shape[1], device=x.device)[None, :] <= start + torch.arange(seq, device=x.device)[:, None]
@@ -180,8 +190,9 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(dim, hidden_dim)
 
-    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cache=cache)
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None,
+                layout: Optional[AttentionLayout] = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cache=cache, layout=layout)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -237,6 +248,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(dim, vocab_size, bias=False)
         self.tie_word_embeddings = tie_word_embeddings
         self.tie_weights()
+        self.context_parallel = None  # framework.parallel.context_parallel: the CP ranks sharing each sequence
         self.dim, self.n_layers = dim, n_layers
         self.matmul_params = sum(p.numel() for name, p in self.named_parameters()
                                  if p.dim() == 2 and not name.startswith("tok_embeddings"))
@@ -251,23 +263,36 @@ class Transformer(nn.Module):
         if self.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def run_blocks(self, blocks: Iterable[nn.Module], h: torch.Tensor) -> torch.Tensor:
+    def run_blocks(self, blocks: Iterable[nn.Module], h: torch.Tensor,
+                   layout: Optional[AttentionLayout] = None) -> torch.Tensor:
         """h through `blocks` in order (a pipeline stage runs its own run of them). Activation
         checkpointing keeps only each block's input and recomputes the rest in backward (its TP
         collectives included, in the same order on every rank)."""
         for block in blocks:
-            h = checkpoint(block, h, use_reentrant=False) if self.recompute_blocks and torch.is_grad_enabled() else block(h)
+            if self.recompute_blocks and torch.is_grad_enabled():
+                h = checkpoint(block, h, layout=layout, use_reentrant=False)
+            else:
+                h = block(h, layout=layout)
         return h
+
+    def attention_layout(self, positions: Optional[torch.Tensor]) -> Optional[AttentionLayout]:
+        """The blocks' AttentionLayout for tokens at `positions` (each token's place in its own
+        document; None: one causal window, the rotation table's path)."""
+        return None if positions is None else attention_layout(self.rope.freqs(self.head_dim, positions.device),
+                                                               positions, self.context_parallel)
 
     def prepare_rotation(self, tokens: torch.Tensor, start: int = 0) -> None:
         """The rotation table for these tokens' positions (from `start`), before the blocks run."""
         _prepare_rotation(self.rope, self.head_dim, tokens, start)
 
-    def forward(self, tokens: torch.Tensor, cache: Optional[List[LayerCache]] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: Optional[List[LayerCache]] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`positions` (batch, seq): each token's place in its document, for packed windows of
+        several documents (framework.models.documents); None: one causal window."""
         self.prepare_rotation(tokens, cache[0].length if cache else 0)
         h = self.tok_embeddings(tokens)
         if cache is None:
-            h = self.run_blocks(self.layers, h)
+            h = self.run_blocks(self.layers, h, self.attention_layout(positions))
         else:  # decoding (framework.generate): each block extends its layer's cache
             for layer, layer_cache in zip(self.layers, cache):
                 h = layer(h, layer_cache)

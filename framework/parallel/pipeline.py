@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
+from framework.data.batch import Batch
 
 # schedule name -> (torch class name, stages per rank it takes: 1, ">1", or 2 in a V)
 SCHEDULES: Dict[str, Tuple[str, str]] = {
@@ -123,10 +124,13 @@ class StageModule(nn.Module):
         self.norm = model.norm if last else None
         self.output = model.output if last else None
         self.run_blocks, self.prepare_rotation = model.run_blocks, model.prepare_rotation
+        self.attention_layout = model.attention_layout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: tokens (first stage) or the previous stage's hidden states; `positions`: the
+        micro-batch's, which the schedule hands every stage (document masking)."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        h = self.run_blocks(self.layers.values(), h)
+        h = self.run_blocks(self.layers.values(), h, self.attention_layout(positions))
         return self.output(self.norm(h)) if self.output is not None else h
 
 
@@ -177,20 +181,22 @@ class Pipeline:
         self.schedule = schedule_class(self.stages[0] if one else self.stages, n_microbatches=microbatches,
                                        loss_fn=loss_fn, scale_grads=False)
 
-    def _run(self, method, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _run(self, method, batch: Batch) -> torch.Tensor:
         losses: List[torch.Tensor] = []
         # every rank has the step's tokens, so every stage's blocks read the rotation table (a
-        # stage after the first sees only hidden states, under SP a slice of the sequence)
-        self.prepare_rotation(inputs)
-        args = (inputs,) if self.first else ()
-        method(*args, target=targets if self.last else None, losses=losses if self.last else None)
+        # stage after the first sees only hidden states, under SP a slice of the sequence); the
+        # schedule splits the model's keyword inputs into micro-batches for every stage
+        self.prepare_rotation(batch.inputs)
+        args = (batch.inputs,) if self.first else ()
+        method(*args, target=batch.targets if self.last else None, losses=losses if self.last else None,
+               **batch.model_inputs())
         # only the last stage has the losses (framework.training.trainer.mean_over_dp shares them)
         return (torch.stack([loss.detach().float() for loss in losses]).sum() if self.last
                 else torch.zeros((), device=self.device))
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, batch: Batch) -> torch.Tensor:
         """The sum of the micro-batches' losses as the loss function returned them."""
-        return self._run(self.schedule.step, inputs, targets)
+        return self._run(self.schedule.step, batch)
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._run(self.schedule.eval, inputs, targets)
+    def evaluate(self, batch: Batch) -> torch.Tensor:
+        return self._run(self.schedule.eval, batch)

@@ -7,8 +7,13 @@ Roles: `tp` (parallel.tp_dim), `dp` (parallel.dp_dim) and, when the mesh has a d
 parallel.dp_replicate_dim, the outer DP dim of hsdp; data parallelism spans both DP dims,
 outer first; `pp` (parallel.pp_dim, when the mesh has a dim of that name, outermost): pipeline
 stages; `ep` (parallel.ep_dims, by name): the dims a mixture of experts' experts are spread over
-(framework.parallel.expert_parallel), for now exactly the DP dims. A role whose dim is null or
-absent has size 1.
+(framework.parallel.expert_parallel), for now exactly the DP dims; `cp` (parallel.cp_dim): the
+ranks that split each sequence (framework.parallel.context_parallel), between DP and TP. A role
+whose dim is null or absent has size 1.
+
+The sampler splits the global batch over the DP dims alone (`dp_mesh`); the gradient average,
+the FSDP sharding and the loss's count span the cp dim too (`gradient_mesh`): a CP rank holds
+other tokens of the same weights, as a DP rank does.
 """
 import math
 from dataclasses import dataclass
@@ -30,12 +35,13 @@ class MeshRoles:
     dp_replicate_dim: str
     pp_dim: Optional[str] = None
     ep_dims: Tuple[str, ...] = ()
+    cp_dim: Optional[str] = None
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "MeshRoles":
         p = cfg.parallel
         return cls(tuple(cfg.mesh.shape), tuple(cfg.mesh.dim_names), p.dp_dim, p.tp_dim, p.dp_replicate_dim,
-                   p.get("pp_dim"), tuple(p.get("ep_dims") or ()))
+                   p.get("pp_dim"), tuple(p.get("ep_dims") or ()), p.get("cp_dim"))
 
     def check(self) -> None:
         """The mesh's dims and sizes, and every role on a dim of its own (a dim larger than 1
@@ -69,11 +75,27 @@ class MeshRoles:
                                                        f"conf/mesh/pp2x2x1.yaml: [pp, dp, tp]; its stages exchange "
                                                        f"activations least often, so they may sit farthest apart")
         self.check_ep()
+        self.check_cp()
         for name, size in zip(names, shape):
-            if name not in (dp, tp, replicate, pp) and size > 1:
+            if name not in (dp, tp, replicate, pp, self.cp_dim) and size > 1:
                 raise ConfigError("mesh.shape", shape,
                                   f"dim {name!r} has size {size} but no role; set parallel.dp_dim, "
-                                  f"parallel.tp_dim or parallel.pp_dim to it, or make it size 1")
+                                  f"parallel.tp_dim, parallel.cp_dim or parallel.pp_dim to it, or make it size 1")
+
+    def check_cp(self) -> None:
+        """CP's dim exists, is its own, and sits inside the DP dims (outside TP, whose groups
+        exchange more often): [pp, dp_replicate, dp, cp, tp]; no experts over DP beside it yet."""
+        cp, names = self.cp_dim, list(self.dim_names)
+        if cp not in names:  # (null, or a name the mesh has no dim of: no context parallelism)
+            return
+        if cp in (self.dp_dim, self.tp_dim, self.dp_replicate_dim, self.pp_dim):
+            raise ConfigError("parallel.cp_dim", cp, "CP needs a mesh dim of its own, apart from DP's, TP's and PP's")
+        if any(names.index(d) > names.index(cp) for d in [*self.dp_dims, self.pp_dim] if d in names):
+            raise ConfigError("mesh.dim_names", names, f"the CP dim {cp!r} goes inside the DP and PP dims, e.g. "
+                                                       f"[dp, cp, tp] (conf/mesh/1x2x2cp.yaml)")
+        if self.ep_dims and self.cp_size > 1:
+            raise ConfigError("parallel.ep_dims", list(self.ep_dims), "experts spread over ranks beside a cp dim are "
+                                                                      "not supported yet; use parallel.ep_dims=null")
 
     def check_ep(self) -> None:
         """EP's dims exist and are the DP dims: experts spread where the tokens differ."""
@@ -152,6 +174,22 @@ class MeshRoles:
         return self.size(self.pp_dim)
 
     @property
+    def cp_size(self) -> int:
+        return self.size(self.cp_dim)
+
+    def cp_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
+        return mesh[self.cp_dim] if self.cp_size > 1 else None
+
+    @property
+    def gradient_dims(self) -> List[str]:
+        """The dims whose ranks hold the same weights and other tokens: DP's, then cp."""
+        return self.dp_dims + ([self.cp_dim] if self.cp_size > 1 else [])
+
+    def gradient_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
+        """The gradient_dims' ranks as one 1-D mesh (the DP mesh without cp)."""
+        return self._flattened(mesh, self.gradient_dims)
+
+    @property
     def ep_size(self) -> int:
         return math.prod(self.size(name) for name in self.ep_dims)
 
@@ -169,11 +207,20 @@ class MeshRoles:
         """The DP ranks as one 1-D mesh (None without DP). Two dims are flattened row-major, so
         the coordinate is outer x inner: DP's replica index under any strategy.
         DeviceMesh._flatten is private in torch 2.13; torchtitan flattens its DP dims the same way."""
-        dims = self.dp_dims
+        return self._flattened(mesh, self.dp_dims)
+
+    @staticmethod
+    def _flattened(mesh: DeviceMesh, dims: List[str]) -> Optional[DeviceMesh]:
         if not dims:
             return None
         return mesh[dims[0]] if len(dims) == 1 else mesh[tuple(dims)]._flatten()
 
     def sharding_mesh(self, mesh: DeviceMesh, strategy: str) -> Optional[DeviceMesh]:
-        """What fully_shard shards over: hsdp the 2-D (replicate, shard) mesh, fsdp every DP rank."""
-        return mesh[tuple(self.dp_dims)] if strategy == "hsdp" else self.dp_mesh(mesh)
+        """What fully_shard shards over: hsdp the 2-D (replicate, shard) mesh, the shard dim
+        with cp flattened into it; fsdp every rank of gradient_mesh."""
+        if strategy != "hsdp":
+            return self.gradient_mesh(mesh)
+        if self.cp_size == 1:
+            return mesh[tuple(self.dp_dims)]
+        self._flattened(mesh, [self.dp_dim, self.cp_dim])
+        return mesh[(self.dp_replicate_dim, f"{self.dp_dim}_{self.cp_dim}")]

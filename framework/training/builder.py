@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset
 
 from framework.checkpoint.manager import Checkpointer, restart_count
 from framework.config.schema import STAGES
@@ -22,6 +23,7 @@ from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
+from framework.parallel.context_parallel import SequenceChunks, apply_cp
 from framework.parallel.expert_parallel import apply_ep, update_biases_after_each_step
 from framework.parallel.tensor_parallel import apply_tp
 from framework.training.schedule import build_scheduler
@@ -70,11 +72,15 @@ def stage_distributed(run: Run) -> None:
 def stage_mesh(run: Run) -> None:
     cfg = run.cfg
     run.mesh = build_mesh(cfg.mesh.device_type, cfg.mesh.shape, cfg.mesh.dim_names)
-    run.dp_mesh = run.roles.dp_mesh(run.mesh)
+    run.dp_mesh = run.roles.gradient_mesh(run.mesh)
     run.dp = coordinates_on(run.dp_mesh)
+    run.samples = coordinates_on(run.roles.dp_mesh(run.mesh))
     run.tp = coordinates_on(run.roles.tp_mesh(run.mesh))
     if run.rank == 0:
-        log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, {"ep": cfg.parallel.ep_dims}))
+        spans = {"ep": cfg.parallel.ep_dims}
+        if run.roles.cp_size > 1:
+            spans["dp+cp"] = run.roles.gradient_dims
+        log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, spans))
 
 
 def stage_model(run: Run) -> None:
@@ -120,6 +126,11 @@ def stage_expert_parallel(run: Run) -> None:
     apply_ep(run.module, run.roles.ep_mesh(run.mesh), run.dp_group)
 
 
+def stage_context_parallel(run: Run) -> None:
+    """With a cp dim: attention gathers the keys and values of every CP rank's chunks."""
+    apply_cp(run.module, run.roles.cp_mesh(run.mesh))
+
+
 def stage_fully_shard(run: Run) -> None:
     """trainer.compile's blocks first (torchtitan's order: TP, compile, FSDP2); then fsdp / hsdp:
     FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh). A deferred
@@ -136,20 +147,29 @@ def stage_fully_shard(run: Run) -> None:
         materialize(run.module, run.cfg.mesh.device_type)
 
 
+def dataset_of(run: Run, **split) -> Dataset:
+    """The configured dataset; with a cp dim each sample cut to this rank's chunks."""
+    dataset = instantiate(run.cfg.data.dataset, **split)
+    cp_mesh = run.roles.cp_mesh(run.mesh)
+    return dataset if cp_mesh is None else SequenceChunks(dataset, cp_mesh.get_local_rank(), cp_mesh.size())
+
+
 def stage_sampler(run: Run) -> None:
+    """Over the DP replicas alone: the CP ranks of a replica read the same samples."""
     s = run.cfg.sampler
-    run.dataset = instantiate(run.cfg.data.dataset)
-    run.sampler = build_sampler(run.dataset, run.dp["size"], run.dp["rank"], s.shuffle, s.seed, s.drop_last)
+    run.dataset = dataset_of(run)
+    run.sampler = build_sampler(run.dataset, run.samples["size"], run.samples["rank"], s.shuffle, s.seed, s.drop_last)
 
 
 def stage_dataloader(run: Run) -> None:
     """The training loader, and with trainer.eval_every one over the dataset's `val` split
     (in order, split across DP replicas the same way)."""
-    per_replica = run.cfg.data.global_batch_size // run.dp["size"]
+    replicas = run.samples["size"]
+    per_replica = run.cfg.data.global_batch_size // replicas
     run.dataloader = build_dataloader(run.dataset, run.sampler, per_replica, run.cfg.data.num_workers)
     if run.cfg.trainer.eval_every:
-        val = instantiate(run.cfg.data.dataset, split="val")
-        val_sampler = build_sampler(val, run.dp["size"], run.dp["rank"], shuffle=False, seed=0, drop_last=True)
+        val = dataset_of(run, split="val")
+        val_sampler = build_sampler(val, replicas, run.samples["rank"], shuffle=False, seed=0, drop_last=True)
         run.val_dataloader = build_dataloader(val, val_sampler, per_replica, run.cfg.data.num_workers)
 
 
@@ -207,6 +227,7 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
     "data_parallel": stage_data_parallel,
     "tensor_parallel": stage_tensor_parallel,
     "expert_parallel": stage_expert_parallel,
+    "context_parallel": stage_context_parallel,
     "fully_shard": stage_fully_shard,
     "sampler": stage_sampler,
     "dataloader": stage_dataloader,

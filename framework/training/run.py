@@ -16,8 +16,11 @@ class Run:
     out_dir: str
     rank: int = 0
     mesh: Any = None
-    dp_mesh: Any = None  # the DP ranks as one 1-D mesh (two DP dims flattened); None without DP
+    # the ranks that hold the same weights and other tokens, as one 1-D mesh: the DP dims (two
+    # flattened) and a cp dim (MeshRoles.gradient_mesh); gradients average and losses count over it
+    dp_mesh: Any = None
     dp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on dp_mesh
+    samples: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} of the DP replicas the sampler serves
     tp: Dict[str, int] = field(default_factory=dict)
     pp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on the pp dim, with pipeline parallelism
     stages: List[Tuple[int, Any]] = field(default_factory=list)  # this rank's (stage index, StageModule)

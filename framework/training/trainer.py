@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from framework.data.batch import Batch
 from framework.data.loader import batches
 from framework.models.hf_export import save_hf_sharded
 from framework.parallel.data_parallel import DataParallel
@@ -145,12 +146,12 @@ class Trainer:
             contexts.enter_context(loss_parallel())
         return contexts
 
-    def _pipeline_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _pipeline_forward_backward(self, batch: Batch) -> torch.Tensor:
         """The schedule's micro-batches (parallel.pp_microbatches) through the stages, then the
         replicate strategy's gradient sync, once. Returns what forward_backward does."""
         run = self.run
         with self.pipeline_context():
-            total = self.pipeline.step(inputs, targets)
+            total = self.pipeline.step(batch)
         if isinstance(run.model, DataParallel):
             run.model.sync_gradients()
         return total
@@ -166,16 +167,16 @@ class Trainer:
             self.terms[name] = self.terms.get(name, 0.0) + value
         return loss
 
-    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def compute_loss(self, batch: Batch) -> torch.Tensor:
         """Forward and micro_batch_loss, under autocast with trainer.mixed_precision=bf16 (fp32
         master weights: autocast casts per op, and its fp32 ops, the loss among them, stay fp32);
         logits the plan leaves sharded on the vocabulary (output_layouts shard(-1),
         use_local_output false) get torch's loss_parallel instead of a gather."""
         with self._autocast():
-            logits = self.run.model(inputs)
+            logits = self.run.model(batch.inputs, **batch.model_inputs())
             sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
             with loss_parallel() if sharded else nullcontext():
-                return self.micro_batch_loss(logits, targets)
+                return self.micro_batch_loss(logits, batch.targets)
 
     def _autocast(self):
         """bf16 autocast with trainer.mixed_precision=bf16 under replicate; fsdp / hsdp: FSDP2's
@@ -184,21 +185,20 @@ class Trainer:
         bf16 = cfg.trainer.mixed_precision == "bf16" and cfg.parallel.dp_strategy == "replicate"
         return torch.autocast(cfg.mesh.device_type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Zero the gradients, then forward, loss and backward (gradients come out final), per
         micro-batch (data.micro_batch_size; under PP the schedule's): each loss is its share of
         the step's (micro_batch_loss), so the gradients add up to the global batch's, and the DP
         strategy finalizes them (TP partials, DP average) once, after the last. Returns the
         replica's share of the global-batch loss, whose mean over DP is the global-batch loss."""
         self.run.optimizer.zero_grad(set_to_none=True)
-        self.denominator, self.tokens, self.terms = self.units_per_replica(targets), float(inputs.numel()), {}
+        self.denominator, self.tokens, self.terms = self.units_per_replica(batch.targets), float(batch.inputs.numel()), {}
         if self.pipeline is not None:
-            return self._pipeline_forward_backward(inputs, targets)
-        size = self.cfg.data.micro_batch_size or len(inputs)
-        chunks = list(zip(inputs.split(size), targets.split(size)))
+            return self._pipeline_forward_backward(batch)
+        chunks = batch.split(self.cfg.data.micro_batch_size or len(batch.inputs))
         total = None
-        for i, (micro_inputs, micro_targets) in enumerate(chunks):
-            loss = self.compute_loss(micro_inputs, micro_targets)
+        for i, micro_batch in enumerate(chunks):
+            loss = self.compute_loss(micro_batch)
             with nullcontext() if i == len(chunks) - 1 else paused_gradient_sync(self.run.model):
                 with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
                     loss.backward()
@@ -219,14 +219,14 @@ class Trainer:
             return float(targets.numel())
         return max(1.0, count.item()) / self.run.dp["size"]
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, measure_norm: bool,
+    def train_step(self, batch: Batch, measure_norm: bool,
                    on_gradients: Callable[[], None] = lambda: None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One optimizer step: forward_backward, `on_gradients` (verify reads them before
         clipping spreads one wrong gradient over all), trainer.grad_clip's clipping (or, when
         `measure_norm`, the global gradient norm alone), the optimizer and the LR schedule.
         Returns the replica batch's loss and the norm (None when neither was asked for)."""
         run = self.run
-        loss = self.forward_backward(inputs, targets)
+        loss = self.forward_backward(batch)
         on_gradients()
         clip = self.cfg.trainer.grad_clip
         if clip is not None:
@@ -247,13 +247,13 @@ class Trainer:
         sums, counts = [], []
         self.denominator, self.tokens = 1.0, None  # plain sums (divided by the count below), no auxiliary terms
         for _ in range(min(self.cfg.trainer.eval_batches, len(run.val_dataloader))):
-            inputs, targets = (t.to(self.device) for t in next(data))
+            batch = Batch.of(next(data), self.device)
             if self.pipeline is not None:  # forward only through the stages
                 with self.pipeline_context():
-                    sums.append(self.pipeline.evaluate(inputs, targets))
+                    sums.append(self.pipeline.evaluate(batch))
             else:
-                sums.append(local_value(self.compute_loss(inputs, targets)))
-            counts.append(self.objective.count(targets).float())
+                sums.append(local_value(self.compute_loss(batch)))
+            counts.append(self.objective.count(batch.targets).float())
         run.model.train()
         # batches' losses and counts summed here, then averaged over DP: their ratio is the global one
         total, count = mean_over_dp(run, torch.stack([torch.stack(sums).sum(), torch.stack(counts).sum()]))
@@ -284,9 +284,9 @@ class Trainer:
                 state.step = step
                 logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
                 self.watchdog.stage(f"step {step}: data, forward and backward{self._pipeline_where()}")
-                inputs, targets = (t.to(self.device) for t in next(data))
+                batch = Batch.of(next(data), self.device)
                 lr = run.optimizer.param_groups[0]["lr"]
-                loss, grad_norm = self.train_step(inputs, targets, logging_step, on_gradients=lambda: self.watchdog.stage(
+                loss, grad_norm = self.train_step(batch, logging_step, on_gradients=lambda: self.watchdog.stage(
                     f"step {step}: gradient norm, optimizer step"))
                 self.pending.append(loss)
                 stopped = interrupt.agreed()

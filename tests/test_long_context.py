@@ -1,0 +1,219 @@
+"""Long context: document-masked packing (framework.models.documents) against each document run
+alone, by the framework's LM and by transformers; context parallelism
+(framework.parallel.context_parallel) against one process on every layout it composes with."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
+from framework.data.tokens import TokenDataset
+from framework.inspect import count_collectives
+from framework.launch.handoff import rank_config
+from framework.launch.local import launch_local, spawn_ranks
+from framework.models.transformer import Transformer
+from framework.parallel.context_parallel import chunk_indices
+from tests.conftest import TINY_LM, compose_config
+from tests.reference import max_relative_error, reference_training
+from tests.workers import one_step_gradients
+
+# The tiny LM on the packed prepared text, documents masked; SGD at a constant rate, no clipping,
+# so any gradient error shows in the loss.
+PACKED = ["recipe=lm_files", "model=lm_tiny", "model.vocab_size=256", "plan=none", "data.dataset.seq_len=32",
+          "data.global_batch_size=8", "trainer.progress_bar=false", "logger.tensorboard=false", "optim=sgd",
+          "~optim.betas", "optim.lr=0.5", "trainer.warmup_steps=0", "trainer.lr_decay=constant",
+          "trainer.grad_clip=null", "trainer.eval_every=null", "trainer.max_steps=8", "trainer.log_every=4"]
+
+
+def documents_of(row_positions: torch.Tensor):
+    """(start, end) of each document in a window, from its tokens' positions."""
+    starts = (row_positions == 0).nonzero().flatten().tolist()
+    return list(zip(starts, starts[1:] + [len(row_positions)]))
+
+
+def logits_document_by_document(model_logits, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each window's logits made by running each of its documents alone, as its own sequence."""
+    rows = []
+    for row, row_positions in zip(inputs, positions):
+        rows.append(torch.cat([model_logits(row[None, a:b])[0] for a, b in documents_of(row_positions)]))
+    return torch.stack(rows)
+
+
+def test_a_packed_window_of_three_documents_is_the_three_documents_run_one_by_one():
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64)
+    lengths = [5, 7, 4]
+    window = torch.randint(0, 64, (1, 17))
+    inputs, targets = window[:, :-1], window[:, 1:]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = model(inputs, positions=positions)
+    F.cross_entropy(packed.flatten(0, 1), targets.flatten(), reduction="sum").backward()
+    packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    alone = logits_document_by_document(model, inputs, positions)
+    F.cross_entropy(alone.flatten(0, 1), targets.flatten(), reduction="sum").backward()
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert (model(inputs) - alone).abs().max() > 1e-2  # plain causal attention sees across documents
+
+
+def test_a_tokens_loss_does_not_change_when_the_document_before_it_does():
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
+    window = torch.randint(0, 64, (1, 16))
+    other = window.clone()
+    other[0, :6] = torch.randint(0, 64, (6,))  # the first document, other text of the same length
+    positions = torch.cat([torch.arange(6), torch.arange(10)])[None]
+    with torch.no_grad():
+        first, second = model(window, positions=positions), model(other, positions=positions)
+    torch.testing.assert_close(first[:, 6:], second[:, 6:], rtol=1e-5, atol=1e-6)
+    assert (first[:, :6] - second[:, :6]).abs().max() > 1e-3
+
+
+def test_packed_samples_carry_their_tokens_positions_in_their_documents(prepared):
+    data = TokenDataset(prepared["packed"], seq_len=32, document_masking=True)
+    starts = np.load(f"{prepared['packed']}/doc_offsets.npy")
+    for index in (0, 1, 7):
+        inputs, targets, positions = data[index]
+        begin = index * 32
+        for i, position in enumerate(positions.tolist()):
+            first = max(begin, int(starts[starts <= begin + i].max()))  # its document's first token in the window
+            assert position == begin + i - first
+        assert torch.equal(targets[:-1], inputs[1:])
+    assert len(TokenDataset(prepared["packed"], seq_len=32)[0]) == 2  # without masking: inputs and targets
+
+
+def test_hf_llama_on_a_packed_window_equals_transformers_on_each_document_alone(hf_dirs):
+    pytest.importorskip("transformers")
+    from framework.models.hf import hf_name
+    from tests.hf_models import reference
+    from tests.test_hf import loaded
+
+    path = hf_dirs["llama"]
+    ours, theirs = loaded(path), reference(path)
+    torch.manual_seed(0)
+    window = torch.randint(0, 256, (2, 25))
+    inputs, targets = window[:, :-1], window[:, 1:]
+    positions = torch.stack([torch.cat([torch.arange(9), torch.arange(15)]),
+                             torch.cat([torch.arange(4), torch.arange(12), torch.arange(8)])])
+    loss = F.cross_entropy(ours(inputs, positions=positions).flatten(0, 1), targets.flatten())
+    loss.backward()
+    ref_loss = F.cross_entropy(logits_document_by_document(lambda t: theirs(t).logits, inputs, positions).flatten(0, 1),
+                               targets.flatten())
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    ref_grads = {name: p.grad for name, p in theirs.named_parameters()}
+    for name, p in ours.named_parameters():
+        ref = ref_grads[hf_name(name)]
+        assert float((p.grad - ref).abs().max() / ref.abs().max()) <= 1e-5, name
+
+
+def test_each_cp_rank_holds_a_head_and_a_tail_chunk():
+    assert chunk_indices(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert chunk_indices(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    every = torch.cat([chunk_indices(32, r, 4) for r in range(4)])
+    assert sorted(every.tolist()) == list(range(32))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overrides", [
+    ["mesh=2x1"],                                                        # DP
+    ["mesh=1x2", "plan=lm_tp_sp"],                                       # TP + SP
+    ["mesh=2x1", "parallel.dp_strategy=fsdp"],                           # FSDP
+    ["mesh=pp2x1x1"],                                                    # PP: positions to every stage
+    ["mesh=1x2x1cp"],                                                    # CP
+    ["mesh=1x4x1cp"],
+    ["mesh=1x2x2cp", "plan=lm_tp_sp"],                                   # CP x TP + SP
+    ["mesh=2x2x1cp", "parallel.dp_strategy=fsdp"],                       # CP ranks join FSDP's shards
+    ["mesh=pp2x1x2x1cp"],                                                # PP x CP
+    ["mesh=1x2x1cp", "data.micro_batch_size=2", "model.activation_checkpointing=full"],
+], ids=lambda o: " ".join(o))
+def test_every_layout_trains_the_one_process_model_on_document_masked_data(overrides, prepared, tmp_path):
+    reference = reference_training(compose_config([*PACKED, f"data.path={prepared['packed']}", "mesh=1x1"]))
+    summary = launch_local(compose_config([*PACKED, f"data.path={prepared['packed']}", *overrides]), str(tmp_path))
+    error = max_relative_error(summary["losses"], reference["losses"])
+    print(f"document masking, {' '.join(overrides)}: max relative loss error vs one process {error:.2e}")
+    assert error < 1e-5
+
+
+def gradients_against_transformers_by_document(path: str, result: dict, cfg) -> float:
+    """The largest relative gradient error of a sharded run's first step against transformers run
+    on each document of the first global batch alone; asserts the loss."""
+    from framework.models.hf import hf_name
+    from tests.hf_models import reference
+    from tests.test_hf import first_global_batch
+
+    inputs, targets, positions = first_global_batch(cfg)
+    theirs = reference(path)
+    logits = logits_document_by_document(lambda t: theirs(t).logits, inputs, positions)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    assert abs(result["loss"] - float(loss)) <= 1e-5 * float(loss)
+    grads = {name: p.grad for name, p in theirs.named_parameters()}
+    return max(float((g - grads[hf_name(n)]).abs().max() / grads[hf_name(n)].abs().max())
+               for n, g in result["grads"].items())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh,overrides", [("1x1", []), ("1x2x1cp", []), ("1x2x2cp", ["plan=lm_tp_sp"])])
+def test_hf_llama_under_context_parallelism_equals_transformers_on_each_document(mesh, overrides, hf_dirs, tmp_path):
+    path = hf_dirs["llama"]
+    cfg = compose_config(["recipe=finetune_hf", f"model.path={path}", f"data.path={hf_dirs['tokens']}",
+                          "data.dataset.seq_len=32", "data.global_batch_size=4", "trainer.mixed_precision=null",
+                          "parallel.dp_strategy=replicate", f"mesh={mesh}", *overrides])
+    validate(cfg)
+    result = spawn_ranks(int(np.prod(cfg.mesh.shape)), one_step_gradients, rank_config(cfg), str(tmp_path))[0]
+    error = gradients_against_transformers_by_document(path, result, cfg)
+    print(f"llama {mesh} {overrides}: gradients {error:.1e}")
+    assert error <= 1e-5
+
+
+@pytest.mark.timeout(400)
+def test_a_checkpoint_saved_on_two_cp_ranks_resumes_on_one_on_four_and_with_tp(prepared, tmp_path):
+    base = [*PACKED, f"data.path={prepared['packed']}"]
+    reference = reference_training(compose_config([*base, "mesh=1x1"]))
+    saved = tmp_path / "cp2"
+    launch_local(compose_config([*base, "mesh=1x2x1cp", "trainer.max_steps=4", "checkpoint.every=4"]), str(saved))
+    for mesh in (["mesh=1x1"], ["mesh=1x4x1cp"], ["mesh=1x2x2cp", "plan=lm_tp_sp"]):
+        resumed = launch_local(compose_config([*base, *mesh, f"checkpoint.resume={saved / 'checkpoints' / 'step_4'}"]),
+                               str(tmp_path / mesh[0]))
+        assert max_relative_error(resumed["losses"], reference["losses"]) < 1e-5, mesh
+
+
+@pytest.mark.timeout(240)
+def test_a_cp_step_gathers_keys_and_values_once_per_layer_and_scatters_their_gradients_back(prepared):
+    """Per step on a 2-layer model: forward gathers each layer's keys and values (2 x 2) and the
+    tokens' document starts once (1); backward reduce-scatters the key and value gradients (2 x 2);
+    DataParallel all-reduces the gradients over the 2 CP ranks in one bucket (1)."""
+    counts = count_collectives([*PACKED, f"data.path={prepared['packed']}", "mesh=1x2x1cp"])
+    for rank_counts in counts.values():
+        gathers = sum(n for op, n in rank_counts.items() if "all_gather" in op)
+        scatters = sum(n for op, n in rank_counts.items() if "reduce_scatter" in op)
+        assert (gathers, scatters) == (5, 4), rank_counts
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["mesh=1x2x1cp", "data.dataset.seq_len=30"],
+     r"data.dataset.seq_len=30: must divide into 2 x cp = 4 equal chunks .*; use a multiple of 4"),
+    (["mesh=1x2x2cp", "plan=lm_tp_sp", "data.dataset.seq_len=36"],
+     r"data.dataset.seq_len=36: must divide into 2 x cp = 4 equal chunks \(context parallelism's head-tail "
+     r"layout, each rank's two a multiple of the TP size 2\); use a multiple of 8"),
+    (["mesh=1x2x1cp", "mesh.dim_names=[cp,dp,tp]"], r"mesh.dim_names=\['cp', 'dp', 'tp'\]: the CP dim 'cp' goes "
+                                                    r"inside the DP and PP dims"),
+    (["data=byte_corpus", "data.document_masking=true"],
+     r"data.document_masking=True: framework.data.ByteCorpus has no document boundaries"),
+    (["mesh=1x2x1cp", "model=lm_moe_tiny"], r"parallel.cp_dim='cp': context parallelism with a mixture of experts"),
+])
+def test_bad_long_context_configs_are_refused_naming_the_key(overrides, message, prepared):
+    cfg = compose_config([*PACKED, f"data.path={prepared['packed']}", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_a_cp_dim_with_a_model_without_attention_is_refused():
+    cfg = compose_config(["recipe=seed_ddp_tp", "mesh=1x2x1cp", "plan=none"])
+    with pytest.raises(ConfigError, match=r"parallel.cp_dim='cp': context parallelism splits the sequences of a "
+                                          r"model with attention \(framework.models.Transformer\); SeedMLP has none"):
+        validate(cfg)
