@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test test-integration bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ train: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# the longer multi-process cases: more layouts of what make test proves (CI runs both)
+test-integration: setup
+	$(PY) -m pytest -q -m integration
 
 bench: setup
 	$(PY) bench/run.py

@@ -33,6 +33,7 @@ from framework.config.validate import check_model_and_plan, validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
 from framework.parallel.plan import matching_modules
+from framework.parallel.roles import MeshRoles
 from framework.training.builder import build_and_run
 from framework.training.run import Run
 from framework.training.trainer import Trainer, local_value, mean_over_dp
@@ -69,9 +70,10 @@ def build_one_process(cfg: DictConfig, out_dir: str) -> Run:
     """The reference run in this process, with no process group: no DP or TP roles, so the DP
     wrapper syncs nothing, the plan is not applied and nothing is sharded; the same seeded model,
     data and optimizer."""
-    cfg.parallel.dp_dim = cfg.parallel.tp_dim = cfg.parallel.pp_dim = None
+    cfg.parallel.dp_dim = cfg.parallel.tp_dim = cfg.parallel.pp_dim = cfg.parallel.cp_dim = None
     cfg.parallel.dp_strategy = "replicate"
-    run = Run(cfg=cfg, out_dir=out_dir, dp={"size": 1, "rank": 0}, tp={"size": 1, "rank": 0})
+    one = {"size": 1, "rank": 0}
+    run = Run(cfg=cfg, out_dir=out_dir, dp=one, samples=one, tp=one)
     return build_and_run(cfg, out_dir, start="model", through="optimizer", run=run)
 
 
@@ -232,6 +234,11 @@ def verify(cfg: DictConfig) -> Tuple[bool, str, List[dict]]:
     validate(cfg)
     if cfg.verify.steps < 1:
         raise ConfigError("verify.steps", cfg.verify.steps, "must be >= 1")
+    if MeshRoles.from_config(cfg).cp_size > 1:
+        raise ConfigError("parallel.cp_dim", cfg.parallel.cp_dim,
+                          "verify compares each module's whole-sequence input and output with one process, and "
+                          "under context parallelism a rank holds chunks of the sequence (not supported yet); "
+                          "verify the mesh without its cp dim (tests/test_long_context.py proves cp's parity)")
     if cfg.trainer.mixed_precision is not None and cfg.parallel.dp_strategy != "replicate":
         raise ConfigError("trainer.mixed_precision", cfg.trainer.mixed_precision,
                           "verify's one-process reference casts with torch.autocast, and parallel.dp_strategy "

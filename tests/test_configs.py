@@ -27,7 +27,9 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
                                  ("plan", "lm_tp_sp_loss_parallel"), ("data", "byte_corpus")]},
           ("model", "lm_moe_tiny"): ["recipe=lm_moe", "model=lm_moe_tiny"], ("model", "lm_moe_small"): ["recipe=lm_moe"],
           ("plan", "lm_moe_tp"): ["recipe=lm_moe"],
-          **{("mesh", name): ["recipe=lm_3d", f"mesh={name}"] for name in ("pp2x1x1", "pp2x2x1", "pp2x1x2", "pp2x2x2")},
+          **{("mesh", name): ["recipe=lm_3d", f"mesh={name}"] for name in ("pp2x1x1", "pp2x2x1", "pp2x1x2", "pp2x2x2",
+                                                                             "pp2x1x2x1cp")},
+          **{("mesh", name): ["recipe=lm_2d", f"mesh={name}"] for name in ("1x2x1cp", "1x4x1cp", "1x2x2cp", "2x2x1cp")},
           ("data", "tokens"): ["recipe=lm_files"], ("data", "instructions"): ["recipe=lm_files", "data=instructions"]}
 # Configs that read prepared token data: which kind (the `prepared` fixture's).
 PREPARED = {("data", "tokens"): "packed", ("data", "instructions"): "instruction", ("recipe", "lm_files"): "packed"}

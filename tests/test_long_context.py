@@ -24,6 +24,7 @@ PACKED = ["recipe=lm_files", "model=lm_tiny", "model.vocab_size=256", "plan=none
           "data.global_batch_size=8", "trainer.progress_bar=false", "logger.tensorboard=false", "optim=sgd",
           "~optim.betas", "optim.lr=0.5", "trainer.warmup_steps=0", "trainer.lr_decay=constant",
           "trainer.grad_clip=null", "trainer.eval_every=null", "trainer.max_steps=8", "trainer.log_every=4"]
+LONGER = pytest.mark.integration  # more layouts of what the default suite proves: make test-integration
 
 
 def documents_of(row_positions: torch.Tensor):
@@ -119,16 +120,16 @@ def test_each_cp_rank_holds_a_head_and_a_tail_chunk():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("overrides", [
-    ["mesh=2x1"],                                                        # DP
+    pytest.param(["mesh=2x1"], marks=LONGER),                            # DP
     ["mesh=1x2", "plan=lm_tp_sp"],                                       # TP + SP
-    ["mesh=2x1", "parallel.dp_strategy=fsdp"],                           # FSDP
+    pytest.param(["mesh=2x1", "parallel.dp_strategy=fsdp"], marks=LONGER),   # FSDP
     ["mesh=pp2x1x1"],                                                    # PP: positions to every stage
     ["mesh=1x2x1cp"],                                                    # CP
-    ["mesh=1x4x1cp"],
+    pytest.param(["mesh=1x4x1cp"], marks=LONGER),
     ["mesh=1x2x2cp", "plan=lm_tp_sp"],                                   # CP x TP + SP
-    ["mesh=2x2x1cp", "parallel.dp_strategy=fsdp"],                       # CP ranks join FSDP's shards
-    ["mesh=pp2x1x2x1cp"],                                                # PP x CP
-    ["mesh=1x2x1cp", "data.micro_batch_size=2", "model.activation_checkpointing=full"],
+    pytest.param(["mesh=2x2x1cp", "parallel.dp_strategy=fsdp"], marks=LONGER),  # CP ranks join FSDP's shards
+    pytest.param(["mesh=pp2x1x2x1cp"], marks=LONGER),                    # PP x CP
+    pytest.param(["mesh=1x2x1cp", "data.micro_batch_size=2", "model.activation_checkpointing=full"], marks=LONGER),
 ], ids=lambda o: " ".join(o))
 def test_every_layout_trains_the_one_process_model_on_document_masked_data(overrides, prepared, tmp_path):
     reference = reference_training(compose_config([*PACKED, f"data.path={prepared['packed']}", "mesh=1x1"]))
@@ -157,7 +158,8 @@ def gradients_against_transformers_by_document(path: str, result: dict, cfg) -> 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mesh,overrides", [("1x1", []), ("1x2x1cp", []), ("1x2x2cp", ["plan=lm_tp_sp"])])
+@pytest.mark.parametrize("mesh,overrides", [pytest.param("1x1", [], marks=LONGER), ("1x2x1cp", []),
+                                            pytest.param("1x2x2cp", ["plan=lm_tp_sp"], marks=LONGER)])
 def test_hf_llama_under_context_parallelism_equals_transformers_on_each_document(mesh, overrides, hf_dirs, tmp_path):
     path = hf_dirs["llama"]
     cfg = compose_config(["recipe=finetune_hf", f"model.path={path}", f"data.path={hf_dirs['tokens']}",
@@ -170,6 +172,7 @@ def test_hf_llama_under_context_parallelism_equals_transformers_on_each_document
     assert error <= 1e-5
 
 
+@LONGER
 @pytest.mark.timeout(400)
 def test_a_checkpoint_saved_on_two_cp_ranks_resumes_on_one_on_four_and_with_tp(prepared, tmp_path):
     base = [*PACKED, f"data.path={prepared['packed']}"]

@@ -12,8 +12,8 @@ BAD_CONFIGS = [
     (["mesh.shape=[0,2]"], r"mesh.shape=\[0, 2\]: dim 'dp' has size 0; every size must be >= 1"),
     (["parallel.dp_dim=data"], r"parallel.dp_dim='data': name one of the mesh dims \['dp', 'tp'\], or null"),
     (["parallel.tp_dim=model"], r"parallel.tp_dim='model': name one of the mesh dims"),
-    (["mesh.shape=[2,2,2]", "mesh.dim_names=[dp,tp,ep]"], r"dim 'ep' has size 2 but no role; set parallel.dp_dim, parallel.tp_dim or "
-                                                          r"parallel.pp_dim to it"),
+    (["mesh.shape=[2,2,2]", "mesh.dim_names=[dp,tp,ep]"], r"dim 'ep' has size 2 but no role; set parallel.dp_dim, parallel.tp_dim, "
+                                                          r"parallel.cp_dim or parallel.pp_dim to it"),
     (["mesh.dim_names=[tp,dp]"],
      r"mesh.dim_names=\['tp', 'dp'\]: the TP dim 'tp' must be innermost .* parallel.enforce_tp_innermost=false"),
     (["mesh.ranks_per_host=1"],

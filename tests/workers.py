@@ -173,7 +173,7 @@ class GlobalHeadsAttention(Attention):
     is the same model; under TP each rank holds n_heads / TP heads' channels, so it splits them
     into n_heads heads of the wrong size, and trains a different model without any error."""
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, layout=None) -> torch.Tensor:  # byte data: no layout
         batch, seq = x.shape[0], x.shape[1]
         q, k, v = (w(x).view(batch, seq, self.n_heads, -1) for w in (self.wq, self.wk, self.wv))
         freqs = rotary_frequencies(q.shape[-1], 10000.0)  # for the (wrong) head size it reshaped to

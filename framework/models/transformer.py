@@ -53,9 +53,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool =
     (seq, head_dim/2), or per sequence (batch, seq, head_dim/2), are given. Pairs are (2i, 2i+1),
     or with `halves` (i, i + head_dim/2), Hugging Face's layout, whose checkpoints' q/k weights
     are ordered for it."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    if cos.dim() == 3:
-        cos, sin = cos[None], sin[None]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # over the heads (and, if not per sequence, the batch)
     if halves:
         first, second = x.float().chunk(2, dim=-1)
         return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)

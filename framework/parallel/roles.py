@@ -17,7 +17,7 @@ other tokens of the same weights, as a DP rank does.
 """
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
@@ -184,6 +184,14 @@ class MeshRoles:
     def gradient_dims(self) -> List[str]:
         """The dims whose ranks hold the same weights and other tokens: DP's, then cp."""
         return self.dp_dims + ([self.cp_dim] if self.cp_size > 1 else [])
+
+    def spans(self) -> Dict[str, List[str]]:
+        """The roles over several dims, for the rank-layout table: EP's, and with cp the
+        gradient group (DP and cp)."""
+        spans = {"ep": list(self.ep_dims)}
+        if self.cp_size > 1:
+            spans["dp+cp"] = self.gradient_dims
+        return spans
 
     def gradient_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
         """The gradient_dims' ranks as one 1-D mesh (the DP mesh without cp)."""

@@ -77,10 +77,7 @@ def stage_mesh(run: Run) -> None:
     run.samples = coordinates_on(run.roles.dp_mesh(run.mesh))
     run.tp = coordinates_on(run.roles.tp_mesh(run.mesh))
     if run.rank == 0:
-        spans = {"ep": cfg.parallel.ep_dims}
-        if run.roles.cp_size > 1:
-            spans["dp+cp"] = run.roles.gradient_dims
-        log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, spans))
+        log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, run.roles.spans()))
 
 
 def stage_model(run: Run) -> None:

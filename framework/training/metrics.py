@@ -61,7 +61,7 @@ class Metrics:
             # purge_step hides events a crashed attempt logged past the checkpoint: no duplicate points.
             self.tb = TensorBoardLogger(os.path.join(run.out_dir, "tb"), purge_step=first if run.resumed else None)
             self.tb.log_text("config", OmegaConf.to_yaml(cfg))
-            self.tb.log_text("mesh_layout", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, {"ep": cfg.parallel.ep_dims}))
+            self.tb.log_text("mesh_layout", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, run.roles.spans()))
         self.progress = tqdm(total=cfg.trainer.max_steps, initial=first - 1, desc="train",
                              disable=not (run.rank == 0 and cfg.trainer.progress_bar))
         self.global_batch = cfg.data.global_batch_size
