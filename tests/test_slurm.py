@@ -50,6 +50,7 @@ def test_a_sweep_runs_each_mesh_across_both_nodes_and_trains_what_a_self_launch_
     assert "2 jobs, 0 failed" in result.stdout
 
 
+@pytest.mark.integration  # (its failing job waits out Slurm's kill timeout: the longest test)
 def test_a_job_whose_rank_fails_is_reported_and_the_other_job_finishes(cluster, tmp_path):
     sweep = tmp_path / "sweep"
     result = run_cli([*SLURM, "mesh=2x2", *FAST, TEST_MODELS, "model._target_=tests.workers.FailOnRank",

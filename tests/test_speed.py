@@ -23,13 +23,13 @@ def losses(out) -> list:
 
 
 @pytest.mark.parametrize("mesh,plan,extra", [
-    ("1x1", "none", []),
+    pytest.param("1x1", "none", [], marks=pytest.mark.integration),
     ("1x2", "lm_tp_sp", []),
     # with loss_parallel, activation checkpointing and micro-batches together
     ("1x2", "lm_tp_sp_loss_parallel", ["model.activation_checkpointing=full", "data.micro_batch_size=2"]),
-    ("2x2", "lm_tp_sp", []),
-    ("2x1", "none", ["parallel.dp_strategy=fsdp"]),
-    ("pp2x1x1", "none", ["model.n_layers=4"]),  # each stage's blocks compiled
+    pytest.param("2x2", "lm_tp_sp", [], marks=pytest.mark.integration),
+    pytest.param("2x1", "none", ["parallel.dp_strategy=fsdp"], marks=pytest.mark.integration),
+    pytest.param("pp2x1x1", "none", ["model.n_layers=4"], marks=pytest.mark.integration),  # each stage's blocks compiled
 ])
 def test_compiled_blocks_train_the_eager_model_and_their_checkpoint_resumes_eager(tmp_path, mesh, plan, extra):
     base = [*TINY_LM, *STEPS, f"mesh={mesh}", f"plan={plan}", *extra]

@@ -111,6 +111,3 @@ def check_context_parallel(cfg, model: nn.Module, cp_size: int, tp_size: int) ->
         raise ConfigError("data.dataset.seq_len", seq_len, f"must divide into 2 x cp = {2 * cp_size} equal chunks "
                                                            f"(context parallelism's head-tail layout{per_tp}); use a "
                                                            f"multiple of {2 * cp_size * tp_size}")
-    if getattr(model, "sparse_layers", None):
-        raise ConfigError("parallel.cp_dim", cp_dim, "context parallelism with a mixture of experts is not "
-                                                     "supported yet; use a dense model or a mesh without cp")
