@@ -95,8 +95,11 @@ def main() -> None:
     from framework.prepare import main as prepare
 
     work = Path(tempfile.mkdtemp(prefix="bench_cp_"))
-    sources = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:120]
-    assert prepare([*sources, "--out", str(work / "data")]) == 0
+    texts = work / "texts"  # a .txt per source file: a document each
+    texts.mkdir()
+    for source in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:120]:
+        (texts / (Path(source).stem + ".txt")).write_bytes(Path(source).read_bytes())
+    assert prepare([str(texts), "--out", str(work / "data")]) == 0
     data, seq = str(work / "data"), args.seq_len
     causal = measure([*model_overrides(data, seq, False), "mesh=1x1"], args.steps)
     print(f"lm_small, 2 x {seq} tokens per step, 1 thread per rank")

@@ -273,11 +273,11 @@ class Transformer(nn.Module):
                 h = block(h, layout=layout)
         return h
 
-    def attention_layout(self, positions: Optional[torch.Tensor]) -> Optional[AttentionLayout]:
+    def attention_layout(self, positions: Optional[torch.Tensor], hidden: torch.Tensor) -> Optional[AttentionLayout]:
         """The blocks' AttentionLayout for tokens at `positions` (each token's place in its own
-        document; None: one causal window, the rotation table's path)."""
+        document; None: one causal window, the rotation table's path), `hidden` their input."""
         return None if positions is None else attention_layout(self.rope.freqs(self.head_dim, positions.device),
-                                                               positions, self.context_parallel)
+                                                               positions, hidden, self.context_parallel)
 
     def prepare_rotation(self, tokens: torch.Tensor, start: int = 0) -> None:
         """The rotation table for these tokens' positions (from `start`), before the blocks run."""
@@ -290,7 +290,7 @@ class Transformer(nn.Module):
         self.prepare_rotation(tokens, cache[0].length if cache else 0)
         h = self.tok_embeddings(tokens)
         if cache is None:
-            h = self.run_blocks(self.layers, h, self.attention_layout(positions))
+            h = self.run_blocks(self.layers, h, self.attention_layout(positions, h))
         else:  # decoding (framework.generate): each block extends its layer's cache
             for layer, layer_cache in zip(self.layers, cache):
                 h = layer(h, layer_cache)

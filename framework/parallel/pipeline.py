@@ -130,7 +130,7 @@ class StageModule(nn.Module):
         """x: tokens (first stage) or the previous stage's hidden states; `positions`: the
         micro-batch's, which the schedule hands every stage (document masking)."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        h = self.run_blocks(self.layers.values(), h, self.attention_layout(positions))
+        h = self.run_blocks(self.layers.values(), h, self.attention_layout(positions, h))
         return self.output(self.norm(h)) if self.output is not None else h
 
 
