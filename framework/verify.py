@@ -32,6 +32,8 @@ from framework.config.errors import ConfigError
 from framework.config.validate import check_model_and_plan, validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
+from framework.parallel.context_parallel import chunk_indices
+from framework.parallel.mesh import coordinates_on
 from framework.parallel.plan import matching_modules
 from framework.parallel.roles import MeshRoles
 from framework.training.builder import build_and_run
@@ -112,10 +114,12 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
         global_loss = mean_over_dp(run, local_value(loss).reshape(1))[0]
         if run.dp.get("rank", 0) == 0 and run.tp.get("rank", 0) == 0:
             steps.append({"loss": global_loss, "grads": grads, "params": params})
+    cp = coordinates_on(run.roles.cp_mesh(run.mesh))
     if dist.is_initialized():
         dist.destroy_process_group()
-    first_replica = run.dp["rank"] == 0
-    return {"tp_rank": run.tp["rank"], "dp_size": run.dp["size"], "order": order, "steps": steps,
+    first_replica = run.samples["rank"] == 0  # (its CP ranks hold chunks of the same rows)
+    return {"tp_rank": run.tp["rank"], "dp_size": run.samples["size"], "cp_rank": cp["rank"], "cp_size": cp["size"],
+            "order": order, "steps": steps,
             "pipelined": trainer.pipeline is not None, "microbatches": trainer.microbatches if trainer.pipeline else 1,
             "inputs": inputs_seen if first_replica else {}, "outputs": outputs_seen if first_replica else {}}
 
@@ -134,6 +138,25 @@ def assemble(pieces: List[Optional[Piece]], like: torch.Tensor) -> Optional[torc
         return local
     differing = [d for d in range(min(local.dim(), like.dim())) if local.shape[d] != like.shape[d]]
     return torch.cat([p for p, _ in pieces], dim=differing[0]) if len(differing) == 1 else local
+
+
+def assemble_sequence(holders: List[dict], key: str, name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """A module's whole input or output from the ranks holding it: TP pieces assembled per CP
+    rank, then (under context parallelism) each CP rank's chunks put back in their places in
+    the sequence (dim 1)."""
+    cp = holders[0]["cp_size"]
+    by_tp = lambda records: [r[key][name] for r in sorted(records, key=lambda r: r["tp_rank"])]  # noqa: E731
+    if cp == 1:
+        return assemble(by_tp(holders), like)
+    whole = None
+    for rank in range(cp):
+        index = chunk_indices(like.shape[1], rank, cp)
+        part = assemble(by_tp([r for r in holders if r["cp_rank"] == rank]), like[:, index])
+        if part is None:
+            return None
+        whole = part.new_empty(like.shape) if whole is None else whole
+        whole[:, index] = part
+    return whole
 
 
 def compare(name: str, what: str, value: Optional[torch.Tensor], reference: torch.Tensor, rtol: float,
@@ -163,7 +186,7 @@ def plan_entry_for(module_name: str, plan: dict, model: nn.Module) -> str:
 
 
 def verify_rows(mesh_records: Dict[int, dict], reference: dict, rtol: float, atol: float) -> List[dict]:
-    first_replica = sorted((r for r in mesh_records.values() if r["inputs"]), key=lambda r: r["tp_rank"])
+    first_replica = [r for _, r in sorted(mesh_records.items()) if r["inputs"]]
     dp, micro = first_replica[0]["dp_size"], first_replica[0]["microbatches"]
     rows = []
     for name in reference["order"]:
@@ -177,7 +200,7 @@ def verify_rows(mesh_records: Dict[int, dict], reference: dict, rtol: float, ato
             like = ref_piece[0][0::dp]
             like = like[len(like) - len(like) // micro:]
             holders = [r for r in first_replica if name in r[key]]  # under PP, the ranks of the module's stage
-            rows.append(compare(name, what, assemble([r[key][name] for r in holders], like) if holders else None,
+            rows.append(compare(name, what, assemble_sequence(holders, key, name, like) if holders else None,
                                 like, rtol, atol))
     ours = _merged_steps(mesh_records)
     for step, (mine, theirs) in enumerate(zip(ours, reference["steps"]), start=1):
@@ -234,11 +257,11 @@ def verify(cfg: DictConfig) -> Tuple[bool, str, List[dict]]:
     validate(cfg)
     if cfg.verify.steps < 1:
         raise ConfigError("verify.steps", cfg.verify.steps, "must be >= 1")
-    if MeshRoles.from_config(cfg).cp_size > 1:
+    if MeshRoles.from_config(cfg).cp_size > 1 and cfg.model.get("moe"):
         raise ConfigError("parallel.cp_dim", cfg.parallel.cp_dim,
-                          "verify compares each module's whole-sequence input and output with one process, and "
-                          "under context parallelism a rank holds chunks of the sequence (not supported yet); "
-                          "verify the mesh without its cp dim (tests/test_long_context.py proves cp's parity)")
+                          "verify puts each CP rank's chunks of a module's input and output back in sequence "
+                          "order, and a mixture of experts' routing sees its tokens flattened (not supported "
+                          "yet); verify the mesh without its cp dim (tests/test_long_context.py proves the parity)")
     if cfg.trainer.mixed_precision is not None and cfg.parallel.dp_strategy != "replicate":
         raise ConfigError("trainer.mixed_precision", cfg.trainer.mixed_precision,
                           "verify's one-process reference casts with torch.autocast, and parallel.dp_strategy "

@@ -16,7 +16,8 @@ from framework.launch.handoff import rank_config
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models.transformer import Transformer
 from framework.parallel.context_parallel import chunk_indices
-from tests.conftest import TINY_LM, compose_config
+from framework.verify import verify
+from tests.conftest import TEST_MODELS, compose_config
 from tests.reference import max_relative_error, reference_training
 from tests.workers import one_step_gradients
 
@@ -83,6 +84,24 @@ def test_a_packed_window_of_three_documents_is_the_three_documents_run_one_by_on
     for name, p in model.named_parameters():
         torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert (model(inputs) - alone).abs().max() > 1e-2  # plain causal attention sees across documents
+
+
+def test_flex_attentions_block_mask_computes_what_the_dense_mask_does():
+    """The CUDA path (FlexAttention) against the CPU one, forward only: FlexAttention has no CPU
+    backward in torch 2.13, and no GPU has run it yet."""
+    from framework.models.documents import attention_layout
+
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64)
+    tokens = torch.randint(0, 64, (2, 32))
+    positions = torch.stack([torch.cat([torch.arange(11), torch.arange(21)]),
+                             torch.cat([torch.arange(5), torch.arange(20), torch.arange(7)])])
+    with torch.no_grad():
+        h = model.tok_embeddings(tokens)
+        freqs = model.rope.freqs(model.head_dim, "cpu")
+        dense, flex = (model.run_blocks(model.layers, h, attention_layout(freqs, positions, h, flex=f))
+                       for f in (False, True))
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
 
 
 def test_a_tokens_loss_does_not_change_when_the_document_before_it_does():
@@ -187,6 +206,18 @@ def test_a_mixture_of_experts_under_cp_pools_its_routing_over_dp_and_cp_as_one_p
     reference = launch_local(compose_config([*moe, "mesh=1x1"]), str(tmp_path / "one"))
     summary = launch_local(compose_config([*moe, f"mesh={mesh}"]), str(tmp_path / mesh))
     assert max_relative_error(summary["losses"], reference["losses"]) < 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_verify_proves_cp_with_tp_and_names_an_attention_that_rotates_by_its_chunks_places(documents):
+    base = [*PACKED, f"data.path={documents}", "verify.steps=2"]
+    ok, verdict, _ = verify(compose_config([*base, "mesh=1x2x2cp", "plan=lm_tp_sp"]))
+    assert ok, verdict
+    ok, verdict, _ = verify(compose_config([*base, "mesh=1x2x1cp", "data.document_masking=false", TEST_MODELS,
+                                            "model._target_=tests.workers.WindowRotaryTransformer"]))
+    assert not ok
+    assert verdict.endswith("first module whose output differs from one process with a matching input: "
+                            "layers.0.attention (not in the plan)"), verdict
 
 
 def gradients_against_transformers_by_document(path: str, result: dict, cfg) -> float:

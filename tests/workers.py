@@ -192,6 +192,27 @@ class GlobalHeadsTransformer(Transformer):
             layer.attention.n_heads = self.n_heads
 
 
+class WindowRotaryAttention(Attention):
+    """A context-parallel bug: keys and values gathered and masked, but queries and keys rotated by
+    their places in this rank's chunks, not in the sequence. One process (one chunk, no layout)
+    computes the same model."""
+
+    def forward(self, x: torch.Tensor, cache=None, layout=None) -> torch.Tensor:
+        if layout is not None:
+            cos, sin = self.rope.cos_sin(self.head_dim, 0, x.shape[1], x.device)
+            layout = layout._replace(cos=cos, sin=sin)
+        return super().forward(x, cache=cache, layout=layout)
+
+
+class WindowRotaryTransformer(Transformer):
+    """The tiny LM with WindowRotaryAttention in every block."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        for layer in self.layers:
+            layer.attention.__class__ = WindowRotaryAttention
+
+
 class ScaledSeedMLP(SeedMLP):
     """The seed model times a learned scalar of its own: a custom parameter no plan entry
     covers, replicated on every TP rank, whose gradient is whole on each (the output it scales

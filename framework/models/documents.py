@@ -9,33 +9,36 @@ tokens share a document when those starts are equal, which holds even when the s
 split over context-parallel ranks (framework.parallel.context_parallel), each rank holding
 chunks of it.
 
-On CPU the mask goes to scaled_dot_product_attention as an additive (batch, 1, queries, keys)
-tensor, 0 where a key is seen and -inf where not, made once per forward in the dtype attention
+On CUDA the mask is FlexAttention's block mask, whose kernel skips the blocks no query sees
+(written, not yet run on a GPU: its forward is tested on CPU against the dense path). On CPU
+the mask goes to scaled_dot_product_attention as an additive (batch, 1, queries, keys) tensor, 0 where a key is seen and -inf where not, made once per forward in the dtype attention
 computes in: a boolean mask is converted to that inside every attention call and the copy kept
 for backward (measured: 128 MiB per layer at 2 x 4096 tokens, bench/README.md). FlexAttention
 has no backward on CPU in torch 2.13.
 """
-from typing import NamedTuple, Optional
+import functools
+from typing import Any, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 
 class AttentionLayout(NamedTuple):
     """Where a batch's tokens sit, for attention: the cos and sin of each token's rotary angles
-    (batch, seq, head_dim/2) and which keys each query sees (batch, 1, seq, keys; 0 or -inf).
-    Made once per forward and handed to every block."""
+    (batch, seq, head_dim/2) and which keys each query sees (batch, 1, seq, keys; 0 or -inf), or
+    FlexAttention's BlockMask of the same. Made once per forward and handed to every block."""
     cos: torch.Tensor
     sin: torch.Tensor
-    mask: torch.Tensor
+    mask: Any
 
 
 def attention_layout(freqs: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                     context_parallel=None) -> AttentionLayout:
+                     context_parallel=None, flex: Optional[bool] = None) -> AttentionLayout:
     """The layout of tokens at `positions`, its mask in the dtype attention will compute in on
     `hidden` (the blocks' input: autocast's dtype when autocast is on). Under context
     parallelism the tokens are this rank's chunks of each sequence and the keys every CP rank's
     (in the order their all-gather stacks them), so a query's index and its keys' are their
-    places in the whole sequence."""
+    places in the whole sequence. `flex`: a FlexAttention block mask (None: on CUDA)."""
     seq = positions.shape[1]
     if context_parallel is None:
         index = key_index = torch.arange(seq, device=positions.device)
@@ -43,13 +46,45 @@ def attention_layout(freqs: torch.Tensor, positions: torch.Tensor, hidden: torch
         index, key_index = context_parallel.query_and_key_indices(seq, positions.device)
     starts = index - positions  # where each token's document starts in the sequence
     key_starts = starts if context_parallel is None else context_parallel.gather_starts(starts)
+    angles = positions.float()[..., None] * freqs
+    if flex if flex is not None else hidden.device.type == "cuda":
+        return AttentionLayout(angles.cos(), angles.sin(), block_mask(starts, key_starts, index, key_index))
     seen = (starts[:, :, None] == key_starts[:, None, :]) & (index[:, None] >= key_index[None, :])
     device = hidden.device.type
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # (not on meta)
     dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
     mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
-    angles = positions.float()[..., None] * freqs
     return AttentionLayout(angles.cos(), angles.sin(), mask[:, None])
+
+
+def block_mask(starts: torch.Tensor, key_starts: torch.Tensor, index: torch.Tensor, key_index: torch.Tensor):
+    """The same mask as FlexAttention's BlockMask: query q sees key k when they share a document
+    and k is not after q."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q, k):
+        return (starts[b, q] == key_starts[b, k]) & (index[q] >= key_index[k])
+
+    return create_block_mask(same_document_causal, starts.shape[0], None, starts.shape[1], key_starts.shape[1],
+                             device=starts.device)
+
+
+@functools.cache
+def flex_attention(compiled: bool):
+    """torch's flex_attention, compiled where its kernel is meant to run (eager, it is a slow
+    reference; on CPU only its forward works in torch 2.13)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    return torch.compile(flex) if compiled else flex
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+    """Attention of q (batch, heads, seq, head_dim) over k and v (grouped-query heads allowed):
+    causal with no mask, masked by a dense mask (SDPA) or a BlockMask (FlexAttention)."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
 def gather_keys(attention, keys: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.config.errors import ConfigError
-from framework.models.documents import AttentionLayout, attention_layout, gather_keys
+from framework.models.documents import AttentionLayout, attend, attention_layout, gather_keys
 from framework.models.moe import MoE, count_step_load, load_balance_loss, moe_blocks, routing_metrics
 
 
@@ -153,8 +153,7 @@ class Attention(nn.Module):
             k, v = cache.extend(k, v)
             # query i (position start + i) sees keys 0 .. start + i
             mask = torch.arange(k.shape[1], device=x.device)[None, :] <= start + torch.arange(seq, device=x.device)[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2])
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
