@@ -32,7 +32,8 @@ from framework.config.schema import Config
 from framework.config.trust import check_targets
 from framework.config.validate import instantiate_checked
 from framework.models.hf import materialize
-from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, check_hf_out, save_hf
+from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, check_hf_out, save_hf, save_peft
+from framework.models.lora import add_adapters
 
 
 @contextmanager
@@ -56,6 +57,9 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
     check_targets(cfg)
     with torch.device("cpu"), saved_config_errors(path):
         model = instantiate_checked(cfg.model)
+    adapter = cfg.get("adapter") or {"kind": "none"}
+    if adapter["kind"] == "lora":  # the run's adapters, as its `adapters` stage added them
+        add_adapters(model, adapter["rank"], adapter["alpha"], adapter["dropout"], list(adapter["targets"]), 0)
     if any(p.is_meta for p in model.parameters()):  # a Hugging Face model comes on meta
         materialize(model, "cpu")
     check_model_keys(path, model)
@@ -68,8 +72,8 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
 def check_out(out: str, format: str) -> None:
     """Before the model is loaded: the output is new (an hf OUT_DIR may be an empty directory),
     in a directory that exists, so nothing is overwritten and no write fails half-way."""
-    key = "OUT_DIR" if format == "hf" else "OUT"
-    if format == "hf":
+    key = "OUT_DIR" if format in ("hf", "peft") else "OUT"
+    if format in ("hf", "peft"):
         check_hf_out(out)
     elif os.path.isdir(out) or out.endswith(os.sep):
         raise ConfigError(key, out, "names a directory; name the file to write (OUT.pt), or add --format hf to write "
@@ -85,7 +89,10 @@ def export(checkpoint: str, out_path: str, format: str = "pt", max_shard_bytes: 
     """Write the checkpoint's full model to out_path (atomically): a state_dict file, or a
     Hugging Face directory; return the checkpoint dir used."""
     check_out(out_path, format)
-    model, _, path = load_model(checkpoint)
+    model, cfg, path = load_model(checkpoint)
+    if format == "peft":
+        save_peft(model, cfg.adapter if "adapter" in cfg else OmegaConf.create({"kind": "none"}), out_path)
+        return path
     if format == "hf":
         save_hf(model, out_path, max_shard_bytes)
         return path
@@ -98,9 +105,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a step_N dir, or a checkpoints dir (its newest)")
-    p.add_argument("out", help="OUT.pt (--format pt) or OUT_DIR (--format hf)")
-    p.add_argument("--format", choices=["pt", "hf"], default="pt",
-                   help="pt: one state_dict file (the default); hf: a Hugging Face model directory")
+    p.add_argument("out", help="OUT.pt (--format pt) or OUT_DIR (--format hf, peft)")
+    p.add_argument("--format", choices=["pt", "hf", "peft"], default="pt",
+                   help="pt: one state_dict file (the default); hf: a Hugging Face model directory (LoRA adapters "
+                        "merged into their weights); peft: the LoRA adapters as PEFT's adapter directory")
     p.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**30,
                    help="hf: split the safetensors into files of at most this size, with an index")
     return p

@@ -27,6 +27,7 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
                                  ("plan", "lm_tp_sp_loss_parallel"), ("data", "byte_corpus")]},
           ("model", "lm_moe_tiny"): ["recipe=lm_moe", "model=lm_moe_tiny"], ("model", "lm_moe_small"): ["recipe=lm_moe"],
           ("plan", "lm_moe_tp"): ["recipe=lm_moe"],
+          ("adapter", "lora"): ["recipe=lm_2d", "mesh=2x1", "plan=none"],
           **{("mesh", name): ["recipe=lm_3d", f"mesh={name}"] for name in ("pp2x1x1", "pp2x2x1", "pp2x1x2", "pp2x2x2",
                                                                              "pp2x1x2x1cp")},
           **{("mesh", name): ["recipe=lm_2d", f"mesh={name}"] for name in ("1x2x1cp", "1x4x1cp", "1x2x2cp", "2x2x1cp")},
@@ -36,7 +37,8 @@ PREPARED = {("data", "tokens"): "packed", ("data", "instructions"): "instruction
 # Configs of a Hugging Face model: the `hf_dirs` fixture's keys they need, as overrides.
 HF = {("model", "hf"): ["recipe=lm_2d", "model.path={llama}"],
       ("plan", "qk_norm_tp_sp"): ["recipe=lm_2d", "model=hf", "model.path={qwen3}"],
-      ("recipe", "finetune_hf"): ["model.path={llama}", "data.path={tokens}", "data.dataset.seq_len=64"]}
+      ("recipe", "finetune_hf"): ["model.path={llama}", "data.path={tokens}", "data.dataset.seq_len=64"],
+      ("recipe", "lora_hf"): ["model.path={llama}", "data.path={tokens}", "data.dataset.seq_len=64"]}
 
 
 def data_path(group: str, option: str, request) -> list:

@@ -20,6 +20,7 @@ STAGES = [
     "distributed",
     "mesh",
     "model",
+    "adapters",
     "pipeline_parallel",
     "data_parallel",
     "tensor_parallel",
@@ -173,6 +174,15 @@ class DryrunConfig:
 
 
 @dataclass
+class AdapterConfig:
+    kind: str = "none"  # none | lora (conf/adapter/)
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: List[str] = field(default_factory=lambda: ["wq", "wv"])
+
+
+@dataclass
 class LoggerConfig:
     tensorboard: bool = True
 
@@ -182,6 +192,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: Any = None
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)  # conf/adapter/: LoRA, or none
     # FQN pattern -> {style, options}; entries are checked by framework.parallel.plan.check_plan, which
     # names the bad key (a typed entry would refuse `+plan.NAME.style=...` on the command line).
     plan: Dict[str, Any] = field(default_factory=dict)

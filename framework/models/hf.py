@@ -21,6 +21,7 @@ from torch import nn
 
 from framework.config.errors import ConfigError
 from framework.models.meta import SkipRandomInit
+from framework.models.lora import is_adapter
 from framework.models.transformer import Transformer
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
@@ -92,7 +93,7 @@ def hf_state_dict(state: Dict[str, Any], tied: bool, kind: str = "llama") -> Dic
     Hugging Face files store it once)."""
     named = {}
     for key, value in state.items():
-        if tied and key == "output.weight":
+        if (tied and key == "output.weight") or is_adapter(key):  # (adapters: framework.export --format peft)
             continue
         name = hf_name(key, kind)
         if EXPERT in name:

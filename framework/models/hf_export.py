@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
-from framework.models.hf import SIDE_FILES, model_state_dict
+from framework.models.hf import SIDE_FILES, hf_name, model_state_dict
+from framework.models.lora import adapter_layers, merged_state_dict, peft_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
@@ -95,6 +96,30 @@ def check_hf_out(out: str) -> None:
         raise ConfigError("OUT_DIR", out, "exists and is not an empty directory; name a new directory")
 
 
+def save_peft(model: nn.Module, adapter, out: str) -> None:
+    """The model's LoRA adapters as PEFT writes them (`PeftModel.from_pretrained(base, out)`):
+    adapter_model.safetensors and adapter_config.json, under OUT.partial-<pid> renamed at the end."""
+    from safetensors.torch import save_file
+
+    if next(adapter_layers(model), None) is None:
+        raise ConfigError("--format", "peft", "needs a checkpoint of a run with adapters (adapter=lora); this one "
+                                              "has none: export it with --format pt or hf")
+    check_hf_out(out)
+    kind = getattr(model, "model_type", "llama")
+    tensors, config = peft_adapter(model, adapter, (lambda name: hf_name(name, kind)) if hasattr(model, "hf_path") else None)
+    partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
+    os.makedirs(partial)
+    try:
+        save_file(tensors, os.path.join(partial, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(partial, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty, checked above
+        os.rename(partial, out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """`model` (an HFTransformer whose weights are whole tensors on this process) to `out`."""
     from safetensors.torch import save_file
@@ -103,7 +128,7 @@ def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD
         raise ConfigError("--format", "hf", f"needs a model loaded from a Hugging Face directory (model=hf); this "
                                             f"one is a {type(model).__name__}: export it with --format pt")
     check_hf_out(out)
-    state = model_state_dict(model, model.state_dict())
+    state = model_state_dict(model, merged_state_dict(model))  # (adapters, if any, merged into their weights)
     numbers = _file_numbers(_sizes(state), max_shard_bytes)
     shards = [{k: t.contiguous() for k, t in state.items() if numbers[k] == n} for n in range(1, max(numbers.values()) + 1)]
     partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"

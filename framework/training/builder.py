@@ -19,6 +19,7 @@ from framework.checkpoint.manager import Checkpointer, restart_count
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
 from framework.models.hf import load_hf_weights, materialize
+from framework.models.lora import add_adapters, init_adapters
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
@@ -91,6 +92,14 @@ def stage_model(run: Run) -> None:
     run.deferred_init = hasattr(run.model, "hf_path")
 
 
+def stage_adapters(run: Run) -> None:
+    """adapter=lora: LoRA adapters on the targeted layers, every base parameter frozen, before
+    any parallel stage (they shard and sync the adapters as any parameter)."""
+    a = run.cfg.adapter
+    if a.kind == "lora":
+        add_adapters(run.module, a.rank, a.alpha, a.dropout, list(a.targets), run.cfg.trainer.seed)
+
+
 def stage_pipeline_parallel(run: Run) -> None:
     """With a pp dim: keep this rank's pipeline stages of the model (the others' modules
     deleted, names unchanged), as StageModules the parallel stages after this one apply to."""
@@ -142,6 +151,7 @@ def stage_fully_shard(run: Run) -> None:
             run.model = apply_fsdp(run.model, mesh, precision)
     if run.deferred_init:
         materialize(run.module, run.cfg.mesh.device_type)
+        init_adapters(run.module, run.cfg.trainer.seed)  # (to_empty left them garbage too)
 
 
 def dataset_of(run: Run, **split) -> Dataset:
@@ -175,7 +185,7 @@ def stage_optimizer(run: Run) -> None:
     after DP and TP (DTensor shards included), its warmup / decay schedule, and the objective."""
     t = run.cfg.trainer
     run.objective = instantiate(run.cfg.objective)
-    run.optimizer = instantiate(run.cfg.optim)(run.model.parameters())
+    run.optimizer = instantiate(run.cfg.optim)([p for p in run.model.parameters() if p.requires_grad])
     update_biases_after_each_step(run.optimizer, run.module)
     run.scheduler = build_scheduler(run.optimizer, t.warmup_steps, t.max_steps, t.lr_decay)
 
@@ -220,6 +230,7 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
     "distributed": stage_distributed,
     "mesh": stage_mesh,
     "model": stage_model,
+    "adapters": stage_adapters,
     "pipeline_parallel": stage_pipeline_parallel,
     "data_parallel": stage_data_parallel,
     "tensor_parallel": stage_tensor_parallel,

@@ -1,0 +1,138 @@
+"""LoRA adapters (Hu et al. 2021) in PEFT's layout, added before any parallelism (the
+`adapters` stage) so every later stage sees them as ordinary parameters.
+
+Each targeted nn.Linear keeps its weight (frozen, as every other base parameter) and gains two
+children, `lora_A` (rank x in) and `lora_B` (out x rank), and a forward hook that adds
+(alpha / rank) * lora_B(lora_A(dropout(x))) to its output: parameter names end in
+`<layer>.lora_A.weight` / `.lora_B.weight`, PEFT's, so the export (framework.export --format
+peft) only maps the layer's path. A starts as PEFT's (kaiming-uniform with a = sqrt(5)) from a
+generator seeded with trainer.seed, the same on every mesh whatever the model's device (a
+Hugging Face model is allocated only after sharding: `init_adapters` runs again then); B starts
+at zero, so step 0's model is the base model.
+"""
+import math
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+from torch import nn
+
+from framework.config.errors import ConfigError
+
+ADAPTER_PARAMETERS = (".lora_A.", ".lora_B.")
+
+
+def is_adapter(name: str) -> bool:
+    return any(part in name for part in ADAPTER_PARAMETERS)
+
+
+def _add_update(layer: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output + layer.lora_B(layer.lora_A(layer.lora_dropout(args[0]))) * layer.lora_scaling
+
+
+def targets_of(model: nn.Module, targets: List[str]) -> List[Tuple[str, nn.Linear]]:
+    """The model's linear layers whose name ends in one of `targets`, or one line naming the
+    target that matches nothing and the candidates."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for target in targets:
+        if not any(name.rsplit(".", 1)[-1] == target for name, _ in linears):
+            candidates = sorted({name.rsplit(".", 1)[-1] for name, _ in linears})
+            raise ConfigError("adapter.targets", list(targets), f"{target!r} names no linear layer of "
+                                                                f"{type(model).__name__}; its linear layers end in "
+                                                                f"{candidates}")
+    return [(name, m) for name, m in linears if name.rsplit(".", 1)[-1] in targets]
+
+
+def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targets: List[str], seed: int) -> None:
+    """LoRA on every targeted layer, the base frozen (checks in check_adapter)."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for _, layer in targets_of(model, targets):
+        device = layer.weight.device
+        layer.lora_A = nn.Linear(layer.in_features, rank, bias=False, device=device)
+        layer.lora_B = nn.Linear(rank, layer.out_features, bias=False, device=device)
+        layer.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        layer.lora_scaling = alpha / rank
+        layer.register_forward_hook(_add_update)
+    init_adapters(model, seed)
+
+
+def adapter_layers(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    return ((name, m) for name, m in model.named_modules() if hasattr(m, "lora_A"))
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """A as PEFT initializes it (drawn whole on CPU from a seeded generator, in module order, then
+    placed like the parameter: the same values on every mesh), B zero."""
+    generator = torch.Generator().manual_seed(seed)
+    for _, layer in adapter_layers(model):
+        full = torch.empty(layer.lora_A.weight.shape)
+        bound = 1 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), times sqrt(3 / fan_in)
+        full.uniform_(-bound, bound, generator=generator)
+        _copy_placed(layer.lora_A.weight, full)
+        _copy_placed(layer.lora_B.weight, torch.zeros(layer.lora_B.weight.shape))
+
+
+def _copy_placed(param: torch.Tensor, full: torch.Tensor) -> None:
+    if param.is_meta:
+        return
+    if hasattr(param, "device_mesh"):  # a DTensor (FSDP): this rank's shard of the whole
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+    param.copy_(full)
+
+
+def adapter_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The adapters' parameters by name (full tensors)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            for name, p in model.named_parameters() if is_adapter(name)}
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's state dict (whole tensors, one process) with each adapted weight merged,
+    W + (alpha / rank) B A, and the adapters left out: a plain model that computes the same."""
+    state = {name: t for name, t in model.state_dict().items() if not is_adapter(name)}
+    for name, layer in adapter_layers(model):
+        state[f"{name}.weight"] = layer.weight + layer.lora_scaling * layer.lora_B.weight @ layer.lora_A.weight
+    return state
+
+
+def peft_adapter(model: nn.Module, adapter, hf_name=None) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """PEFT's adapter_model.safetensors tensors and adapter_config.json for the model's adapters:
+    `base_model.model.<the layer's path>.lora_A.weight`, the path Hugging Face's (`hf_name`: our
+    parameter name -> theirs) for a model loaded from one, else the framework's."""
+    tensors, modules = {}, set()
+    for name, layer in adapter_layers(model):
+        path = hf_name(f"{name}.weight")[: -len(".weight")] if hf_name else name
+        modules.add(path.rsplit(".", 1)[-1])
+        for part in ("lora_A", "lora_B"):
+            tensors[f"base_model.model.{path}.{part}.weight"] = getattr(layer, part).weight.detach().contiguous()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapter.rank, "lora_alpha": adapter.alpha,
+              "lora_dropout": adapter.dropout, "target_modules": sorted(modules), "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+              "base_model_name_or_path": getattr(model, "hf_path", None)}
+    return tensors, config
+
+
+def check_adapter(cfg, model: nn.Module, tp_size: int) -> None:
+    """Before launch: a kind it knows, a rank the targets can hold, targets that exist, and no TP
+    (not yet)."""
+    adapter = cfg.adapter
+    if adapter.kind == "none":
+        return
+    if adapter.kind != "lora":
+        raise ConfigError("adapter.kind", adapter.kind, "use none or lora (conf/adapter/)")
+    layers = targets_of(model, list(adapter.targets))
+    smallest = min(min(layer.in_features, layer.out_features) for _, layer in layers)
+    if not 1 <= adapter.rank <= smallest:
+        raise ConfigError("adapter.rank", adapter.rank, f"must be between 1 and {smallest}, the smallest dimension of "
+                                                        f"the targeted layers")
+    if tp_size > 1:
+        raise ConfigError("adapter.kind", "lora", "LoRA under tensor parallelism is not supported yet; use a mesh "
+                                                  "without a TP dim larger than 1 (DP replicate, fsdp and hsdp work)")
+    if cfg.checkpoint.final_hf:
+        raise ConfigError("checkpoint.final_hf", True, "with adapter=lora the run writes no merged model itself yet; "
+                                                       "export its checkpoint: python -m framework.export CKPT OUT "
+                                                       "--format peft (the adapter) or --format hf (merged)")

@@ -1,0 +1,190 @@
+"""LoRA adapters (framework.models.lora) against PEFT itself: the same base (a Hugging Face
+model made with transformers), the same adapter weights, the same batches; the exported adapter
+loaded by PEFT, the merged export by transformers."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
+from framework.export import export
+from framework.launch.local import launch_local
+from framework.models.hf import hf_name
+from framework.models.lora import add_adapters, adapter_state
+from tests.conftest import compose_config
+from tests.hf_models import reference
+from tests.reference import max_relative_error
+from tests.test_hf import first_global_batch, loaded
+
+peft = pytest.importorskip("peft")
+
+TARGETS = ["wq", "wv", "w2"]
+HF_TARGETS = ["q_proj", "v_proj", "down_proj"]
+RANK, ALPHA = 4, 8
+
+
+def lora_overrides(path: str, tokens: str) -> list:
+    return ["recipe=finetune_hf", f"model.path={path}", f"data.path={tokens}", "data.dataset.seq_len=32",
+            "data.global_batch_size=4", "data.document_masking=false", "adapter=lora", f"adapter.rank={RANK}",
+            f"adapter.alpha={ALPHA}", f"adapter.targets=[{','.join(TARGETS)}]", "trainer.mixed_precision=null",
+            "parallel.dp_strategy=replicate", "optim=sgd", "~optim.betas", "optim.lr=2.0", "~optim.weight_decay",
+            "trainer.warmup_steps=0", "trainer.lr_decay=constant", "trainer.grad_clip=null", "trainer.eval_every=null",
+            "trainer.max_steps=5", "trainer.log_every=5", "trainer.progress_bar=false", "logger.tensorboard=false",
+            "checkpoint.every=5"]
+
+
+def peft_model(path: str, ours):
+    """transformers' model of `path` under PEFT's LoRA, its adapters set to ours."""
+    model = peft.get_peft_model(reference(path), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                                 target_modules=HF_TARGETS))
+    theirs = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in adapter_state(ours).items():
+            theirs[peft_name(name)].copy_(value)
+    return model
+
+
+def peft_name(ours: str) -> str:
+    """Our adapter parameter's name in PEFT's model (before save: the adapter's name `default` in it)."""
+    layer, part = ours.rsplit(".lora_", 1)
+    return f"base_model.model.{hf_name(layer + '.weight')[:-len('.weight')]}.lora_{part.split('.')[0]}.default.weight"
+
+
+def test_lora_computes_what_peft_computes_on_one_process(hf_dirs):
+    path = hf_dirs["llama"]
+    ours = loaded(path)
+    add_adapters(ours, RANK, ALPHA, 0.0, TARGETS, seed=0)
+    with torch.no_grad():  # B at zero gives A no gradient: make both non-zero for the comparison
+        for name, p in ours.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    theirs = peft_model(path, ours)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    loss = F.cross_entropy(ours(inputs).flatten(0, 1), targets.flatten())
+    loss.backward()
+    ref_loss = F.cross_entropy(theirs(inputs).logits.flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    trained = {name for name, p in ours.named_parameters() if p.requires_grad}
+    assert trained == set(adapter_state(ours)) and len(trained) == 2 * len(TARGETS) * 2  # 2 layers
+    grads = {name: p.grad for name, p in theirs.named_parameters() if p.requires_grad}
+    for name, p in ours.named_parameters():
+        if p.requires_grad:
+            ref = grads[peft_name(name)]
+            assert float((p.grad - ref).abs().max() / ref.abs().max()) <= 1e-5, name
+
+
+def peft_training_losses(path: str, cfg, steps: int) -> list:
+    """PEFT's model trained as the framework trains (SGD, the same global batches, the adapters
+    initialized as ours: the framework's init on the same model)."""
+    from hydra.utils import instantiate
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    ours = loaded(path)
+    add_adapters(ours, RANK, ALPHA, 0.0, TARGETS, seed=cfg.trainer.seed)
+    model = peft_model(path, ours)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                                momentum=cfg.optim.get("momentum", 0.0))
+    dataset = instantiate(cfg.data.dataset)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=cfg.sampler.shuffle, seed=cfg.sampler.seed,
+                                 drop_last=True)
+    batches = iter(DataLoader(dataset, batch_size=cfg.data.global_batch_size, sampler=sampler, drop_last=True))
+    losses = []
+    for _ in range(steps):
+        inputs, targets = next(batches)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.fixture(scope="module")
+def peft_reference(hf_dirs):
+    cfg = compose_config(lora_overrides(hf_dirs["llama"], hf_dirs["tokens"]))
+    return peft_training_losses(hf_dirs["llama"], cfg, 5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh,overrides", [("1x1", []), ("2x1", []), ("2x1", ["parallel.dp_strategy=fsdp"])])
+def test_every_mesh_trains_the_adapters_peft_trains_and_leaves_the_base_bitwise(mesh, overrides, hf_dirs, peft_reference,
+                                                                               tmp_path):
+    path = hf_dirs["llama"]
+    summary = launch_local(compose_config([*lora_overrides(path, hf_dirs["tokens"]), f"mesh={mesh}", *overrides]),
+                           str(tmp_path))
+    error = max_relative_error(summary["losses"], peft_reference[0])
+    print(f"LoRA {mesh} {overrides}: max relative loss error vs PEFT {error:.2e}")
+    assert error < 1e-5
+    assert summary["losses"][-1] < summary["losses"][0] - 0.05  # the adapters learn
+    exported = tmp_path / "model.pt"
+    export(str(tmp_path / "checkpoints"), str(exported))
+    state, base = torch.load(exported), loaded(path).state_dict()
+    for name, value in base.items():
+        assert torch.equal(state[name], value), name  # frozen: bitwise the Hugging Face weights
+
+
+@pytest.mark.timeout(300)
+def test_the_peft_export_loads_in_peft_and_the_merged_export_in_transformers(hf_dirs, peft_reference, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = hf_dirs["llama"]
+    launch_local(compose_config([*lora_overrides(path, hf_dirs["tokens"]), "mesh=2x1"]), str(tmp_path / "run"))
+    export(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "adapter"), format="peft")
+    export(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "merged"), format="hf")
+    saved_by_peft = tmp_path / "by_peft"
+    peft_reference[1].save_pretrained(str(saved_by_peft))
+    ours_keys = set(load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")))
+    assert ours_keys == set(load_file(str(saved_by_peft / "adapter_model.safetensors")))  # PEFT's own names
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, ALPHA)
+    assert sorted(config["target_modules"]) == sorted(HF_TARGETS) and config["base_model_name_or_path"] == path
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(reference(path), str(tmp_path / "adapter"))(tokens).logits
+        trained = peft_reference[1](tokens).logits  # PEFT's own training: ours reached the same adapters
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), attn_implementation="eager",
+                                                      dtype=torch.float32)(tokens).logits
+    torch.testing.assert_close(theirs, trained, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged, theirs, rtol=1e-5, atol=1e-5)
+    assert not os.path.exists(str(tmp_path / "adapter") + ".partial")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["adapter.targets=[wq,q_proj]"], r"adapter.targets=\['wq', 'q_proj'\]: 'q_proj' names no linear layer of "
+                                      r"HFTransformer; its linear layers end in \['output', 'w1', 'w2', 'w3', 'wk', "
+                                      r"'wo', 'wq', 'wv'\]"),
+    (["adapter.rank=0"], r"adapter.rank=0: must be between 1 and 32"),
+    (["adapter.rank=33"], r"adapter.rank=33: must be between 1 and 32"),
+    (["mesh=1x2", "plan=lm_tp_sp"], r"adapter.kind='lora': LoRA under tensor parallelism is not supported yet"),
+    (["checkpoint.final_hf=true"], r"checkpoint.final_hf=True: with adapter=lora the run writes no merged model"),
+    (["adapter.kind=dora"], r"adapter.kind='dora': use none or lora"),
+])
+def test_bad_adapter_configs_are_refused_naming_the_key(overrides, message, hf_dirs):
+    cfg = compose_config([*lora_overrides(hf_dirs["llama"], hf_dirs["tokens"]), "mesh=1x1", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_peft_export_of_a_checkpoint_without_adapters_is_refused(hf_dirs, tmp_path):
+    path = hf_dirs["llama"]
+    overrides = [o for o in lora_overrides(path, hf_dirs["tokens"]) if not o.startswith("adapter")]
+    launch_local(compose_config([*overrides, "mesh=1x1", "trainer.max_steps=1", "checkpoint.every=1"]), str(tmp_path))
+    with pytest.raises(ConfigError, match=r"--format='peft': needs a checkpoint of a run with adapters"):
+        export(str(tmp_path / "checkpoints"), str(tmp_path / "adapter"), format="peft")
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_checkpoint_resumes_on_another_mesh_on_peft_s_curve(hf_dirs, peft_reference, tmp_path):
+    path = hf_dirs["llama"]
+    base = lora_overrides(path, hf_dirs["tokens"])
+    launch_local(compose_config([*base, "mesh=1x1", "trainer.max_steps=3", "checkpoint.every=3"]), str(tmp_path / "a"))
+    resumed = launch_local(compose_config([*base, "mesh=2x1", "parallel.dp_strategy=fsdp",
+                                           f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_3'}"]),
+                           str(tmp_path / "b"))
+    assert max_relative_error(resumed["losses"], peft_reference[0]) < 1e-5
