@@ -10,14 +10,14 @@ import torch.nn.functional as F
 
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
-from framework.export import export
+from framework.export import export, load_model
 from framework.launch.local import launch_local
 from framework.models.hf import hf_name
 from framework.models.lora import add_adapters, adapter_state
 from tests.conftest import compose_config
 from tests.hf_models import reference
 from tests.reference import max_relative_error
-from tests.test_hf import first_global_batch, loaded
+from tests.test_hf import loaded, relative_error
 
 peft = pytest.importorskip("peft")
 
@@ -111,7 +111,10 @@ def peft_reference(hf_dirs):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mesh,overrides", [("1x1", []), ("2x1", []), ("2x1", ["parallel.dp_strategy=fsdp"])])
+@pytest.mark.parametrize("mesh,overrides", [("1x1", []), ("2x1", []), ("2x1", ["parallel.dp_strategy=fsdp"]),
+                                            ("1x2", ["plan=lm_tp_sp"]),
+                                            ("2x2", ["plan=lm_tp_sp", "parallel.dp_strategy=fsdp"]),
+                                            ("pp2x1x1", [])])
 def test_every_mesh_trains_the_adapters_peft_trains_and_leaves_the_base_bitwise(mesh, overrides, hf_dirs, peft_reference,
                                                                                tmp_path):
     path = hf_dirs["llama"]
@@ -147,11 +150,13 @@ def test_the_peft_export_loads_in_peft_and_the_merged_export_in_transformers(hf_
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(reference(path), str(tmp_path / "adapter"))(tokens).logits
-        trained = peft_reference[1](tokens).logits  # PEFT's own training: ours reached the same adapters
+        ours = load_model(str(tmp_path / "run" / "checkpoints"))[0](tokens)  # the checkpoint, in this process
+        trained = peft_reference[1](tokens).logits  # PEFT's own 5 steps on one process
         merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), attn_implementation="eager",
                                                       dtype=torch.float32)(tokens).logits
-    torch.testing.assert_close(theirs, trained, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(merged, theirs, rtol=1e-5, atol=1e-5)
+    assert relative_error(theirs, ours) <= 1e-5
+    assert relative_error(merged, ours) <= 1e-5
+    assert relative_error(theirs, trained) <= 1e-4  # the same training on 2 ranks (lr 2, momentum: rounding grows)
     assert not os.path.exists(str(tmp_path / "adapter") + ".partial")
 
 
@@ -161,7 +166,6 @@ def test_the_peft_export_loads_in_peft_and_the_merged_export_in_transformers(hf_
                                       r"'wo', 'wq', 'wv'\]"),
     (["adapter.rank=0"], r"adapter.rank=0: must be between 1 and 32"),
     (["adapter.rank=33"], r"adapter.rank=33: must be between 1 and 32"),
-    (["mesh=1x2", "plan=lm_tp_sp"], r"adapter.kind='lora': LoRA under tensor parallelism is not supported yet"),
     (["checkpoint.final_hf=true"], r"checkpoint.final_hf=True: with adapter=lora the run writes no merged model"),
     (["adapter.kind=dora"], r"adapter.kind='dora': use none or lora"),
 ])
@@ -188,3 +192,16 @@ def test_a_lora_checkpoint_resumes_on_another_mesh_on_peft_s_curve(hf_dirs, peft
                                            f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_3'}"]),
                            str(tmp_path / "b"))
     assert max_relative_error(resumed["losses"], peft_reference[0]) < 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_verify_proves_lora_under_tp_and_sp_module_by_module(hf_dirs):
+    """The adapters placed for their layers' layouts (A replicated, B colwise under wq and wv; A
+    rowwise, B replicated under w2), and the base left frozen (torch's SequenceParallel makes
+    its norms' weights anew)."""
+    from framework.verify import verify
+
+    cfg = compose_config([*lora_overrides(hf_dirs["llama"], hf_dirs["tokens"]), "mesh=1x2", "plan=lm_tp_sp",
+                          "checkpoint.every=null", "verify.steps=2"])
+    ok, verdict, _ = verify(cfg)
+    assert ok, verdict

@@ -356,7 +356,7 @@ def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[to
     inputs, targets = batch.inputs, batch.targets
     loss = trainer.forward_backward(batch)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-             for name, p in run.module.named_parameters()}
+             for name, p in run.module.named_parameters() if p.grad is not None}  # (frozen: none)
     result = {"loss": mean_over_dp(run, local_value(loss).reshape(1))[0], "grads": grads,
               "response_tokens": int((targets != IGNORE).sum()), "logits": logits}
     if run.dp["size"] == 1:

@@ -299,7 +299,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         check_pipeline_parallel(cfg, model, roles.pp_size, roles.dp_size)
         check_expert_parallel(model, OmegaConf.to_container(cfg.plan, resolve=True) if cfg.plan else {},
                               roles, cfg.parallel.dp_strategy, cfg.trainer.compile != "none")
-        check_adapter(cfg, model, roles.tp_size)
+        check_adapter(cfg, model)
         check_context_parallel(cfg, model, roles.cp_size, roles.tp_size)
         check_document_masking(cfg, model)
         check_objective(cfg.objective, model, list(roles.shape), roles.pp_size)

@@ -6,11 +6,13 @@ children, `lora_A` (rank x in) and `lora_B` (out x rank), and a forward hook tha
 (alpha / rank) * lora_B(lora_A(dropout(x))) to its output: parameter names end in
 `<layer>.lora_A.weight` / `.lora_B.weight`, PEFT's, so the export (framework.export --format
 peft) only maps the layer's path. A starts as PEFT's (kaiming-uniform with a = sqrt(5)) from a
-generator seeded with trainer.seed, the same on every mesh whatever the model's device (a
+generator seeded with trainer.seed and the layer's name, the same on every mesh whatever the model's device (a
 Hugging Face model is allocated only after sharding: `init_adapters` runs again then); B starts
 at zero, so step 0's model is the base model.
 """
 import math
+import zlib
+from contextlib import contextmanager
 from typing import Dict, Iterator, List, Tuple
 
 import torch
@@ -19,6 +21,7 @@ from torch import nn
 from framework.config.errors import ConfigError
 
 ADAPTER_PARAMETERS = (".lora_A.", ".lora_B.")
+CHILDREN = ("lora_A", "lora_B", "lora_dropout")  # what add_adapters puts under a layer
 
 
 def is_adapter(name: str) -> bool:
@@ -62,10 +65,11 @@ def adapter_layers(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
 
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int) -> None:
-    """A as PEFT initializes it (drawn whole on CPU from a seeded generator, in module order, then
-    placed like the parameter: the same values on every mesh), B zero."""
-    generator = torch.Generator().manual_seed(seed)
-    for _, layer in adapter_layers(model):
+    """A as PEFT initializes it (drawn whole on CPU from a generator seeded by `seed` and the
+    layer's name, then placed like the parameter: the same values on every mesh, and on a
+    pipeline stage that holds only some of the layers), B zero."""
+    for name, layer in adapter_layers(model):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.empty(layer.lora_A.weight.shape)
         bound = 1 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), times sqrt(3 / fan_in)
         full.uniform_(-bound, bound, generator=generator)
@@ -87,6 +91,38 @@ def adapter_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The adapters' parameters by name (full tensors)."""
     return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
             for name, p in model.named_parameters() if is_adapter(name)}
+
+
+@contextmanager
+def adapters_set_aside(model: nn.Module) -> Iterator[None]:
+    """The adapters out of their layers while parallelize_module shards the layers (a style
+    shards every parameter, and expects a weight, under its layer), then back, placed for their layer's layout
+    (torchtitan's rule): under a colwise layer A replicated and B colwise, under a rowwise one A
+    rowwise and B replicated, so the update has the layer's own output layout (sharded on the
+    features, or partial sums reduced with the layer's). The base is frozen again after: torch's
+    SequenceParallel registers its norms' weights anew, trainable."""
+    held = [(layer, {name: layer._modules.pop(name) for name in CHILDREN}) for _, layer in adapter_layers(model)]
+    try:
+        yield
+    finally:
+        if held:  # torch's SequenceParallel makes new Parameters that train: the base stays frozen
+            for param in model.parameters():
+                param.requires_grad_(False)
+        for layer, children in held:
+            for name, child in children.items():
+                setattr(layer, name, child)
+            if hasattr(layer.weight, "device_mesh"):
+                _place_for(layer)
+
+
+def _place_for(layer: nn.Linear) -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    placement = layer.weight.placements[0]
+    a, b = ((Replicate(), Shard(0)) if placement == Shard(0) else (Shard(1), Replicate()) if placement == Shard(1)
+            else (Replicate(), Replicate()))
+    for module, where in ((layer.lora_A, a), (layer.lora_B, b)):
+        module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), layer.weight.device_mesh, [where]))
 
 
 @torch.no_grad()
@@ -116,9 +152,8 @@ def peft_adapter(model: nn.Module, adapter, hf_name=None) -> Tuple[Dict[str, tor
     return tensors, config
 
 
-def check_adapter(cfg, model: nn.Module, tp_size: int) -> None:
-    """Before launch: a kind it knows, a rank the targets can hold, targets that exist, and no TP
-    (not yet)."""
+def check_adapter(cfg, model: nn.Module) -> None:
+    """Before launch: a kind it knows, a rank the targets can hold, targets that exist."""
     adapter = cfg.adapter
     if adapter.kind == "none":
         return
@@ -129,9 +164,6 @@ def check_adapter(cfg, model: nn.Module, tp_size: int) -> None:
     if not 1 <= adapter.rank <= smallest:
         raise ConfigError("adapter.rank", adapter.rank, f"must be between 1 and {smallest}, the smallest dimension of "
                                                         f"the targeted layers")
-    if tp_size > 1:
-        raise ConfigError("adapter.kind", "lora", "LoRA under tensor parallelism is not supported yet; use a mesh "
-                                                  "without a TP dim larger than 1 (DP replicate, fsdp and hsdp work)")
     if cfg.checkpoint.final_hf:
         raise ConfigError("checkpoint.final_hf", True, "with adapter=lora the run writes no merged model itself yet; "
                                                        "export its checkpoint: python -m framework.export CKPT OUT "
