@@ -205,3 +205,41 @@ def test_verify_proves_lora_under_tp_and_sp_module_by_module(hf_dirs):
                           "checkpoint.every=null", "verify.steps=2"])
     ok, verdict, _ = verify(cfg)
     assert ok, verdict
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mesh", ["1x1", "1x2 plan=lm_tp_sp"])
+def test_an_adapter_made_by_peft_starts_a_run_at_peft_s_loss(mesh, hf_dirs, peft_reference, tmp_path):
+    """PEFT's own adapter after its 5 steps (saved by save_pretrained) through adapter.init_from:
+    the run's first loss is PEFT's model's on that batch."""
+    from hydra.utils import instantiate
+
+    path = hf_dirs["llama"]
+    saved = tmp_path / "by_peft"
+    peft_reference[1].save_pretrained(str(saved))
+    cfg = compose_config([*lora_overrides(path, hf_dirs["tokens"]), *f"mesh={mesh}".split(), f"adapter.init_from={saved}",
+                          "trainer.max_steps=1", "checkpoint.every=null"])
+    summary = launch_local(cfg, str(tmp_path / "run"))
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    dataset = instantiate(cfg.data.dataset)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=cfg.sampler.shuffle, seed=cfg.sampler.seed,
+                                 drop_last=True)
+    inputs, targets = next(iter(DataLoader(dataset, batch_size=cfg.data.global_batch_size, sampler=sampler)))
+    with torch.no_grad():
+        expected = F.cross_entropy(peft_reference[1](inputs).logits.flatten(0, 1), targets.flatten()).item()
+    assert abs(summary["losses"][0] - expected) <= 1e-5 * expected
+
+
+def test_a_peft_adapter_of_another_rank_or_targets_is_refused(hf_dirs, peft_reference, tmp_path):
+    saved = tmp_path / "by_peft"
+    peft_reference[1].save_pretrained(str(saved))
+    base = [*lora_overrides(hf_dirs["llama"], hf_dirs["tokens"]), "mesh=1x1", f"adapter.init_from={saved}"]
+    with pytest.raises(ConfigError, match=r"adapter.init_from=.*: its adapter_config.json has r=4, and this run's "
+                                          r"adapter.rank means 8; set it to match"):
+        validate(compose_config([*base, "adapter.rank=8"]))
+    with pytest.raises(ConfigError, match=r"adapter.init_from=.*: its tensors are not this run's adapters "
+                                          r"\(adapter.targets=\['wq', 'wv'\]\): 0 missing .*, 4 unexpected"):
+        validate(compose_config([*base, "adapter.targets=[wq,wv]"]))
+    with pytest.raises(ConfigError, match=r"adapter.init_from=.*: holds no adapter_config.json"):
+        validate(compose_config([*base[:-1], f"adapter.init_from={tmp_path}"]))

@@ -180,6 +180,7 @@ class AdapterConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: List[str] = field(default_factory=lambda: ["wq", "wv"])
+    init_from: Optional[str] = None  # a PEFT adapter directory to start from
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
-from framework.models.hf import SIDE_FILES, hf_name, model_state_dict
+from framework.models.hf import SIDE_FILES, model_state_dict
 from framework.models.lora import adapter_layers, merged_state_dict, peft_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -105,8 +105,7 @@ def save_peft(model: nn.Module, adapter, out: str) -> None:
         raise ConfigError("--format", "peft", "needs a checkpoint of a run with adapters (adapter=lora); this one "
                                               "has none: export it with --format pt or hf")
     check_hf_out(out)
-    kind = getattr(model, "model_type", "llama")
-    tensors, config = peft_adapter(model, adapter, (lambda name: hf_name(name, kind)) if hasattr(model, "hf_path") else None)
+    tensors, config = peft_adapter(model, adapter)
     partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
     os.makedirs(partial)
     try:

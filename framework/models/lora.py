@@ -135,21 +135,93 @@ def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     return state
 
 
-def peft_adapter(model: nn.Module, adapter, hf_name=None) -> Tuple[Dict[str, torch.Tensor], dict]:
-    """PEFT's adapter_model.safetensors tensors and adapter_config.json for the model's adapters:
-    `base_model.model.<the layer's path>.lora_A.weight`, the path Hugging Face's (`hf_name`: our
-    parameter name -> theirs) for a model loaded from one, else the framework's."""
-    tensors, modules = {}, set()
-    for name, layer in adapter_layers(model):
-        path = hf_name(f"{name}.weight")[: -len(".weight")] if hf_name else name
-        modules.add(path.rsplit(".", 1)[-1])
-        for part in ("lora_A", "lora_B"):
-            tensors[f"base_model.model.{path}.{part}.weight"] = getattr(layer, part).weight.detach().contiguous()
+def peft_adapter(model: nn.Module, adapter) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """PEFT's adapter_model.safetensors tensors and adapter_config.json for the model's adapters
+    (whole tensors, one process; names from peft_names)."""
+    params = dict(model.named_parameters())
+    tensors = {theirs: params[ours].detach().contiguous() for theirs, ours in peft_names(model).items()}
+    modules = {theirs.split(".lora_")[0].rsplit(".", 1)[-1] for theirs in tensors}
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapter.rank, "lora_alpha": adapter.alpha,
               "lora_dropout": adapter.dropout, "target_modules": sorted(modules), "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "base_model_name_or_path": getattr(model, "hf_path", None)}
     return tensors, config
+
+
+def peft_names(model: nn.Module) -> Dict[str, str]:
+    """PEFT's tensor name -> our parameter name, for this model's adapters:
+    `base_model.model.<the layer's path>.lora_A.weight`, the path Hugging Face's for a model
+    loaded from one, else the framework's."""
+    hf = _hf_naming(model)
+    return {f"base_model.model.{hf(name + '.weight')[:-len('.weight')] if hf else name}.{part}.weight":
+            f"{name}.{part}.weight" for name, _ in adapter_layers(model) for part in ("lora_A", "lora_B")}
+
+
+def _hf_naming(model: nn.Module):
+    if not hasattr(model, "hf_path"):
+        return None
+    from framework.models.hf import hf_name
+
+    return lambda name: hf_name(name, getattr(model, "model_type", "llama"))
+
+
+def read_peft_adapter(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """adapter_config.json and adapter_model.safetensors of a PEFT adapter directory."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    files = [os.path.join(path, name) for name in ("adapter_config.json", "adapter_model.safetensors")]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise ConfigError("adapter.init_from", path, f"holds no {os.path.basename(missing[0])}: not a PEFT adapter "
+                                                     f"directory (PEFT's save_pretrained, or framework.export "
+                                                     f"--format peft, writes both files)")
+    with open(files[0]) as f:
+        return json.load(f), load_file(files[1])
+
+
+def check_init_from(adapter, model: nn.Module) -> None:
+    """The PEFT adapter fits this run's: LoRA, its rank and alpha, and exactly our adapters'
+    tensors with their shapes (so its targets are ours)."""
+    config, tensors = read_peft_adapter(adapter.init_from)
+    for key, ours in (("peft_type", "LORA"), ("r", adapter.rank), ("lora_alpha", adapter.alpha)):
+        if config.get(key) != ours:
+            name = {"peft_type": "adapter.kind", "r": "adapter.rank", "lora_alpha": "adapter.alpha"}[key]
+            raise ConfigError("adapter.init_from", adapter.init_from, f"its adapter_config.json has {key}="
+                                                                      f"{config.get(key)!r}, and this run's {name} "
+                                                                      f"means {ours!r}; set it to match")
+    names = peft_names(model)
+    params = dict(model.named_parameters())
+    if set(tensors) != set(names):
+        extra, lacking = sorted(set(tensors) - set(names)), sorted(set(names) - set(tensors))
+        raise ConfigError("adapter.init_from", adapter.init_from,
+                          f"its tensors are not this run's adapters (adapter.targets={list(adapter.targets)}): "
+                          f"{len(lacking)} missing (e.g. {lacking[:1]}), {len(extra)} unexpected (e.g. {extra[:1]})")
+    for theirs, ours in names.items():
+        if list(tensors[theirs].shape) != list(params[ours].shape):
+            raise ConfigError("adapter.init_from", adapter.init_from, f"{theirs} is {list(tensors[theirs].shape)}, "
+                                                                      f"this model's {list(params[ours].shape)}")
+
+
+@torch.no_grad()
+def load_peft_adapter(model: nn.Module, path: str) -> None:
+    """A PEFT adapter's tensors into the adapters (each rank its own shards)."""
+    _, tensors = read_peft_adapter(path)
+    params = dict(model.named_parameters())
+    for theirs, ours in peft_names(model).items():
+        if ours in params:  # (a pipeline stage holds only its own layers)
+            _copy_placed(params[ours], tensors[theirs].float())
+
+
+def _with_adapters(model: nn.Module, adapter) -> nn.Module:
+    """A copy of validation's (meta) model with the run's adapters, to check init_from against."""
+    import copy
+
+    copied = copy.deepcopy(model)
+    add_adapters(copied, adapter.rank, adapter.alpha, adapter.dropout, list(adapter.targets), seed=0)
+    return copied
 
 
 def check_adapter(cfg, model: nn.Module) -> None:
@@ -164,6 +236,8 @@ def check_adapter(cfg, model: nn.Module) -> None:
     if not 1 <= adapter.rank <= smallest:
         raise ConfigError("adapter.rank", adapter.rank, f"must be between 1 and {smallest}, the smallest dimension of "
                                                         f"the targeted layers")
+    if adapter.get("init_from"):
+        check_init_from(adapter, _with_adapters(model, adapter))
     if cfg.checkpoint.final_hf:
         raise ConfigError("checkpoint.final_hf", True, "with adapter=lora the run writes no merged model itself yet; "
                                                        "export its checkpoint: python -m framework.export CKPT OUT "

@@ -19,7 +19,7 @@ from framework.checkpoint.manager import Checkpointer, restart_count
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
 from framework.models.hf import load_hf_weights, materialize
-from framework.models.lora import add_adapters, init_adapters
+from framework.models.lora import add_adapters, init_adapters, load_peft_adapter
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
@@ -209,6 +209,10 @@ def stage_checkpoint(run: Run) -> None:
     else:
         message = f"fresh start (no checkpoint to resume in {run.checkpointer.dir})" if run.cfg.checkpoint.resume \
             else "fresh start"
+    init_from = run.cfg.adapter.get("init_from")
+    if init_from and kind != "resume":  # (a resumed run's adapters are its checkpoint's)
+        load_peft_adapter(run.module, init_from)
+        message += f"; LoRA adapters from the PEFT adapter in {init_from}"
     if run.rank == 0:
         restarts = restart_count()
         log.info("%s%s", f"restart {restarts} of {os.environ['TORCHELASTIC_MAX_RESTARTS']}: " if restarts else "",
