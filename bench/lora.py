@@ -36,7 +36,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for mesh in (["mesh=1x1"], ["mesh=2x1", "parallel.dp_strategy=fsdp"]):
         for name, extra in (("full", []), ("LoRA r=8 on q/k/v/o", LORA)):
-            r = run([*mesh, *extra], args.steps, work / f"{mesh[0]}_{len(extra)}")
+            r = run([*mesh, *extra], args.steps, work / f"{mesh[0].split('=')[1]}_{len(extra)}")
             print(f"| {' '.join(mesh)} | {name} | {r['parameters'] / 2**20:.1f} | {r['gradients'] / 2**20:.2f} | "
                   f"{r['optimizer_state'] / 2**20:.2f} | {r['step_s'] * 1000:.0f} |")
 
