@@ -243,3 +243,27 @@ def test_a_peft_adapter_of_another_rank_or_targets_is_refused(hf_dirs, peft_refe
         validate(compose_config([*base, "adapter.targets=[wq,wv]"]))
     with pytest.raises(ConfigError, match=r"adapter.init_from=.*: holds no adapter_config.json"):
         validate(compose_config([*base[:-1], f"adapter.init_from={tmp_path}"]))
+
+
+@pytest.mark.timeout(300)
+def test_lora_resumes_from_the_command_line_and_starts_from_a_full_checkpoints_base(hf_dirs, tmp_path):
+    """Through framework.train's own checks: a LoRA run's checkpoint resumes (its adapters are
+    the run's); a checkpoint of full training starts a LoRA run from its weights (checkpoint.init_from:
+    the base only, the adapters fresh: step 1's loss is the checkpoint's model's)."""
+    from tests.conftest import run_cli
+
+    path = hf_dirs["llama"]
+    lora = [o for o in lora_overrides(path, hf_dirs["tokens"]) if o != "checkpoint.every=5"] + ["mesh=1x1"]
+    full = [o for o in lora if not o.startswith("adapter")]
+    assert run_cli([*full, "trainer.max_steps=2", "checkpoint.every=2", f"hydra.run.dir={tmp_path / 'full'}"]).returncode == 0
+    full_losses = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
+    started = run_cli([*lora, "trainer.max_steps=2", "checkpoint.every=1",
+                       f"checkpoint.init_from={tmp_path / 'full' / 'checkpoints' / 'step_2'}",
+                       f"hydra.run.dir={tmp_path / 'lora'}"])
+    assert started.returncode == 0, started.stderr
+    lora_losses = json.loads((tmp_path / "lora" / "summary.json").read_text())["losses"]
+    assert lora_losses[0] != pytest.approx(full_losses[0])  # the full run's trained weights, not the files'
+    resumed = run_cli([*lora, "trainer.max_steps=2", f"checkpoint.resume={tmp_path / 'lora' / 'checkpoints' / 'step_1'}",
+                       f"hydra.run.dir={tmp_path / 'resumed'}"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"] == lora_losses

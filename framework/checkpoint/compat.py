@@ -8,6 +8,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from framework.models.lora import is_adapter
 from framework.checkpoint.layout import CheckpointError, read_meta, resolve
 from framework.config.errors import ConfigError
 
@@ -50,7 +51,7 @@ def check_checkpoint_sources(cfg: DictConfig, checkpoint_dir: str, model: nn.Mod
         return
     try:
         meta = read_meta(path)
-        check_model_keys(path, model)
+        check_model_keys(path, model, base_only=not resume)
     except CheckpointError as error:
         raise ConfigError(key, getattr(c, key.split(".")[1]), str(error)) from None
     if resume and not c.reset_data:
@@ -81,9 +82,11 @@ def check_data_order(cfg: DictConfig, path: str, saved_config: dict) -> None:
                                         f"restart the data at the next epoch")
 
 
-def check_model_keys(path: str, model: nn.Module) -> None:
+def check_model_keys(path: str, model: nn.Module, base_only: bool = False) -> None:
     """The model's state_dict keys and shapes against the checkpoint's (DCP's .metadata, read
-    without loading a tensor): name the first key missing on either side, or both shapes."""
+    without loading a tensor): name the first key missing on either side, or both shapes.
+    `base_only` (checkpoint.init_from): the model's LoRA adapters are not looked for, and the
+    checkpoint's, if it has any, are not loaded (Checkpointer.load_model_only)."""
     from framework.checkpoint.safe_load import SafeReader  # only when a checkpoint is given
 
     try:
@@ -92,7 +95,9 @@ def check_model_keys(path: str, model: nn.Module) -> None:
         raise CheckpointError(path, f"unreadable .metadata ({type(error).__name__}: {error})") from None
     saved = {k.removeprefix("model."): list(v.size) for k, v in metadata.items()
              if k.startswith("model.") and hasattr(v, "size")}
-    expected = {k: list(t.shape) for k, t in model.state_dict().items()}
+    expected = {k: list(t.shape) for k, t in model.state_dict().items() if not (base_only and is_adapter(k))}
+    if base_only:
+        saved = {k: v for k, v in saved.items() if not is_adapter(k)}
     for name, shape in expected.items():
         if name not in saved:
             raise CheckpointError(path, f"has no model key {name!r} (shape {shape} in this model): another model's "

@@ -48,6 +48,7 @@ from framework.checkpoint.layout import (
 )
 from framework.checkpoint.safe_load import SafeReader, load_checkpoint
 from framework.data.loader import DataPosition
+from framework.models.lora import is_adapter
 from framework.training.state import TrainState
 
 log = logging.getLogger("framework")
@@ -229,9 +230,13 @@ class Checkpointer:
         return Resumed(path, meta["step"], time.perf_counter() - start)
 
     def load_model_only(self, path: str) -> None:
-        """checkpoint.init_from: the weights start a new run (step 0, fresh optimizer and data)."""
+        """checkpoint.init_from: the weights start a new run (step 0, fresh optimizer and data);
+        the base weights only: LoRA adapters start fresh (or from adapter.init_from)."""
         read_meta(path)
-        load_checkpoint({"model": self.model}, path)
+        module = self.model.model
+        state = {k: v for k, v in get_model_state_dict(module).items() if not is_adapter(k)}
+        load_checkpoint({"model": state}, path)  # in place: the state's tensors are the parameters'
+        set_model_state_dict(module, state, options=StateDictOptions(strict=False))
 
     def close(self) -> None:
         self.wait()

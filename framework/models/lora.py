@@ -215,17 +215,10 @@ def load_peft_adapter(model: nn.Module, path: str) -> None:
             _copy_placed(params[ours], tensors[theirs].float())
 
 
-def _with_adapters(model: nn.Module, adapter) -> nn.Module:
-    """A copy of validation's (meta) model with the run's adapters, to check init_from against."""
-    import copy
-
-    copied = copy.deepcopy(model)
-    add_adapters(copied, adapter.rank, adapter.alpha, adapter.dropout, list(adapter.targets), seed=0)
-    return copied
-
-
 def check_adapter(cfg, model: nn.Module) -> None:
-    """Before launch: a kind it knows, a rank the targets can hold, targets that exist."""
+    """Before launch: a kind it knows, a rank the targets can hold, targets that exist; then
+    validation's (meta) model gets the run's adapters, as the `adapters` stage adds them, so the
+    checks after this one (a PEFT init_from, a checkpoint's keys) see the run's model."""
     adapter = cfg.adapter
     if adapter.kind == "none":
         return
@@ -236,9 +229,10 @@ def check_adapter(cfg, model: nn.Module) -> None:
     if not 1 <= adapter.rank <= smallest:
         raise ConfigError("adapter.rank", adapter.rank, f"must be between 1 and {smallest}, the smallest dimension of "
                                                         f"the targeted layers")
-    if adapter.get("init_from"):
-        check_init_from(adapter, _with_adapters(model, adapter))
     if cfg.checkpoint.final_hf:
         raise ConfigError("checkpoint.final_hf", True, "with adapter=lora the run writes no merged model itself yet; "
                                                        "export its checkpoint: python -m framework.export CKPT OUT "
                                                        "--format peft (the adapter) or --format hf (merged)")
+    add_adapters(model, adapter.rank, adapter.alpha, adapter.dropout, list(adapter.targets), seed=0)
+    if adapter.get("init_from"):
+        check_init_from(adapter, model)
