@@ -130,6 +130,7 @@ def test_a_first_step_that_compiles_for_longer_than_the_stall_timeout_trains_to_
     assert not list((tmp_path / "logs").glob("stall.rank*.json"))
 
 
+@pytest.mark.integration  # (the eager stall tests stay in make test)
 @pytest.mark.timeout(200)
 def test_a_stall_under_compiled_blocks_is_reported_like_an_eager_one(tmp_path, cold_inductor_cache):
     """trainer.compile=blocks on 1x2 TP+SP: rank 1 blocks before its blocks in step 3; rank 0
@@ -142,6 +143,7 @@ def test_a_stall_under_compiled_blocks_is_reported_like_an_eager_one(tmp_path, c
                             "(tests/workers.py:"), rank1
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_stall_in_a_pipeline_names_the_stage_and_its_send_recv(tmp_path):
     last = stalled_lm(["mesh=pp2x1x1", "plan=none", "model.n_layers=4"], 4, tmp_path)

@@ -113,8 +113,9 @@ def peft_reference(hf_dirs):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mesh,overrides", [("1x1", []), ("2x1", []), ("2x1", ["parallel.dp_strategy=fsdp"]),
                                             ("1x2", ["plan=lm_tp_sp"]),
-                                            ("2x2", ["plan=lm_tp_sp", "parallel.dp_strategy=fsdp"]),
-                                            ("pp2x1x1", [])])
+                                            pytest.param("2x2", ["plan=lm_tp_sp", "parallel.dp_strategy=fsdp"],
+                                                         marks=pytest.mark.integration),
+                                            pytest.param("pp2x1x1", [], marks=pytest.mark.integration)])
 def test_every_mesh_trains_the_adapters_peft_trains_and_leaves_the_base_bitwise(mesh, overrides, hf_dirs, peft_reference,
                                                                                tmp_path):
     path = hf_dirs["llama"]
@@ -208,7 +209,7 @@ def test_verify_proves_lora_under_tp_and_sp_module_by_module(hf_dirs):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mesh", ["1x1", "1x2 plan=lm_tp_sp"])
+@pytest.mark.parametrize("mesh", ["1x1", pytest.param("1x2 plan=lm_tp_sp", marks=pytest.mark.integration)])
 def test_an_adapter_made_by_peft_starts_a_run_at_peft_s_loss(mesh, hf_dirs, peft_reference, tmp_path):
     """PEFT's own adapter after its 5 steps (saved by save_pretrained) through adapter.init_from:
     the run's first loss is PEFT's model's on that batch."""

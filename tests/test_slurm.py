@@ -68,6 +68,7 @@ def test_a_job_whose_rank_fails_is_reported_and_the_other_job_finishes(cluster, 
     assert (sweep / "1" / "summary.json").exists() and not (sweep / "1" / "error.txt").exists()
 
 
+@pytest.mark.integration
 def test_a_cancelled_job_saves_where_it_stopped_is_reported_and_leaves_nothing_running(cluster, tmp_path):
     """scancel signals the job's tasks (SIGTERM): its ranks stop after one step, save, and the
     sweep reports the job as ended before the run finished, naming the checkpoint."""

@@ -62,6 +62,7 @@ def test_compiling_a_model_without_blocks_is_refused_before_launch(tmp_path):
                                      "repeated blocks to compile; use trainer.compile=none")
 
 
+@pytest.mark.integration  # (test_profile_steps_profiles_a_normal_run stays in make test)
 def test_inspect_profile_writes_each_ranks_trace_and_finds_collectives_only_where_there_are_some(tmp_path):
     tiny = [arg for arg in TINY_LM if arg != "trainer.progress_bar=false"]
     results = {}
