@@ -328,6 +328,7 @@ def test_auto_picks_the_newest_complete_checkpoint_and_partial_ones_are_removed(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_100", "step_200"]
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_a_checkpoint_at_or_past_max_steps_leaves_nothing_to_train(tmp_path):
     job = ["mesh=2x1", "trainer.log_every=2", "checkpoint.every=2", *QUIET, f"hydra.run.dir={tmp_path}"]

@@ -262,6 +262,7 @@ LM_ON_TOKENS = ["recipe=lm_files", "model=lm_tiny", "data.dataset.seq_len=32", "
                 *QUIET]
 
 
+@pytest.mark.integration  # (tests/test_long_context.py's layouts train prepared tokens in make test)
 def test_training_on_prepared_tokens_resumes_exactly_and_agrees_across_meshes(tmp_path):
     data = make_packed(tmp_path)
     runs = {}

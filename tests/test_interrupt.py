@@ -50,6 +50,7 @@ def _nothing_left(marker: str) -> bool:
     return not processes_with_marker(marker)
 
 
+@pytest.mark.integration  # (the SIGTERM cases stay in make test)
 @pytest.mark.timeout(240)
 def test_ctrl_c_saves_where_every_rank_stopped_and_the_resume_trains_as_if_never_stopped(tmp_path):
     marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"
