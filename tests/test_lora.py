@@ -264,6 +264,13 @@ def test_lora_resumes_from_the_command_line_and_starts_from_a_full_checkpoints_b
     assert started.returncode == 0, started.stderr
     lora_losses = json.loads((tmp_path / "lora" / "summary.json").read_text())["losses"]
     assert lora_losses[0] != pytest.approx(full_losses[0])  # the full run's trained weights, not the files'
+    from tests.test_hf import first_global_batch
+
+    trained = load_model(str(tmp_path / "full" / "checkpoints" / "step_2"))[0]  # B = 0: the base alone
+    inputs, targets = first_global_batch(compose_config(lora))
+    with torch.no_grad():
+        expected = F.cross_entropy(trained(inputs).flatten(0, 1), targets.flatten()).item()
+    assert abs(lora_losses[0] - expected) <= 1e-5 * expected
     resumed = run_cli([*lora, "trainer.max_steps=2", f"checkpoint.resume={tmp_path / 'lora' / 'checkpoints' / 'step_1'}",
                        f"hydra.run.dir={tmp_path / 'resumed'}"])
     assert resumed.returncode == 0, resumed.stderr
