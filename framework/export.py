@@ -31,9 +31,10 @@ from framework.config.errors import ConfigError
 from framework.config.schema import Config
 from framework.config.trust import check_targets
 from framework.config.validate import instantiate_checked
-from framework.models.hf import materialize
+from framework.checkpoint.base_model import base_model, describe, same_base
+from framework.models.hf import load_hf_weights, materialize
 from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, check_hf_out, save_hf, save_peft
-from framework.models.lora import add_adapters
+from framework.models.lora import add_adapters, is_adapter
 
 
 @contextmanager
@@ -50,11 +51,17 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
     """The checkpoint's model, built in this process with whole tensors; its saved config; the
     checkpoint dir used."""
     path = resolve(checkpoint, directory="")
-    cfg = OmegaConf.create(read_meta(path)["config"])
+    meta = read_meta(path)
+    cfg = OmegaConf.create(meta["config"])
     # The saved config names the model class: checked against your allowlist (the default, and
     # FRAMEWORK_ALLOWED_TARGETS), never the one the checkpoint carries.
     cfg.allowed_targets = Config().allowed_targets
     check_targets(cfg)
+    base = meta.get("base")  # a LoRA run's checkpoint: its adapters alone, and which base they adapt
+    if base is not None and "model" in base and base["device"] != "cpu":
+        raise CheckpointError(path, f"its base model is the one trainer.seed drew on {base['device']}, which this "
+                                    f"process (on cpu) cannot draw again; export where that device is")
+    torch.manual_seed(cfg.trainer.seed)  # a base drawn from the seed is drawn again
     with torch.device("cpu"), saved_config_errors(path):
         model = instantiate_checked(cfg.model)
     adapter = cfg.get("adapter") or {"kind": "none"}
@@ -62,11 +69,31 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
         add_adapters(model, adapter["rank"], adapter["alpha"], adapter["dropout"], list(adapter["targets"]), 0)
     if any(p.is_meta for p in model.parameters()):  # a Hugging Face model comes on meta
         materialize(model, "cpu")
-    check_model_keys(path, model)
+    check_model_keys(path, model, "all" if base is None else "adapters")
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_checkpoint({"model": model.state_dict()}, path, no_dist=True)
+        if base is not None:
+            _load_base(model, cfg, path, base)
+        state = model.state_dict()
+        load_checkpoint({"model": state if base is None else {k: v for k, v in state.items() if is_adapter(k)}},
+                        path, no_dist=True)
     return model, cfg, path
+
+
+def _load_base(model: nn.Module, cfg: DictConfig, path: str, base: dict) -> None:
+    """The base weights of an adapter checkpoint, from where the run took them (still the same)."""
+    if "checkpoint" in base:
+        meta = read_meta(base["checkpoint"])
+        now = {"checkpoint": base["checkpoint"], "step": meta["step"], "saved_unix": meta["saved_unix"]}
+    else:
+        now = base_model(cfg, os.path.dirname(path), getattr(model, "hf_path", None))
+    if not same_base(base, now):
+        raise CheckpointError(path, f"its adapters belong to {describe(base)}, but that is now {describe(now)}")
+    if "checkpoint" in base:
+        state = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
+        load_checkpoint({"model": state}, base["checkpoint"], no_dist=True)
+    elif "hf" in base:
+        load_hf_weights(model, model.hf_path)
 
 
 def check_out(out: str, format: str) -> None:

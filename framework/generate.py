@@ -1,12 +1,13 @@
 """`python -m framework.generate SOURCE --prompt TEXT [--max-new-tokens N] [--temperature T
---top-p P --seed S]`: continue a prompt with a trained model, on this one process.
+--top-p P --seed S] [--adapter PEFT_DIR]`: continue a prompt with a trained model, on this one process.
 
 SOURCE is a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a
 framework checkpoint (a step_N dir, or a checkpoints dir: its newest). The prompt is encoded
 with the model's tokenizer (the HF directory's tokenizer.json; for the framework's own LMs the
 run's data.tokenizer, else bytes), decoded token by token with a KV cache (each new token
 attends to the cached keys and values instead of recomputing the prefix), until N tokens or the
-end-of-text token. Greedy (temperature 0, the default) or sampled with nucleus (top-p)
+end-of-text token. `--adapter PEFT_DIR` adds a PEFT LoRA adapter (PEFT's or framework.export
+--format peft's) to SOURCE's model. Greedy (temperature 0, the default) or sampled with nucleus (top-p)
 filtering, seeded. A Hugging Face model is checked as training checks it (its safetensors, a
 tokenizer within its vocabulary, the prompt and N new tokens within its max_position_embeddings)
 before anything runs; bad input exits 2 with one line.
@@ -26,6 +27,7 @@ from framework.cli import parsed_status
 from framework.config.errors import ConfigError
 from framework.data.tokenizer import load_tokenizer
 from framework.models.hf import HFTransformer, check_length, check_vocab, check_weights, load_hf_weights, materialize
+from framework.models.lora import add_peft_adapter, is_adapter, load_peft_adapter
 from framework.models.transformer import LayerCache
 
 SOURCES = ("a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a step_N checkpoint or a "
@@ -85,22 +87,26 @@ def _tokenizer(model: nn.Module, path: Optional[str]):
     return tokenizer
 
 
-def _hf_source(source: str) -> Tuple[nn.Module, object, Set[int]]:
-    """A Hugging Face directory's model, tokenizer and stop ids, checked as training checks them
-    before any weight is read."""
+def _hf_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, Set[int]]:
+    """A Hugging Face directory's model (with `adapter`'s LoRA), tokenizer and stop ids, checked
+    as training checks them before any weight is read."""
     model = HFTransformer(source)
     check_weights(model)
     tokenizer = _tokenizer(model, model.hf_path)
+    if adapter:
+        add_peft_adapter(model, adapter, "--adapter")
     materialize(model, "cpu")
     with warnings.catch_warnings():  # DCP's note that it reads in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_hf_weights(model, model.hf_path)
+    if adapter:
+        load_peft_adapter(model, adapter)
     return model, tokenizer, _stop_ids(model.hf_path, tokenizer)
 
 
-def _checkpoint_source(source: str) -> Tuple[nn.Module, object, Set[int]]:
-    """A checkpoint's model, its tokenizer and stop ids; what its saved config names is said to
-    come from there."""
+def _checkpoint_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, Set[int]]:
+    """A checkpoint's model (with `adapter`'s LoRA), its tokenizer and stop ids; what its saved
+    config names is said to come from there."""
     from framework.export import load_model, saved_config_errors
 
     if not os.path.isdir(source):
@@ -111,18 +117,25 @@ def _checkpoint_source(source: str) -> Tuple[nn.Module, object, Set[int]]:
         raise ConfigError("SOURCE", source, f"no config.json there (a Hugging Face model directory has one), and "
                                             f"{error}") from None
     model, cfg, _ = load_model(path)
+    if adapter:
+        if any(is_adapter(name) for name, _ in model.named_parameters()):
+            raise ConfigError("--adapter", adapter, f"{source} has LoRA adapters of its own; give its base model "
+                                                    f"as SOURCE")
+        add_peft_adapter(model, adapter, "--adapter")
+        load_peft_adapter(model, adapter)
     model_dir = getattr(model, "hf_path", None)
     with saved_config_errors(path):
         tokenizer = _tokenizer(model, model_dir or (cfg.get("data") or {}).get("tokenizer"))
     return model, tokenizer, _stop_ids(model_dir, tokenizer)
 
 
-def load_source(source: str) -> Tuple[nn.Module, object, Set[int]]:
-    """(model with its weights, tokenizer, stop ids) of a Hugging Face directory or a checkpoint."""
+def load_source(source: str, adapter: Optional[str] = None) -> Tuple[nn.Module, object, Set[int]]:
+    """(model with its weights and `adapter`'s, tokenizer, stop ids) of a Hugging Face directory
+    or a checkpoint."""
     if not os.path.isfile(os.path.join(source, "config.json")):
-        return _checkpoint_source(source)
+        return _checkpoint_source(source, adapter)
     try:
-        return _hf_source(source)
+        return _hf_source(source, adapter)
     except ConfigError as error:  # framework.models.hf names model.path, training's key for SOURCE
         raise (ConfigError("SOURCE", error.value, error.fix) if error.key == "model.path" else error) from None
 
@@ -156,12 +169,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens whose probability "
                                                             "reaches this, in (0, 1] (default 1: all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling's seed (default 0)")
+    p.add_argument("--adapter", metavar="PEFT_DIR", help="a PEFT LoRA adapter directory (adapter_config.json + "
+                                                         "adapter_model.safetensors) to apply to SOURCE's model")
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
     check_options(args)
-    model, tokenizer, stop = load_source(args.source)
+    model, tokenizer, stop = load_source(args.source, args.adapter)
     prompt = encoded_prompt(args, model, tokenizer)
     new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, stop)
     print(args.prompt + tokenizer.decode([t for t in new if t not in stop]))

@@ -57,6 +57,15 @@ def test_a_rank_killed_by_a_signal_is_the_headline_never_the_ranks_stopped_after
                 f"killer) or by a crash, so it left no traceback; ranks {others} failed after it"), attempt
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_that_raised_is_the_headline_even_when_the_agent_stopped_it_after_its_peers_failed():
+    # A rank's error reaches its peers (their collectives fail) before the rank has exited; the
+    # agent then SIGTERMs it as one still running. Its own error file says it was first.
+    with pytest.raises(RankFailed) as failed:
+        spawn_ranks(2, *ZYGOTE, zygote_socket(), "tests.rank_exits", "raise", "1")
+    assert str(failed.value).startswith("rank 1 failed (exit code -15): RuntimeError: boom on rank 1 "), failed.value
+
+
 @pytest.mark.timeout(120)
 def test_a_stuck_step_fails_fast_naming_each_ranks_stage_and_collective_with_stacks(tmp_path):
     marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from framework.checkpoint.base_model import weights_fingerprint
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
 from framework.export import export, load_model
@@ -34,6 +35,14 @@ def lora_overrides(path: str, tokens: str) -> list:
             "trainer.warmup_steps=0", "trainer.lr_decay=constant", "trainer.grad_clip=null", "trainer.eval_every=null",
             "trainer.max_steps=5", "trainer.log_every=5", "trainer.progress_bar=false", "logger.tensorboard=false",
             "checkpoint.every=5"]
+
+
+def saved_model_keys(step_dir) -> set:
+    """The model keys in a checkpoint's DCP metadata."""
+    from framework.checkpoint.safe_load import SafeReader
+
+    metadata = SafeReader(str(step_dir)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model.") for k in metadata if k.startswith("model.")}
 
 
 def peft_model(path: str, ours):
@@ -125,7 +134,11 @@ def test_every_mesh_trains_the_adapters_peft_trains_and_leaves_the_base_bitwise(
     print(f"LoRA {mesh} {overrides}: max relative loss error vs PEFT {error:.2e}")
     assert error < 1e-5
     assert summary["losses"][-1] < summary["losses"][0] - 0.05  # the adapters learn
-    exported = tmp_path / "model.pt"
+    saved = saved_model_keys(tmp_path / "checkpoints" / "step_5")  # the adapters alone, naming their base
+    assert saved == set(adapter_state(load_model(str(tmp_path / "checkpoints"))[0]))
+    meta = json.loads((tmp_path / "checkpoints" / "step_5" / "framework.json").read_text())
+    assert meta["base"] == {"hf": path, "fingerprint": weights_fingerprint(path)}
+    exported = tmp_path / "model.pt"  # the base from the Hugging Face files, the adapters from the checkpoint
     export(str(tmp_path / "checkpoints"), str(exported))
     state, base = torch.load(exported), loaded(path).state_dict()
     for name, value in base.items():
@@ -271,7 +284,71 @@ def test_lora_resumes_from_the_command_line_and_starts_from_a_full_checkpoints_b
     with torch.no_grad():
         expected = F.cross_entropy(trained(inputs).flatten(0, 1), targets.flatten()).item()
     assert abs(lora_losses[0] - expected) <= 1e-5 * expected
-    resumed = run_cli([*lora, "trainer.max_steps=2", f"checkpoint.resume={tmp_path / 'lora' / 'checkpoints' / 'step_1'}",
-                       f"hydra.run.dir={tmp_path / 'resumed'}"])
+    # The adapters alone resume on their base (the full checkpoint, init_from), the only one they resume on.
+    init_from = f"checkpoint.init_from={tmp_path / 'full' / 'checkpoints' / 'step_2'}"
+    resume = f"checkpoint.resume={tmp_path / 'lora' / 'checkpoints' / 'step_1'}"
+    resumed = run_cli([*lora, "trainer.max_steps=2", init_from, resume, f"hydra.run.dir={tmp_path / 'resumed'}"])
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["losses"] == lora_losses
+    refused = run_cli([*lora, "trainer.max_steps=2", resume, f"hydra.run.dir={tmp_path / 'refused'}"])
+    assert refused.returncode == 2
+    assert (f"config error: checkpoint.resume='{tmp_path / 'lora' / 'checkpoints' / 'step_1'!s}': checkpoint "
+            f"{tmp_path / 'lora' / 'checkpoints' / 'step_1'!s}: holds LoRA adapters of the checkpoint "
+            f"{tmp_path / 'full' / 'checkpoints' / 'step_2'!s} (step 2), but this run's base model is the Hugging Face "
+            f"model {path}") in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.timeout(300)
+def test_an_adapter_checkpoint_resumes_only_on_its_own_base(hf_dirs, tmp_path):
+    """A moved copy of the base is the same base; a retrained one, a run without adapters and a
+    run started from the adapters' weights are refused, naming the key, before any rank starts."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = hf_dirs["llama"]
+    base = [*lora_overrides(path, hf_dirs["tokens"]), "mesh=1x1", "trainer.max_steps=1", "checkpoint.every=1"]
+    launch_local(compose_config(base), str(tmp_path / "run"))
+    step = tmp_path / "run" / "checkpoints" / "step_1"
+    moved, retrained = tmp_path / "moved", tmp_path / "retrained"
+    shutil.copytree(path, moved)
+    shutil.copytree(path, retrained)
+    weights = next(retrained.glob("*.safetensors"))
+    state = load_file(str(weights))
+    name = next(iter(state))
+    state[name] = state[name] + 1e-3
+    save_file(state, str(weights), metadata={"format": "pt"})
+
+    def check(*overrides):
+        validate(compose_config([*base, f"checkpoint.resume={step}", *overrides]), out_dir=str(tmp_path / "new"))
+
+    check(f"model.path={moved}")
+    with pytest.raises(ConfigError, match=rf"checkpoint.resume=.*: holds LoRA adapters of the Hugging Face model "
+                                          rf"{path} \(weights fingerprint \w+\), but this run's base model is the "
+                                          rf"Hugging Face model {retrained} \(weights fingerprint \w+\); resume with "
+                                          rf"the base they were trained on"):
+        check(f"model.path={retrained}")
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=.*: holds LoRA adapters alone \(of the Hugging Face "
+                                          r"model .*\); resume it with adapter=lora"):
+        check("adapter=none")
+    with pytest.raises(ConfigError, match=r"checkpoint.init_from=.*: holds LoRA adapters alone, no base weights to "
+                                          r"start from; export them .*--format peft\) and start from adapter.init_from"):
+        validate(compose_config([*base, f"checkpoint.init_from={step}"]), out_dir=str(tmp_path / "new"))
+
+
+def test_generate_applies_a_peft_adapter_to_its_base_as_peft_does(hf_dirs, peft_reference, tmp_path, capsys):
+    from framework.generate import load_source, main
+
+    path, saved = hf_dirs["llama"], tmp_path / "by_peft"
+    peft_reference[1].save_pretrained(str(saved))
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = load_source(path, str(saved))[0](tokens)
+        theirs = peft.PeftModel.from_pretrained(reference(path), str(saved))(tokens).logits
+        base = reference(path)(tokens).logits
+    assert relative_error(theirs, ours) <= 1e-5 and relative_error(base, ours) > 1e-3  # the adapter, applied
+    assert main([path, "--prompt", "ab", "--max-new-tokens", "3", "--adapter", str(saved)]) == 0
+    assert capsys.readouterr().out.startswith("ab")
+    assert main([path, "--prompt", "ab", "--adapter", str(tmp_path)]) == 2
+    assert f"--adapter={str(tmp_path)!r}: holds no adapter_config.json" in capsys.readouterr().err

@@ -8,8 +8,9 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.models.lora import is_adapter
+from framework.checkpoint.base_model import base_model, describe, same_base
 from framework.checkpoint.layout import CheckpointError, read_meta, resolve
+from framework.models.lora import is_adapter
 from framework.config.errors import ConfigError
 
 # Keys whose change reorders the global batches a resumed position points into.
@@ -21,7 +22,8 @@ def check_checkpoint_keys(cfg: DictConfig) -> None:
     for key in ("every", "keep_last"):
         if c[key] is not None and c[key] < 1:
             raise ConfigError(f"checkpoint.{key}", c[key], "must be >= 1, or null")
-    if c.resume not in (None, "auto") and c.init_from:
+    # (A LoRA run's init_from is its base, which a resume of its adapters loads again.)
+    if c.resume not in (None, "auto") and c.init_from and cfg.adapter.kind == "none":
         raise ConfigError("checkpoint.init_from", c.init_from,
                           "a run either resumes checkpoint.resume or starts from init_from's weights; set "
                           "checkpoint.resume=auto (init_from applies when it finds nothing) or drop init_from")
@@ -49,13 +51,32 @@ def check_checkpoint_sources(cfg: DictConfig, checkpoint_dir: str, model: nn.Mod
                                                                         checkpoint_dir), "checkpoint.init_from")
     if path is None:
         return
+    value = getattr(c, key.split(".")[1])
     try:
         meta = read_meta(path)
-        check_model_keys(path, model, base_only=not resume)
+        if "base" in meta:
+            check_adapter_checkpoint(cfg, checkpoint_dir, model, path, meta["base"], resume is not None)
+        check_model_keys(path, model, "adapters" if "base" in meta else "all" if resume else "base")
     except CheckpointError as error:
-        raise ConfigError(key, getattr(c, key.split(".")[1]), str(error)) from None
+        raise ConfigError(key, value, str(error)) from None
     if resume and not c.reset_data:
         check_data_order(cfg, path, meta["config"])
+
+
+def check_adapter_checkpoint(cfg: DictConfig, checkpoint_dir: str, model: nn.Module, path: str, saved: dict,
+                             resume: bool) -> None:
+    """A checkpoint of LoRA adapters alone: only a LoRA run on the base they were trained on
+    resumes it; none starts from its weights (it has no base weights)."""
+    if not resume:
+        raise CheckpointError(path, "holds LoRA adapters alone, no base weights to start from; export them "
+                                    "(python -m framework.export CKPT OUT --format peft) and start from adapter.init_from=OUT")
+    if not any(is_adapter(name) for name in model.state_dict()):
+        raise CheckpointError(path, f"holds LoRA adapters alone (of {describe(saved)}); resume it with adapter=lora "
+                                    f"and the adapter keys it was saved with")
+    now = base_model(cfg, checkpoint_dir, getattr(model, "hf_path", None))
+    if not same_base(saved, now):
+        raise CheckpointError(path, f"holds LoRA adapters of {describe(saved)}, but this run's base model is "
+                                    f"{describe(now)}; resume with the base they were trained on")
 
 
 def nothing_to_train(cfg: DictConfig, checkpoint_dir: str) -> Optional[str]:
@@ -82,11 +103,11 @@ def check_data_order(cfg: DictConfig, path: str, saved_config: dict) -> None:
                                         f"restart the data at the next epoch")
 
 
-def check_model_keys(path: str, model: nn.Module, base_only: bool = False) -> None:
+def check_model_keys(path: str, model: nn.Module, which: str = "all") -> None:
     """The model's state_dict keys and shapes against the checkpoint's (DCP's .metadata, read
     without loading a tensor): name the first key missing on either side, or both shapes.
-    `base_only` (checkpoint.init_from): the model's LoRA adapters are not looked for, and the
-    checkpoint's, if it has any, are not loaded (Checkpointer.load_model_only)."""
+    `which` keys: "all"; "base" (checkpoint.init_from: the LoRA adapters of neither side, as
+    Checkpointer.load_model_only loads none); "adapters" (a LoRA run's checkpoint holds those)."""
     from framework.checkpoint.safe_load import SafeReader  # only when a checkpoint is given
 
     try:
@@ -95,9 +116,9 @@ def check_model_keys(path: str, model: nn.Module, base_only: bool = False) -> No
         raise CheckpointError(path, f"unreadable .metadata ({type(error).__name__}: {error})") from None
     saved = {k.removeprefix("model."): list(v.size) for k, v in metadata.items()
              if k.startswith("model.") and hasattr(v, "size")}
-    expected = {k: list(t.shape) for k, t in model.state_dict().items() if not (base_only and is_adapter(k))}
-    if base_only:
-        saved = {k: v for k, v in saved.items() if not is_adapter(k)}
+    kept = {"all": lambda k: True, "base": lambda k: not is_adapter(k), "adapters": is_adapter}[which]
+    expected = {k: list(t.shape) for k, t in model.state_dict().items() if kept(k)}
+    saved = {k: v for k, v in saved.items() if kept(k)}
     for name, shape in expected.items():
         if name not in saved:
             raise CheckpointError(path, f"has no model key {name!r} (shape {shape} in this model): another model's "

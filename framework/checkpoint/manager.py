@@ -68,16 +68,18 @@ class Resumed:
 
 
 class ModelState(Stateful):
-    """The model's state dict by its own parameter names, DTensor shards as they are."""
+    """The model's state dict by its own parameter names, DTensor shards as they are; with
+    `adapters_only`, its LoRA adapters alone (the frozen base comes from its own source)."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, adapters_only: bool = False):
+        self.model, self.adapters_only = model, adapters_only
 
     def state_dict(self) -> Dict[str, Any]:
-        return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model)
+        return {k: v for k, v in state.items() if is_adapter(k)} if self.adapters_only else state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state)
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.adapters_only))
 
 
 class OptimizerState(Stateful):
@@ -105,12 +107,14 @@ def optimizer_saved_flat(path: str) -> bool:
 
 class Checkpointer:
     """Saves and loads the parts given: `model` (the module inside any DP wrapper), `optimizer`,
-    `scheduler` and `state`; the only writer of checkpoints and of their records."""
+    `scheduler` and `state`; the only writer of checkpoints and of their records. With `base`
+    (a LoRA run: its base model's identity, framework.checkpoint.base_model) a checkpoint holds
+    the adapters alone and names that base."""
 
     def __init__(self, cfg: DictConfig, out_dir: str, rank: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState):
-        self.cfg, self.rank = cfg, rank
-        self.model, self.optimizer = ModelState(model), OptimizerState(model, optimizer)
+                 optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, base: Optional[dict] = None):
+        self.cfg, self.rank, self.base = cfg, rank, base
+        self.model, self.optimizer = ModelState(model, adapters_only=base is not None), OptimizerState(model, optimizer)
         self.scheduler, self.state = scheduler, state
         self.every = cfg.checkpoint.every
         self.dir = checkpoint_dir(cfg, out_dir)
@@ -179,6 +183,7 @@ class Checkpointer:
         return {
             **state,
             "scheduler": self.scheduler.state_dict(),
+            **({"base": self.base} if self.base is not None else {}),
             "mesh": {"shape": list(cfg.mesh.shape), "dim_names": list(cfg.mesh.dim_names)},
             "world_size": dist.get_world_size(),
             "config": OmegaConf.to_container(cfg, resolve=True),
@@ -213,6 +218,8 @@ class Checkpointer:
         meta = read_meta(path)
         same_world = meta["world_size"] == dist.get_world_size() and meta["mesh"]["shape"] == list(self.cfg.mesh.shape)
         state = self._dcp_state()
+        # a checkpoint of adapters alone (its base loaded before), or one of the whole model
+        state["model"] = ModelState(self.model.model, adapters_only="base" in meta)
         if not same_world:
             del state[f"rng.rank{self.rank}"]
         if not optimizer_saved_flat(path):

@@ -86,10 +86,16 @@ def lost_peer(error_line: str) -> bool:
     return bool(_PEER_LOST.search(error_line))
 
 
+def _raised(failure) -> bool:
+    """The rank wrote its own error (the agent's error file), even if the agent's SIGTERM then
+    ended it before it exited: the error is the rank's account, not the signal."""
+    return isinstance(failure.message, dict)  # a message of the error file, not the agent's own line
+
+
 def _is_consequence(failure) -> bool:
     """Failures that follow another rank's: the agent's SIGTERM to the ranks still running, and
     a collective that lost its peer."""
-    if failure.exitcode < 0:
+    if failure.exitcode < 0 and not _raised(failure):
         return failure.exitcode == -signal.SIGTERM
     return lost_peer(_headline(failure))
 
@@ -103,7 +109,7 @@ def _failure_message(error: ChildFailedError) -> str:
                                             failures[r].exitcode < 0, r))
     rank, failure = ranks[0], failures[ranks[0]]
     others = f"; ranks {ranks[1:]} failed after it" if len(ranks) > 1 else ""
-    if failure.exitcode < 0:
+    if failure.exitcode < 0 and not _raised(failure):
         return (f"rank {rank} was killed by signal {failure.signal_name()} (exit code {failure.exitcode}): from "
                 f"outside the run (kill, the OOM killer) or by a crash, so it left no traceback{others}")
     return (f"rank {rank} failed (exit code {failure.exitcode}): {_headline(failure)} "

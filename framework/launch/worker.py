@@ -56,13 +56,26 @@ def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
             log.info("%s", threads)
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), deep=False)
         run = build_and_run(cfg, out_dir)
-    except Exception:
+    except Exception as error:
         log.exception("rank %d failed", rank)
+        # Said before the process group closes: that tells the peers, and the agent may stop
+        # this rank (SIGTERM) as soon as one of them fails of it.
+        ErrorFileUnderExitLock().record_exception(error)
+        _say_before_restart(error, rank)
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return run.summary if rank == 0 else None
+
+
+def _say_before_restart(error: Exception, rank: int) -> None:
+    """One line when the agent will restart every rank after this failure (the launcher says the
+    last attempt's); a rank that lost its peer failed because of another and says nothing."""
+    note = restart_note()
+    line = headline(f"{type(error).__name__}: {error}")
+    if note and not lost_peer(line):
+        print(f"rank {rank} failed: {line} (traceback in logs/rank{rank}.log){note}", file=sys.stderr, flush=True)
 
 
 class ErrorFileUnderExitLock(ErrorHandler):
@@ -85,12 +98,7 @@ def main() -> None:
         record(_run_from_argv, ErrorFileUnderExitLock())()
     except KeyboardInterrupt:  # SIGINT before training (framework.training.interrupt handles it during)
         sys.exit(128 + signal.SIGINT)
-    except Exception as error:  # logged with its traceback, and in the error file
-        note = restart_note()
-        line = headline(f"{type(error).__name__}: {error}")
-        if note and not lost_peer(line):  # a rank that lost its peer failed because of another
-            rank = os.environ["RANK"]
-            print(f"rank {rank} failed: {line} (traceback in logs/rank{rank}.log){note}", file=sys.stderr)
+    except Exception:  # logged with its traceback, in the error file, said by run_rank
         sys.exit(1)
 
 

@@ -13,6 +13,7 @@ at zero, so step 0's model is the base model.
 import math
 import zlib
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Dict, Iterator, List, Tuple
 
 import torch
@@ -165,8 +166,8 @@ def _hf_naming(model: nn.Module):
     return lambda name: hf_name(name, getattr(model, "model_type", "llama"))
 
 
-def read_peft_adapter(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
-    """adapter_config.json and adapter_model.safetensors of a PEFT adapter directory."""
+def read_peft_adapter(path: str, key: str = "adapter.init_from") -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """adapter_config.json and adapter_model.safetensors of a PEFT adapter directory (given as `key`)."""
     import json
     import os
 
@@ -175,34 +176,51 @@ def read_peft_adapter(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     files = [os.path.join(path, name) for name in ("adapter_config.json", "adapter_model.safetensors")]
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
-        raise ConfigError("adapter.init_from", path, f"holds no {os.path.basename(missing[0])}: not a PEFT adapter "
-                                                     f"directory (PEFT's save_pretrained, or framework.export "
-                                                     f"--format peft, writes both files)")
+        raise ConfigError(key, path, f"holds no {os.path.basename(missing[0])}: not a PEFT adapter directory (PEFT's "
+                                     f"save_pretrained, or framework.export --format peft, writes both files)")
     with open(files[0]) as f:
         return json.load(f), load_file(files[1])
 
 
-def check_init_from(adapter, model: nn.Module) -> None:
+def check_init_from(adapter, model: nn.Module, key: str = "adapter.init_from") -> None:
     """The PEFT adapter fits this run's: LoRA, its rank and alpha, and exactly our adapters'
     tensors with their shapes (so its targets are ours)."""
-    config, tensors = read_peft_adapter(adapter.init_from)
-    for key, ours in (("peft_type", "LORA"), ("r", adapter.rank), ("lora_alpha", adapter.alpha)):
-        if config.get(key) != ours:
-            name = {"peft_type": "adapter.kind", "r": "adapter.rank", "lora_alpha": "adapter.alpha"}[key]
-            raise ConfigError("adapter.init_from", adapter.init_from, f"its adapter_config.json has {key}="
-                                                                      f"{config.get(key)!r}, and this run's {name} "
-                                                                      f"means {ours!r}; set it to match")
+    config, tensors = read_peft_adapter(adapter.init_from, key)
+    for name, ours in (("peft_type", "LORA"), ("r", adapter.rank), ("lora_alpha", adapter.alpha)):
+        if config.get(name) != ours:
+            setting = {"peft_type": "adapter.kind", "r": "adapter.rank", "lora_alpha": "adapter.alpha"}[name]
+            raise ConfigError(key, adapter.init_from, f"its adapter_config.json has {name}={config.get(name)!r}, and "
+                                                      f"this run's {setting} means {ours!r}; set it to match")
     names = peft_names(model)
     params = dict(model.named_parameters())
     if set(tensors) != set(names):
         extra, lacking = sorted(set(tensors) - set(names)), sorted(set(names) - set(tensors))
-        raise ConfigError("adapter.init_from", adapter.init_from,
+        raise ConfigError(key, adapter.init_from,
                           f"its tensors are not this run's adapters (adapter.targets={list(adapter.targets)}): "
                           f"{len(lacking)} missing (e.g. {lacking[:1]}), {len(extra)} unexpected (e.g. {extra[:1]})")
     for theirs, ours in names.items():
         if list(tensors[theirs].shape) != list(params[ours].shape):
-            raise ConfigError("adapter.init_from", adapter.init_from, f"{theirs} is {list(tensors[theirs].shape)}, "
-                                                                      f"this model's {list(params[ours].shape)}")
+            raise ConfigError(key, adapter.init_from, f"{theirs} is {list(tensors[theirs].shape)}, this model's "
+                                                      f"{list(params[ours].shape)}")
+
+
+def add_peft_adapter(model: nn.Module, path: str, key: str) -> None:
+    """A PEFT adapter directory's LoRA layers (its targets, rank and alpha; checked to hold its
+    tensors, which load_peft_adapter then loads) on a model that has none: framework.generate
+    --adapter."""
+    config, _ = read_peft_adapter(path, key)
+    wanted = config.get("target_modules")
+    if not isinstance(wanted, list) or config.get("peft_type") != "LORA":
+        raise ConfigError(key, path, "its adapter_config.json is not LoRA with a list of target_modules, the adapters "
+                                     "this framework reads")
+    hf = _hf_naming(model) or (lambda name: name)
+    targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                      if isinstance(m, nn.Linear) and hf(f"{name}.weight")[:-len(".weight")].rsplit(".", 1)[-1] in wanted})
+    if not targets:
+        raise ConfigError(key, path, f"its target_modules {sorted(wanted)} name no linear layer of this model")
+    add_adapters(model, config["r"], config["lora_alpha"], 0.0, targets, seed=0)
+    check_init_from(SimpleNamespace(init_from=path, rank=config["r"], alpha=config["lora_alpha"], targets=targets),
+                    model, key)
 
 
 @torch.no_grad()

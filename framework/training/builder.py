@@ -15,6 +15,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
+from framework.checkpoint.base_model import base_model
+from framework.checkpoint.compat import checkpoint_dir
+from framework.checkpoint.layout import read_meta, resolve
 from framework.checkpoint.manager import Checkpointer, restart_count
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
@@ -192,23 +195,23 @@ def stage_optimizer(run: Run) -> None:
 
 def stage_checkpoint(run: Run) -> None:
     """Before the first step: continue a checkpoint (model, optimizer, schedule, data position,
-    history; after an elastic restart, the newest one), or start from init_from's weights."""
+    history; after an elastic restart, the newest one), or start from init_from's weights. A
+    LoRA run's checkpoints hold its adapters alone: its base is loaded as a fresh run loads it."""
     run.state = TrainState()
+    directory = checkpoint_dir(run.cfg, run.out_dir)
+    base = base_model(run.cfg, directory, getattr(run.module, "hf_path", None)) \
+        if run.cfg.adapter.kind != "none" else None
     run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank, run.module, run.optimizer, run.scheduler,
-                                    run.state)
+                                    run.state, base)
     path, kind = run.checkpointer.source()
     if kind == "resume":
+        if "base" in read_meta(path):  # adapters alone (the launcher checked their base is this one)
+            init_from = run.cfg.checkpoint.init_from
+            load_base(run, resolve(init_from, directory) if init_from else None)
         run.resumed = run.checkpointer.load(path)
         message = f"resumed from {path} (step {run.resumed.step})"
-    elif kind == "init":
-        run.checkpointer.load_model_only(path)
-        message = f"model weights from {path}; optimizer, schedule and data start fresh"
-    elif run.deferred_init:
-        load_pretrained(run)
-        message = f"model weights from the Hugging Face model in {run.module.hf_path}"
     else:
-        message = f"fresh start (no checkpoint to resume in {run.checkpointer.dir})" if run.cfg.checkpoint.resume \
-            else "fresh start"
+        message = load_base(run, path if kind == "init" else None)
     init_from = run.cfg.adapter.get("init_from")
     if init_from and kind != "resume":  # (a resumed run's adapters are its checkpoint's)
         load_peft_adapter(run.module, init_from)
@@ -217,6 +220,21 @@ def stage_checkpoint(run: Run) -> None:
         restarts = restart_count()
         log.info("%s%s", f"restart {restarts} of {os.environ['TORCHELASTIC_MAX_RESTARTS']}: " if restarts else "",
                  message)
+
+
+def load_base(run: Run, init_from: Optional[str]) -> str:
+    """The weights a run starts from when no checkpoint replaces them all: checkpoint.init_from's
+    (the `init_from` step dir), the Hugging Face model's, or those trainer.seed drew (already
+    there); what to say of them."""
+    if init_from:
+        run.checkpointer.load_model_only(init_from)
+        return f"model weights from {init_from}; optimizer, schedule and data start fresh"
+    if run.deferred_init:
+        load_pretrained(run)
+        return f"model weights from the Hugging Face model in {run.module.hf_path}"
+    if run.cfg.checkpoint.resume:
+        return f"fresh start (no checkpoint to resume in {run.checkpointer.dir})"
+    return "fresh start"
 
 
 def load_pretrained(run: Run) -> None:

@@ -7,8 +7,10 @@ collective the main thread is blocked in (logs/stall.rank<N>.json), waits a few 
 other stuck ranks report too, and ends the process with exit 1; the launcher then prints every
 rank's report (stall_message). Compiling is progress, not a stall: torch.compile's start and end
 callbacks stop the clock while this rank compiles (a cold inductor cache can take minutes), and
-credit the compile's duration once more after it, for peers still compiling the same graphs while
-this rank waits for them in a collective. Stdlib only: the launcher reads the reports without torch.
+while any rank of the job does (each marks it with logs/compiling.rank<N>: a rank that found a
+graph in the cache waits in a collective for a peer that compiles it); after a compile the clock
+also gets the compile's duration once more. Stdlib only: the launcher reads the reports without
+torch.
 """
 import faulthandler
 import glob
@@ -78,6 +80,10 @@ def report_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, "logs", f"stall.rank{rank}.json")
 
 
+def compiling_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, "logs", f"compiling.rank{rank}")
+
+
 class StallWatchdog:
     """`stage(name)` says what the rank is doing (for the report); `finished()` marks a step,
     evaluation or save done. Both are attribute writes: nothing on the hot path."""
@@ -88,8 +94,9 @@ class StallWatchdog:
         self.last_finished = time.monotonic()
         self.compiling_since: Optional[float] = None
         self._stop = threading.Event()
-        if os.path.exists(report_path(out_dir, rank)):
-            os.remove(report_path(out_dir, rank))  # an earlier attempt's
+        for stale in (report_path(out_dir, rank), compiling_path(out_dir, rank)):  # an earlier attempt's
+            if os.path.exists(stale):
+                os.remove(stale)
         if timeout_s is not None:
             # torch imported here: the launcher, which reads the reports, never makes a watchdog
             from torch._dynamo import callback_handler
@@ -106,12 +113,18 @@ class StallWatchdog:
 
     def compile_started(self, _args=None) -> None:
         self.compiling_since = time.monotonic()
+        open(compiling_path(self.out_dir, self.rank), "w").close()
 
     def compile_ended(self, _args=None) -> None:
         """The clock restarts after the compile plus as long again (peers may still compile)."""
         now = time.monotonic()
         self.last_finished = now + (now - self.compiling_since if self.compiling_since is not None else 0.0)
         self.compiling_since = None
+        if os.path.exists(compiling_path(self.out_dir, self.rank)):
+            os.remove(compiling_path(self.out_dir, self.rank))
+
+    def _peer_compiling(self) -> bool:
+        return bool(glob.glob(compiling_path(self.out_dir, "*")))
 
     def close(self) -> None:
         self._stop.set()
@@ -124,8 +137,11 @@ class StallWatchdog:
     def _watch(self) -> None:
         interval = min(1.0, self.timeout_s / 5)
         while not self._stop.wait(interval):
+            if self.compiling_since is not None or self._peer_compiling():
+                self.last_finished = max(self.last_finished, time.monotonic())
+                continue
             idle = time.monotonic() - self.last_finished
-            if idle >= self.timeout_s and self.compiling_since is None:
+            if idle >= self.timeout_s:
                 self._report(idle)
 
     def _report(self, idle: float) -> None:
