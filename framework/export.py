@@ -35,6 +35,7 @@ from framework.checkpoint.base_model import base_model, describe, same_base
 from framework.models.hf import load_hf_weights, materialize
 from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, check_hf_out, save_hf, save_peft
 from framework.models.lora import add_adapters, is_adapter
+from framework.models.nf4 import dequantized, quantize_base
 
 
 @contextmanager
@@ -65,7 +66,7 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
     with torch.device("cpu"), saved_config_errors(path):
         model = instantiate_checked(cfg.model)
     adapter = cfg.get("adapter") or {"kind": "none"}
-    if adapter["kind"] == "lora":  # the run's adapters, as its `adapters` stage added them
+    if adapter["kind"] != "none":  # the run's adapters, as its `adapters` stage added them
         add_adapters(model, adapter["rank"], adapter["alpha"], adapter["dropout"], list(adapter["targets"]), 0)
     if any(p.is_meta for p in model.parameters()):  # a Hugging Face model comes on meta
         materialize(model, "cpu")
@@ -74,6 +75,8 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         if base is not None:
             _load_base(model, cfg, path, base)
+        if adapter["kind"] == "qlora":  # the base the run trained on: its NF4 values (written dequantized)
+            quantize_base(model, adapter["block_size"], adapter["scaler_block_size"])
         state = model.state_dict()
         load_checkpoint({"model": state if base is None else {k: v for k, v in state.items() if is_adapter(k)}},
                         path, no_dist=True)
@@ -124,7 +127,7 @@ def export(checkpoint: str, out_path: str, format: str = "pt", max_shard_bytes: 
         save_hf(model, out_path, max_shard_bytes)
         return path
     with atomic_file(out_path, "wb") as f:
-        torch.save(model.state_dict(), f)
+        torch.save({k: dequantized(v) for k, v in model.state_dict().items()}, f)
     return path
 
 

@@ -45,10 +45,25 @@ def saved_model_keys(step_dir) -> set:
     return {k.removeprefix("model.") for k in metadata if k.startswith("model.")}
 
 
-def peft_model(path: str, ours):
-    """transformers' model of `path` under PEFT's LoRA, its adapters set to ours."""
-    model = peft.get_peft_model(reference(path), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                                                                 target_modules=HF_TARGETS))
+def nf4_rounded(model, block_size: int, scaler_block_size: int):
+    """transformers' model with each targeted weight replaced by its NF4 values (torchao's own
+    round trip of its bf16 rounding): the base QLoRA computes with."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in HF_TARGETS:
+                nf4 = to_nf4(module.weight.detach().bfloat16(), block_size, scaler_block_size)
+                module.weight.copy_(nf4.get_original_weight().float())
+    return model
+
+
+def peft_model(path: str, ours, nf4_blocks=None):
+    """transformers' model of `path` (with `nf4_blocks`, its NF4 values) under PEFT's LoRA, its
+    adapters set to ours."""
+    base = reference(path) if nf4_blocks is None else nf4_rounded(reference(path), *nf4_blocks)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                      target_modules=HF_TARGETS))
     theirs = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in adapter_state(ours).items():
@@ -87,7 +102,7 @@ def test_lora_computes_what_peft_computes_on_one_process(hf_dirs):
             assert float((p.grad - ref).abs().max() / ref.abs().max()) <= 1e-5, name
 
 
-def peft_training_losses(path: str, cfg, steps: int) -> list:
+def peft_training_losses(path: str, cfg, steps: int, nf4_blocks=None) -> list:
     """PEFT's model trained as the framework trains (SGD, the same global batches, the adapters
     initialized as ours: the framework's init on the same model)."""
     from hydra.utils import instantiate
@@ -95,7 +110,7 @@ def peft_training_losses(path: str, cfg, steps: int) -> list:
 
     ours = loaded(path)
     add_adapters(ours, RANK, ALPHA, 0.0, TARGETS, seed=cfg.trainer.seed)
-    model = peft_model(path, ours)
+    model = peft_model(path, ours, nf4_blocks)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                 momentum=cfg.optim.get("momentum", 0.0))
     dataset = instantiate(cfg.data.dataset)
@@ -352,3 +367,97 @@ def test_generate_applies_a_peft_adapter_to_its_base_as_peft_does(hf_dirs, peft_
     assert capsys.readouterr().out.startswith("ab")
     assert main([path, "--prompt", "ab", "--adapter", str(tmp_path)]) == 2
     assert f"--adapter={str(tmp_path)!r}: holds no adapter_config.json" in capsys.readouterr().err
+
+
+NF4_BLOCKS = (32, 32)  # the tiny model's adapted weights hold multiples of 1024 values
+QLORA = ["adapter=qlora", f"adapter.block_size={NF4_BLOCKS[0]}", f"adapter.scaler_block_size={NF4_BLOCKS[1]}"]
+
+
+@pytest.fixture(scope="module")
+def qlora_reference(hf_dirs):
+    cfg = compose_config([*lora_overrides(hf_dirs["llama"], hf_dirs["tokens"]), *QLORA])
+    return peft_training_losses(hf_dirs["llama"], cfg, 5, NF4_BLOCKS)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh,overrides", [("1x1", []), ("2x1", ["parallel.dp_strategy=fsdp"]),
+                                            pytest.param("2x1", [], marks=pytest.mark.integration),
+                                            pytest.param("pp2x1x1", [], marks=pytest.mark.integration)])
+def test_qlora_trains_what_peft_trains_on_the_nf4_base(mesh, overrides, hf_dirs, qlora_reference, tmp_path):
+    """QLoRA's base is the NF4 values of the adapted weights (torchao's round trip, in the
+    reference), and the run trains PEFT's adapters on it, on every mesh NF4 goes on; the
+    exported adapter computes in PEFT on that base what the checkpoint computes."""
+    path = hf_dirs["llama"]
+    summary = launch_local(compose_config([*lora_overrides(path, hf_dirs["tokens"]), *QLORA, f"mesh={mesh}",
+                                           *overrides]), str(tmp_path))
+    error = max_relative_error(summary["losses"], qlora_reference[0])
+    print(f"QLoRA {mesh} {overrides}: max relative loss error vs PEFT on the NF4 base {error:.2e}")
+    assert error < 1e-5
+    lora = max_relative_error(summary["losses"], launch_local(compose_config(
+        [*lora_overrides(path, hf_dirs["tokens"]), "mesh=1x1"]), str(tmp_path / "lora"))["losses"])
+    assert lora > 1e-6  # NF4 changed the base: the test would see a run that skipped it
+    export(str(tmp_path / "checkpoints"), str(tmp_path / "adapter"), format="peft")
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        base = nf4_rounded(reference(path), *NF4_BLOCKS)
+        theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))(tokens).logits
+        ours = load_model(str(tmp_path / "checkpoints"))[0](tokens)
+    assert relative_error(theirs, ours) <= 1e-5
+
+
+def test_qlora_stores_the_adapted_weights_in_nf4_and_refuses_what_nf4_cannot_do(hf_dirs):
+    from framework.models.nf4 import is_nf4, quantize_base
+
+    path = hf_dirs["llama"]
+    model = loaded(path)
+    add_adapters(model, RANK, ALPHA, 0.0, TARGETS, seed=0)
+    before = {n: p.numel() * 2 for n, p in model.named_parameters() if n.endswith(("wq.weight", "wv.weight", "w2.weight"))}
+    quantize_base(model, *NF4_BLOCKS)
+    params = dict(model.named_parameters())
+    assert all(is_nf4(params[n]) and not params[n].requires_grad for n in before)
+    nf4_bytes = sum(sum(t.numel() * t.element_size() for t in (p.quantized_data, p.quantized_scalers,
+                                                               p.quantization_factor, p.nf4))
+                    for n, p in params.items() if n in before)
+    ratio = nf4_bytes / sum(before.values())
+    print(f"NF4 bytes / bf16 bytes of the adapted weights (blocks {NF4_BLOCKS}): {ratio:.3f}")
+    assert 0.25 < ratio < 0.35
+    base = [*lora_overrides(path, hf_dirs["tokens"]), *QLORA]
+    with pytest.raises(ConfigError, match=r"adapter='qlora': NF4 weights do not shard under tensor parallelism"):
+        validate(compose_config([*base, "mesh=1x2", "plan=lm_tp_sp"]))
+    with pytest.raises(ConfigError, match=r"adapter.scaler_block_size=256: layers\.0\.\w+\.wq\.weight holds 4096 "
+                                          r"values, not a multiple of adapter.block_size x adapter.scaler_block_size "
+                                          r"= 16384; choose block sizes that divide it"):
+        validate(compose_config([*base, "mesh=1x1", "adapter.block_size=64", "adapter.scaler_block_size=256"]))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mesh,overrides", [
+    # activation checkpointing, 2 micro-batches per replica and masked instruction data, under fsdp
+    ("2x1", ["parallel.dp_strategy=fsdp", "model.activation_checkpointing=full", "data.micro_batch_size=2",
+             "data=instructions", "data.dataset.seq_len=24", "data.global_batch_size=8"]),
+    pytest.param("2x2x1", ["parallel.dp_strategy=hsdp"], marks=pytest.mark.integration),
+    pytest.param("1x1", ["trainer.compile=blocks"], marks=pytest.mark.integration),
+])
+def test_lora_trains_peft_s_adapters_under_ac_micro_batches_sft_data_hsdp_and_compile(mesh, overrides, hf_dirs,
+                                                                                    prepared, tmp_path):
+    path = hf_dirs["llama"]
+    data = [f"data.path={prepared['instruction']}", "data.tokenizer=null"] if "data=instructions" in overrides else []
+    cfg = compose_config([*lora_overrides(path, hf_dirs["tokens"]), f"mesh={mesh}", *overrides, *data])
+    summary = launch_local(cfg, str(tmp_path))
+    expected = peft_training_losses(path, cfg, 5)[0]
+    error = max_relative_error(summary["losses"], expected)
+    print(f"LoRA {mesh} {overrides}: max relative loss error vs PEFT {error:.2e}")
+    assert error < 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_lora_under_bf16_autocast_and_fsdp_mixed_precision_follows_peft_s_curve(hf_dirs, peft_reference, tmp_path):
+    """bf16 rounds: the curve is PEFT's fp32 one within bf16's precision, not at fp32's."""
+    path = hf_dirs["llama"]
+    for strategy in ("replicate", "fsdp"):  # autocast; FSDP2 gathering bf16 parameters
+        summary = launch_local(compose_config([*lora_overrides(path, hf_dirs["tokens"]), "mesh=2x1",
+                                               f"parallel.dp_strategy={strategy}",
+                                               "trainer.mixed_precision=bf16"]), str(tmp_path / strategy))
+        error = max_relative_error(summary["losses"], peft_reference[0])
+        print(f"LoRA 2x1 {strategy} bf16: max relative loss error vs PEFT fp32 {error:.2e}")
+        assert 0 < error < 2e-2

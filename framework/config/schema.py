@@ -175,12 +175,14 @@ class DryrunConfig:
 
 @dataclass
 class AdapterConfig:
-    kind: str = "none"  # none | lora (conf/adapter/)
+    kind: str = "none"  # none | lora | qlora (conf/adapter/)
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     targets: List[str] = field(default_factory=lambda: ["wq", "wv"])
     init_from: Optional[str] = None  # a PEFT adapter directory to start from
+    block_size: int = 64  # qlora: NF4's quantization blocks
+    scaler_block_size: int = 256
 
 
 @dataclass

@@ -20,6 +20,7 @@ from framework.models.meta import SkipRandomInit
 from framework.models.hf_export import check_hf_out
 from framework.parallel.roles import MeshRoles
 from framework.models.lora import check_adapter
+from framework.models.nf4 import check_qlora
 from framework.parallel.context_parallel import check_context_parallel
 from framework.parallel.expert_parallel import check_expert_parallel
 from framework.training.objectives import check_objective
@@ -300,6 +301,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         check_expert_parallel(model, OmegaConf.to_container(cfg.plan, resolve=True) if cfg.plan else {},
                               roles, cfg.parallel.dp_strategy, cfg.trainer.compile != "none")
         check_adapter(cfg, model)
+        check_qlora(cfg, model, roles.tp_size)
         check_context_parallel(cfg, model, roles.cp_size, roles.tp_size)
         check_document_masking(cfg, model)
         check_objective(cfg.objective, model, list(roles.shape), roles.pp_size)

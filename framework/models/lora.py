@@ -129,10 +129,14 @@ def _place_for(layer: nn.Linear) -> None:
 @torch.no_grad()
 def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The model's state dict (whole tensors, one process) with each adapted weight merged,
-    W + (alpha / rank) B A, and the adapters left out: a plain model that computes the same."""
+    W + (alpha / rank) B A (W a QLoRA weight's NF4 values), and the adapters left out: a plain
+    model that computes the same."""
+    from framework.models.nf4 import dequantized  # (which imports this module)
+
     state = {name: t for name, t in model.state_dict().items() if not is_adapter(name)}
     for name, layer in adapter_layers(model):
-        state[f"{name}.weight"] = layer.weight + layer.lora_scaling * layer.lora_B.weight @ layer.lora_A.weight
+        weight = dequantized(layer.weight)
+        state[f"{name}.weight"] = weight + layer.lora_scaling * layer.lora_B.weight @ layer.lora_A.weight
     return state
 
 
@@ -240,8 +244,8 @@ def check_adapter(cfg, model: nn.Module) -> None:
     adapter = cfg.adapter
     if adapter.kind == "none":
         return
-    if adapter.kind != "lora":
-        raise ConfigError("adapter.kind", adapter.kind, "use none or lora (conf/adapter/)")
+    if adapter.kind not in ("lora", "qlora"):
+        raise ConfigError("adapter.kind", adapter.kind, "use none, lora or qlora (conf/adapter/)")
     layers = targets_of(model, list(adapter.targets))
     smallest = min(min(layer.in_features, layer.out_features) for _, layer in layers)
     if not 1 <= adapter.rank <= smallest:

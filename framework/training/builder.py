@@ -23,6 +23,7 @@ from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
 from framework.models.hf import load_hf_weights, materialize
 from framework.models.lora import add_adapters, init_adapters, load_peft_adapter
+from framework.models.nf4 import quantize_base
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
@@ -97,10 +98,18 @@ def stage_model(run: Run) -> None:
 
 def stage_adapters(run: Run) -> None:
     """adapter=lora: LoRA adapters on the targeted layers, every base parameter frozen, before
-    any parallel stage (they shard and sync the adapters as any parameter)."""
+    any parallel stage (they shard and sync the adapters as any parameter). adapter=qlora: the
+    adapted layers' weights then quantized to NF4 (framework.models.nf4)."""
     a = run.cfg.adapter
-    if a.kind == "lora":
-        add_adapters(run.module, a.rank, a.alpha, a.dropout, list(a.targets), run.cfg.trainer.seed)
+    if a.kind == "none":
+        return
+    add_adapters(run.module, a.rank, a.alpha, a.dropout, list(a.targets), run.cfg.trainer.seed)
+    if a.kind == "qlora":
+        if run.deferred_init:  # NF4 is made from the weights: a Hugging Face model's are read whole here
+            materialize(run.module, run.cfg.mesh.device_type)
+            init_adapters(run.module, run.cfg.trainer.seed)
+            load_pretrained(run)
+        quantize_base(run.module, a.block_size, a.scaler_block_size)
 
 
 def stage_pipeline_parallel(run: Run) -> None:
