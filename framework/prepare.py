@@ -5,8 +5,10 @@ INPUTS are files or directories (their files, recursively, in sorted order; file
 kinds are skipped and named in one line): `.txt` (one document per file, or per line with
 --txt-lines), `.jsonl` (the --text-field of each line) and `.parquet` (the --text-field column,
 read in record batches), all UTF-8. With --prompt-field and --response-field, JSONL / Parquet
-records become instruction examples whose prompt tokens are masked out of the loss. Documents
-keep their input order; each ends with the tokenizer's EOS.
+records become instruction examples whose prompt tokens are masked out of the loss; with
+--prompt-field, --chosen-field and --rejected-field, preference pairs (DPO): each record's prompt +
+chosen and prompt + rejected, two instruction examples side by side. Documents keep their input
+order; each ends with the tokenizer's EOS.
 
 Memory stays bounded as inputs grow: records stream in chunks, at most two chunks per worker
 are in flight, and tokens are appended to the file as they come (only document offsets stay in
@@ -61,10 +63,17 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--txt-lines", action="store_true", help=".txt: one document per line, not per file")
     parser.add_argument("--prompt-field", help="instruction data: the prompt's field / column")
     parser.add_argument("--response-field", help="instruction data: the response's field / column")
+    parser.add_argument("--chosen-field", help="preference data: the preferred response's field / column")
+    parser.add_argument("--rejected-field", help="preference data: the other response's field / column")
     parser.add_argument("--skip-bad-lines", action="store_true",
                         help="JSONL lines that are not JSON or lack a field: skip and count them")
     args = parser.parse_args(argv)
-    if (args.prompt_field is None) != (args.response_field is None):
+    pairs = args.chosen_field is not None or args.rejected_field is not None
+    if pairs and (args.prompt_field is None or args.chosen_field is None or args.rejected_field is None
+                  or args.response_field is not None):
+        raise InputError("--prompt-field / --chosen-field / --rejected-field",
+                         "give all three for preference data (and no --response-field)")
+    if not pairs and (args.prompt_field is None) != (args.response_field is None):
         raise InputError("--prompt-field / --response-field", "give both for instruction data, or neither")
     if args.workers < 1:
         raise InputError("--workers", f"{args.workers}: use 1 or more")
@@ -96,6 +105,8 @@ def _say_skipped(directory: str, skipped: List[Path], shown: int = 3) -> None:
 
 
 def _fields(args: argparse.Namespace) -> List[str]:
+    if args.chosen_field:
+        return [args.prompt_field, args.chosen_field, args.rejected_field]
     return [args.prompt_field, args.response_field] if args.prompt_field else [args.text_field]
 
 
@@ -161,14 +172,14 @@ def _parquet_records(path: Path, fields: List[str]) -> Iterator:
 
 
 def records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> Iterator:
-    """Every document (a text, or [prompt, response]) of the inputs, in order."""
+    """Every document (a text, [prompt, response], or [prompt, chosen, rejected]) of the inputs, in order."""
     for path in files:
         if path.suffix == ".jsonl":
             yield from _jsonl_records(path, _fields(args), args.skip_bad_lines, skipped)
         elif path.suffix == ".parquet":
             yield from _parquet_records(path, _fields(args))
         elif args.prompt_field:
-            raise InputError(str(path), "instruction data comes from .jsonl or .parquet, not .txt")
+            raise InputError(str(path), "instruction and preference data come from .jsonl or .parquet, not .txt")
         elif args.txt_lines:
             yield from _txt_lines(path)
         else:
@@ -218,8 +229,11 @@ def _load(path: str, eos_token: Optional[str]) -> None:
 
 def tokenize(chunk: list) -> tuple:
     """A chunk's documents as (tokens, per-document lengths, mask or None): each document is
-    its ids and EOS; for [prompt, response] records the mask is 1 on the response and EOS."""
+    its ids and EOS; for [prompt, response] records the mask is 1 on the response and EOS; a
+    [prompt, chosen, rejected] record is the two documents [prompt, chosen], [prompt, rejected]."""
     eos, dtype = _tokenizer.eos_id, np.uint16 if _tokenizer.vocab_size <= 1 << 16 else np.uint32
+    if not isinstance(chunk[0], str) and len(chunk[0]) == 3:
+        chunk = [[prompt, response] for prompt, chosen, rejected in chunk for response in (chosen, rejected)]
     if isinstance(chunk[0], str):
         docs = [ids + [eos] for ids in _tokenizer.encode_batch(chunk)]
         masks = None
@@ -295,6 +309,7 @@ def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path
     start = time.perf_counter()
     progress = tqdm(unit=" docs", desc="prepare", disable=None)
     instruction = bool(args.prompt_field)
+    kind = "preference" if args.chosen_field else "instruction" if instruction else "packed"
     with open(partial / TOKENS, "wb") as tokens_file, open(partial / MASK, "wb") if instruction else \
             open(os.devnull, "wb") as mask_file:
         for tokens, doc_lengths, mask in ordered_map(tokenize, chunked(records(files, args, skipped)),
@@ -313,7 +328,7 @@ def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path
         raise InputError(" ".join(args.inputs), "holds no document")
     np.save(partial / OFFSETS, offsets)
     meta = {
-        "format": FORMAT, "kind": "instruction" if instruction else "packed",
+        "format": FORMAT, "kind": kind,
         "dtype": "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32",
         "tokenizer": {"path": os.path.abspath(tokenizer.path) if tokenizer.path != "bytes" else "bytes",
                       "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size,

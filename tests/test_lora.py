@@ -407,6 +407,7 @@ def test_qlora_trains_what_peft_trains_on_the_nf4_base(mesh, overrides, hf_dirs,
 
 def test_qlora_stores_the_adapted_weights_in_nf4_and_refuses_what_nf4_cannot_do(hf_dirs):
     from framework.models.nf4 import is_nf4, quantize_base
+    from framework.training.memory import local_bytes
 
     path = hf_dirs["llama"]
     model = loaded(path)
@@ -415,9 +416,10 @@ def test_qlora_stores_the_adapted_weights_in_nf4_and_refuses_what_nf4_cannot_do(
     quantize_base(model, *NF4_BLOCKS)
     params = dict(model.named_parameters())
     assert all(is_nf4(params[n]) and not params[n].requires_grad for n in before)
-    nf4_bytes = sum(sum(t.numel() * t.element_size() for t in (p.quantized_data, p.quantized_scalers,
+    nf4_bytes = sum(sum(t.numel() * t.element_size() for t in (p.quantized_data, p.quantized_scalers, p.scaler_mean,
                                                                p.quantization_factor, p.nf4))
                     for n, p in params.items() if n in before)
+    assert sum(local_bytes(params[n]) for n in before) == nf4_bytes  # what summary.json's memory counts
     ratio = nf4_bytes / sum(before.values())
     print(f"NF4 bytes / bf16 bytes of the adapted weights (blocks {NF4_BLOCKS}): {ratio:.3f}")
     assert 0.25 < ratio < 0.35

@@ -133,7 +133,10 @@ class InstructionDataset(_Prepared):
         return self.end - self.first
 
     def __getitem__(self, index: int):
-        doc = self.first + index
+        return self.example(self.first + index)
+
+    def example(self, doc: int):
+        """Document `doc` as (inputs, targets): its prompt's and padding's targets ignored."""
         begin, end = int(self.offsets[doc]), int(self.offsets[doc + 1])
         end = min(end, begin + self.seq_len + 1)
         tokens = torch.from_numpy(self.tokens[begin:end].astype(np.int64))
@@ -161,8 +164,46 @@ class InstructionDataset(_Prepared):
         return max(1, int((np.diff(self.offsets[self.first:self.end + 1]) - responses).max()))
 
 
-INSTRUCTION_DATASETS = ("framework.data.InstructionDataset", f"{__name__}.InstructionDataset")
+class PreferenceDataset(InstructionDataset):
+    """Preference pairs (kind "preference", framework.prepare --chosen-field --rejected-field):
+    pair i is documents 2i (prompt + chosen) and 2i + 1 (prompt + rejected), one sample of
+    inputs and targets (2, seq_len) each, so the sampler, the DP split and micro-batches never
+    part a pair. The last val_fraction of the pairs is held out."""
+    kind = "preference"
+    masked_targets = True
+
+    def __init__(self, path: str, seq_len: int = 128, split: str = "train", val_fraction: float = 0.05,
+                 pad_id: Optional[int] = None):
+        super().__init__(path, seq_len, split, val_fraction, pad_id)
+        pairs = (len(self.offsets) - 1) // 2
+        self.first, self.end = split_range(pairs, val_fraction, split)
+        self._check_not_empty()
+
+    def __getitem__(self, index: int):
+        pair = self.first + index
+        (chosen, chosen_targets), (rejected, rejected_targets) = self.example(2 * pair), self.example(2 * pair + 1)
+        return torch.stack([chosen, rejected]), torch.stack([chosen_targets, rejected_targets])
+
+    def without_response(self) -> np.ndarray:
+        """Per pair, whether cutting it to seq_len + 1 tokens leaves either response no token."""
+        docs = InstructionDataset.without_response(self._as_documents())
+        return docs[0::2] | docs[1::2]
+
+    def longest_prompt(self) -> int:
+        return InstructionDataset.longest_prompt(self._as_documents())
+
+    def _as_documents(self) -> "PreferenceDataset":
+        """A view whose first / end count documents (the pairs' two each), for the instruction
+        data's checks."""
+        view = object.__new__(PreferenceDataset)
+        view.__dict__.update(self.__dict__, first=2 * self.first, end=2 * self.end)
+        return view
+
+
+INSTRUCTION_DATASETS = ("framework.data.InstructionDataset", f"{__name__}.InstructionDataset",
+                        "framework.data.PreferenceDataset", f"{__name__}.PreferenceDataset")
 PACKED_DATASETS = ("framework.data.TokenDataset", f"{__name__}.TokenDataset")
+PREFERENCE_DATASETS = ("framework.data.PreferenceDataset", f"{__name__}.PreferenceDataset")
 DATASETS = (*PACKED_DATASETS, *INSTRUCTION_DATASETS)
 VOCAB_MULTIPLE = 64  # a padded vocabulary divides by any TP size up to 64 (nanoGPT's 50257 -> 50304)
 
