@@ -21,6 +21,7 @@ from framework.models.hf_export import check_hf_out
 from framework.parallel.roles import MeshRoles
 from framework.models.lora import check_adapter
 from framework.models.nf4 import check_qlora
+from framework.training.preference import check_preference
 from framework.parallel.context_parallel import check_context_parallel
 from framework.parallel.expert_parallel import check_expert_parallel
 from framework.training.objectives import check_objective
@@ -305,6 +306,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         check_context_parallel(cfg, model, roles.cp_size, roles.tp_size)
         check_document_masking(cfg, model)
         check_objective(cfg.objective, model, list(roles.shape), roles.pp_size)
+        check_preference(cfg, roles.pp_size, roles.tp_size)
         check_optimizer(cfg)
         check_dataset(cfg)
         check_responses(cfg)

@@ -30,7 +30,23 @@ def is_adapter(name: str) -> bool:
 
 
 def _add_update(layer: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    if layer.lora_off:
+        return output
     return output + layer.lora_B(layer.lora_A(layer.lora_dropout(args[0]))) * layer.lora_scaling
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model alone: every adapter skipped (DPO's reference, as TRL's and torchtune's
+    `disable_adapter`: no second copy of the weights)."""
+    layers = [layer for _, layer in adapter_layers(model)]
+    for layer in layers:
+        layer.lora_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_off = False
 
 
 def targets_of(model: nn.Module, targets: List[str]) -> List[Tuple[str, nn.Linear]]:
@@ -55,7 +71,7 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
         layer.lora_A = nn.Linear(layer.in_features, rank, bias=False, device=device)
         layer.lora_B = nn.Linear(rank, layer.out_features, bias=False, device=device)
         layer.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-        layer.lora_scaling = alpha / rank
+        layer.lora_scaling, layer.lora_off = alpha / rank, False
         layer.register_forward_hook(_add_update)
     init_adapters(model, seed)
 

@@ -197,6 +197,7 @@ def stage_optimizer(run: Run) -> None:
     after DP and TP (DTensor shards included), its warmup / decay schedule, and the objective."""
     t = run.cfg.trainer
     run.objective = instantiate(run.cfg.objective)
+    run.objective.setup(run)
     run.optimizer = instantiate(run.cfg.optim)([p for p in run.model.parameters() if p.requires_grad])
     update_biases_after_each_step(run.optimizer, run.module)
     run.scheduler = build_scheduler(run.optimizer, t.warmup_steps, t.max_steps, t.lr_decay)

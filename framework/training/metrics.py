@@ -41,8 +41,11 @@ def mfu(tokens_per_s: float, flops_per_token: int, peak_flops: float) -> float:
 
 
 def memory_per_rank(run: Run) -> dict:
-    """This rank's training-state bytes and the largest over all ranks (one all-reduce)."""
+    """This rank's training-state bytes (with what the objective holds besides, DPO's reference)
+    and the largest over all ranks (one all-reduce)."""
     mine = state_bytes(run.module, run.optimizer)
+    held = run.objective.held_bytes()
+    mine = {**{k: v for k, v in mine.items() if k != "total"}, **held, "total": mine["total"] + sum(held.values())}
     largest = torch.tensor(list(mine.values()), dtype=torch.float64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return {f"rank{run.rank}": mine,

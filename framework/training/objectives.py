@@ -24,12 +24,31 @@ from framework.data.tokens import IGNORE
 
 class Objective:
     """Base: `loss_sum(outputs, targets)` and `count(targets)` per objective; the auxiliary terms
-    and their coefficients are common to all."""
+    and their coefficients are common to all. An objective that needs more than the model's
+    output (DPO's reference model) overrides `setup` (once the run is built) and `forward`."""
 
     def __init__(self, aux_coefficients: Optional[Mapping[str, float]] = None):
         self.aux_coefficients = dict(aux_coefficients or {})
         self.terms: Dict[str, torch.Tensor] = {}  # the last micro-batch's auxiliary sums (detached)
         self._reporters: Optional[List[nn.Module]] = None
+
+    def setup(self, run) -> None:
+        """What the objective needs of the built run (framework.training.builder's optimizer stage)."""
+
+    def forward(self, model: nn.Module, batch) -> torch.Tensor:
+        """The outputs loss_sum scores: the model's, on the batch's inputs."""
+        return model(batch.inputs, **batch.model_inputs())
+
+    def held_bytes(self) -> Dict[str, int]:
+        """Bytes of state the objective holds besides the model's (summary.json memory)."""
+        return {}
+
+    def logged_terms(self, model: nn.Module) -> Dict[str, str]:
+        """The terms a logging step shows, by their TensorBoard names: each weighed auxiliary term
+        (objective.aux_coefficients, or a reporting module's own) as loss_<name>."""
+        weighed = (getattr(module, "aux_coefficients", {}) for module in model.modules())
+        names = {*self.aux_coefficients, *(name for weights in weighed for name in weights)}
+        return {name: f"loss_{name}" for name in sorted(names)}
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -173,7 +173,7 @@ class Trainer:
         logits the plan leaves sharded on the vocabulary (output_layouts shard(-1),
         use_local_output false) get torch's loss_parallel instead of a gather."""
         with self._autocast():
-            logits = self.run.model(batch.inputs, **batch.model_inputs())
+            logits = self.objective.forward(self.run.model, batch)
             sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
             with loss_parallel() if sharded else nullcontext():
                 return self.micro_batch_loss(logits, batch.targets)
@@ -346,15 +346,13 @@ class Trainer:
             run.checkpointer.poll()
 
     def _log_terms(self, step: int) -> None:
-        """The step's auxiliary terms (those objective.aux_coefficients or the model weighs) as
-        global-batch values, like its loss, to TensorBoard as loss_<name>: one all-reduce, on
-        logging steps."""
-        weighed = (getattr(module, "aux_coefficients", {}) for module in self.run.module.modules())
-        names = sorted({*self.objective.aux_coefficients, *(name for weights in weighed for name in weights)})
-        if names:
+        """The step's terms the objective shows (auxiliary losses, DPO's rewards) as global-batch
+        values, like its loss, to TensorBoard: one all-reduce, on logging steps."""
+        tags = self.objective.logged_terms(self.run.module)
+        if tags:
             values = torch.stack([local_value(torch.as_tensor(self.terms.get(name, 0.0), device=self.device))
-                                  for name in names])
-            self.metrics.scalars(step, {f"loss_{name}": value for name, value in zip(names, mean_over_dp(self.run, values))})
+                                  for name in tags])
+            self.metrics.scalars(step, dict(zip(tags.values(), mean_over_dp(self.run, values))))
 
     def _evaluate_and_log(self, step: int) -> float:
         """The validation loss at `step`, into the history and TensorBoard; returns its seconds."""

@@ -1,0 +1,167 @@
+"""`objective=dpo`: Direct Preference Optimization (Rafailov et al. 2023, TRL's DPOTrainer) on
+preference pairs (framework.data.PreferenceDataset: each sample a prompt + chosen and the same
+prompt + rejected).
+
+A pair's loss is -log sigmoid(beta * ((log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))))
+(with label_smoothing e, TRL's conservative DPO: (1 - e) times that plus e times the same of
+the swapped pair), each log-probability summed over the response's tokens. Its unit is the
+pair: the step's loss is the sum over the global batch's pairs over their number, on every mesh
+and with micro-batches, as the lm objective's is over tokens.
+
+The reference is the model training started from, never trained:
+- `adapters_off` (with adapter=lora / qlora): the policy itself with its adapters skipped, no
+  second copy of the weights (TRL's and torchtune's choice);
+- `frozen_copy`: a second model built from the same source (the seed, the Hugging Face files or
+  checkpoint.init_from) and sharded as the policy (its TP plan, fsdp / hsdp), frozen: no
+  gradients and no optimizer state, its parameter bytes again.
+A logging step shows TRL's metrics (global-batch means): rewards/chosen, rewards/rejected
+(beta times each response's log-ratio to the reference), rewards/margins, rewards/accuracies
+(the share of pairs whose chosen reward is the larger), logps/chosen, logps/rejected.
+"""
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+
+from framework.config.errors import ConfigError
+from framework.data.tokens import IGNORE, PREFERENCE_DATASETS
+from framework.models.lora import adapters_disabled
+from framework.parallel.plan import final_output_layout
+from framework.training.objectives import Objective
+
+REFERENCES = ("adapters_off", "frozen_copy")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+
+
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per sequence, the sum of its targets' log-probabilities (targets -100 left out)."""
+    token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
+    return -token.view(targets.shape).sum(-1)
+
+
+class DirectPreference(Objective):
+    def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, reference: str = "adapters_off",
+                 aux_coefficients: Optional[Dict[str, float]] = None):
+        super().__init__(aux_coefficients)
+        self.beta, self.label_smoothing, self.reference = beta, label_smoothing, reference
+        self.reference_model: Optional[nn.Module] = None  # frozen_copy's
+        self._sums: Dict[str, torch.Tensor] = {}
+
+    def setup(self, run) -> None:
+        if self.reference == "frozen_copy":
+            self.reference_model = frozen_copy(run)
+
+    def forward(self, model: nn.Module, batch) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The policy's logits for every sequence of the pairs (chosen, rejected, ...), and the
+        reference's log-probabilities of each pair's two (pairs, 2)."""
+        inputs, targets = batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1)
+        with torch.no_grad():
+            if self.reference_model is not None:
+                reference = self.reference_model(inputs)
+                if hasattr(self.reference_model, "reshard"):  # FSDP2 keeps a root unsharded after forward,
+                    self.reference_model.reshard()            # for the backward this model never has
+            else:
+                with adapters_disabled(model):
+                    reference = model(inputs)
+            reference = sequence_logps(reference, targets).view(-1, 2)
+        return model(inputs), reference
+
+    def loss_sum(self, outputs: Tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        logits, reference = outputs
+        policy = sequence_logps(logits, targets.flatten(0, 1)).view(-1, 2)
+        chosen, rejected = (self.beta * (policy[:, i] - reference[:, i]) for i in (0, 1))
+        margin = chosen - rejected
+        e = self.label_smoothing
+        losses = -F.logsigmoid(margin) * (1 - e) - F.logsigmoid(-margin) * e
+        values = (chosen, rejected, margin, (chosen > rejected).float(), policy[:, 0], policy[:, 1])
+        self._sums = {name: value.detach().sum() for name, value in zip(METRICS, values)}
+        return losses.sum()
+
+    def __call__(self, outputs, targets, model, units, tokens):
+        """The lm objective's share of the step's loss, and the pairs' metrics over the same
+        `units` (the step's pairs per replica), so summed over micro-batches and averaged over DP
+        they are the global batch's means."""
+        total = super().__call__(outputs, targets, model, units, tokens)
+        if tokens is not None:
+            self.terms.update({name: value / units for name, value in self._sums.items()})
+        return total
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(targets.shape[0], device=targets.device)
+
+    def fixed_count(self, targets: torch.Tensor) -> int:
+        return targets.shape[0]  # every pair counts
+
+    def held_bytes(self) -> Dict[str, int]:
+        """The reference's parameters (frozen_copy's; adapters_off holds none)."""
+        from framework.training.memory import local_bytes
+
+        model = self.reference_model
+        return {"reference": sum(local_bytes(p) for p in model.parameters()) if model is not None else 0}
+
+    def logged_terms(self, model: nn.Module) -> Dict[str, str]:
+        return {**super().logged_terms(model), **{name: name for name in METRICS}}
+
+
+def frozen_copy(run) -> nn.Module:
+    """A second model from the policy's source, through the same parallel stages (its TP plan,
+    fsdp / hsdp), without adapters, frozen in eval mode: the module the loop would call."""
+    from framework.checkpoint.layout import resolve
+    from framework.checkpoint.safe_load import load_checkpoint
+    from framework.training.builder import build_and_run
+    from framework.training.run import Run
+
+    cfg = OmegaConf.merge(run.cfg, {"adapter": {"kind": "none", "init_from": None}})
+    copy = Run(cfg=cfg, out_dir=run.out_dir, rank=run.rank, mesh=run.mesh, dp_mesh=run.dp_mesh, dp=run.dp,
+               samples=run.samples, tp=run.tp)
+    build_and_run(cfg, run.out_dir, start="model", through="fully_shard", run=copy)
+    if cfg.checkpoint.init_from:
+        from framework.checkpoint.compat import checkpoint_dir
+
+        path = resolve(cfg.checkpoint.init_from, checkpoint_dir(cfg, run.out_dir))
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        load_checkpoint({"model": get_model_state_dict(copy.module)}, path)
+    for param in copy.module.parameters():
+        param.requires_grad_(False)
+    return copy.module.eval()
+
+
+def check_preference(cfg, pp_size: int, tp_size: int) -> None:
+    """Before launch: DPO's data holds pairs, its reference exists, and its keys make sense; and
+    pairs are trained by DPO alone."""
+    objective, dataset = cfg.objective, cfg.data.dataset
+    pairs = dataset is not None and dataset.get("_target_") in PREFERENCE_DATASETS
+    dpo = objective.get("_target_") == f"{__name__}.DirectPreference"
+    if pairs and not dpo:
+        raise ConfigError("objective", objective.get("_target_"), "preference pairs (data=preferences) train under "
+                                                                  "objective=dpo")
+    if not dpo:
+        return
+    if not pairs:
+        raise ConfigError("objective", "dpo", f"needs preference pairs, and data.dataset is "
+                                              f"{dataset.get('_target_') if dataset else None}; prepare them with "
+                                              f"framework.prepare --prompt-field --chosen-field --rejected-field "
+                                              f"and use data=preferences")
+    if objective.reference not in REFERENCES:
+        raise ConfigError("objective.reference", objective.reference, f"use one of {', '.join(REFERENCES)}")
+    if objective.reference == "adapters_off" and cfg.adapter.kind == "none":
+        raise ConfigError("objective.reference", "adapters_off", "is the base model with the adapters off, and this "
+                                                                 "run has none (adapter=none); use adapter=lora, or "
+                                                                 "objective.reference=frozen_copy for full training")
+    if not objective.beta > 0:
+        raise ConfigError("objective.beta", objective.beta, "must be > 0")
+    if not 0 <= objective.label_smoothing < 0.5:
+        raise ConfigError("objective.label_smoothing", objective.label_smoothing, "must be in [0, 0.5)")
+    if pp_size > 1:
+        raise ConfigError("mesh.shape", list(cfg.mesh.shape), "objective=dpo under pipeline parallelism is not "
+                                                              "supported yet (the reference's forward is not a stage "
+                                                              "of the schedule); use a mesh without a pp dim")
+    output = OmegaConf.to_container(cfg.plan, resolve=True).get("output") if cfg.plan else None
+    if tp_size > 1 and output and not final_output_layout(output)[1]:
+        raise ConfigError("plan.output.use_local_output", False, "DPO sums each sequence's log-probabilities from "
+                                                                 "whole logits, not vocabulary shards (loss_parallel); "
+                                                                 "use a plan whose output is gathered, e.g. lm_tp_sp")
