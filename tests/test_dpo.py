@@ -110,6 +110,29 @@ def dpo_losses(path: str, cfg, steps: int) -> list:
     return losses
 
 
+def test_a_precomputed_reference_gives_the_reference_s_numbers_and_is_computed_once(hf_dirs, pairs, by_hand,
+                                                                                   tmp_path):
+    """Stored beside the data by the first run (on 2 DP replicas, each its share), read by the
+    next (on 1x2 TP+SP): both on the adapters-off reference's curve."""
+    import glob
+    import os
+
+    path = hf_dirs["llama"]
+    base = [*dpo_overrides(path, pairs), "objective.reference=precomputed"]
+    stored = os.path.join(pairs, "reference_logps", "*-train.npy")
+    for old in glob.glob(stored):
+        os.remove(old)
+    first = launch_local(compose_config([*base, "mesh=2x1", "parallel.dp_strategy=fsdp"]), str(tmp_path / "a"))
+    [file] = glob.glob(stored)
+    written = os.stat(file).st_mtime_ns
+    second = launch_local(compose_config([*base, "mesh=1x2", "plan=lm_tp_sp"]), str(tmp_path / "b"))
+    assert os.stat(file).st_mtime_ns == written  # read, not computed again
+    for summary in (first, second):
+        assert max_relative_error(summary["losses"], by_hand["adapters_off"]) < 1e-5
+    values = __import__("numpy").load(file)
+    assert values.shape == (len(PreferenceDataset(pairs, seq_len=24)), 2) and (values < 0).all()
+
+
 @pytest.fixture(scope="module")
 def by_hand(hf_dirs, pairs):
     path = hf_dirs["llama"]
@@ -184,7 +207,8 @@ def test_prepared_pairs_are_a_prompt_with_each_response_and_never_split(pairs):
     (["objective=lm"], r"objective='framework.training.objectives.NextTokenCrossEntropy': preference pairs "
                        r"\(data=preferences\) train under objective=dpo"),
     (["objective.beta=0"], r"objective.beta=0: must be > 0"),
-    (["objective.reference=policy"], r"objective.reference='policy': use one of adapters_off, frozen_copy"),
+    (["objective.reference=policy"], r"objective.reference='policy': use one of adapters_off, frozen_copy, "
+                                     r"precomputed"),
     (["mesh=pp2x1x1"], r"mesh.shape=\[2, 1, 1\]: objective=dpo under pipeline parallelism is not supported yet"),
     (["mesh=1x2", "plan=lm_tp_sp_loss_parallel"], r"plan.output.use_local_output=False: DPO sums each sequence's "
                                                   r"log-probabilities from whole logits"),

@@ -306,7 +306,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         check_context_parallel(cfg, model, roles.cp_size, roles.tp_size)
         check_document_masking(cfg, model)
         check_objective(cfg.objective, model, list(roles.shape), roles.pp_size)
-        check_preference(cfg, roles.pp_size, roles.tp_size)
+        check_preference(cfg, roles)
         check_optimizer(cfg)
         check_dataset(cfg)
         check_responses(cfg)

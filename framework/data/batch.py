@@ -1,6 +1,7 @@
 """One batch as the step consumes it: inputs, targets and, for packed windows of several
 documents (data.document_masking) or under context parallelism, each token's position in its
-document, which the model takes as a keyword (framework.models.documents)."""
+document, which the model takes as a keyword (framework.models.documents); for DPO with
+objective.reference=precomputed, each pair's reference log-probabilities."""
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -10,16 +11,20 @@ class Batch(NamedTuple):
     inputs: torch.Tensor
     targets: torch.Tensor
     positions: Optional[torch.Tensor] = None
+    reference: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, sample: Sequence[torch.Tensor], device) -> "Batch":
-        """A loader's batch (2 or 3 tensors) on `device`."""
+        """A loader's batch (2 or 3 tensors, or a named tuple of this class's fields) on `device`."""
+        if hasattr(sample, "_asdict"):
+            return cls(**{name: t.to(device) for name, t in sample._asdict().items()})
         return cls(*(t.to(device) for t in sample))
 
     def split(self, size: int) -> List["Batch"]:
-        """Micro-batches of `size` sequences."""
-        parts = [t.split(size) for t in self if t is not None]
-        return [Batch(*tensors) for tensors in zip(*parts)]
+        """Micro-batches of `size` samples."""
+        names = [name for name in self._fields if getattr(self, name) is not None]
+        parts = [getattr(self, name).split(size) for name in names]
+        return [Batch(**dict(zip(names, tensors))) for tensors in zip(*parts)]
 
     def model_inputs(self) -> dict:
         """The model's keyword inputs besides the tokens."""

@@ -19,7 +19,7 @@ import inspect
 import json
 import os
 import sys
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -164,11 +164,18 @@ class InstructionDataset(_Prepared):
         return max(1, int((np.diff(self.offsets[self.first:self.end + 1]) - responses).max()))
 
 
+class PreferencePair(NamedTuple):
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    reference: torch.Tensor
+
+
 class PreferenceDataset(InstructionDataset):
     """Preference pairs (kind "preference", framework.prepare --chosen-field --rejected-field):
     pair i is documents 2i (prompt + chosen) and 2i + 1 (prompt + rejected), one sample of
     inputs and targets (2, seq_len) each, so the sampler, the DP split and micro-batches never
-    part a pair. The last val_fraction of the pairs is held out."""
+    part a pair. The last val_fraction of the pairs is held out. With `reference` (DPO's
+    precomputed reference log-probabilities, (pairs, 2)) a sample also carries its pair's."""
     kind = "preference"
     masked_targets = True
 
@@ -177,12 +184,16 @@ class PreferenceDataset(InstructionDataset):
         super().__init__(path, seq_len, split, val_fraction, pad_id)
         pairs = (len(self.offsets) - 1) // 2
         self.first, self.end = split_range(pairs, val_fraction, split)
+        self.reference: Optional[np.ndarray] = None
         self._check_not_empty()
 
     def __getitem__(self, index: int):
         pair = self.first + index
         (chosen, chosen_targets), (rejected, rejected_targets) = self.example(2 * pair), self.example(2 * pair + 1)
-        return torch.stack([chosen, rejected]), torch.stack([chosen_targets, rejected_targets])
+        inputs, targets = torch.stack([chosen, rejected]), torch.stack([chosen_targets, rejected_targets])
+        if self.reference is None:
+            return inputs, targets
+        return PreferencePair(inputs, targets, torch.from_numpy(self.reference[index]))
 
     def without_response(self) -> np.ndarray:
         """Per pair, whether cutting it to seq_len + 1 tokens leaves either response no token."""

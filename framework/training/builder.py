@@ -197,7 +197,6 @@ def stage_optimizer(run: Run) -> None:
     after DP and TP (DTensor shards included), its warmup / decay schedule, and the objective."""
     t = run.cfg.trainer
     run.objective = instantiate(run.cfg.objective)
-    run.objective.setup(run)
     run.optimizer = instantiate(run.cfg.optim)([p for p in run.model.parameters() if p.requires_grad])
     update_biases_after_each_step(run.optimizer, run.module)
     run.scheduler = build_scheduler(run.optimizer, t.warmup_steps, t.max_steps, t.lr_decay)
@@ -206,7 +205,8 @@ def stage_optimizer(run: Run) -> None:
 def stage_checkpoint(run: Run) -> None:
     """Before the first step: continue a checkpoint (model, optimizer, schedule, data position,
     history; after an elastic restart, the newest one), or start from init_from's weights. A
-    LoRA run's checkpoints hold its adapters alone: its base is loaded as a fresh run loads it."""
+    LoRA run's checkpoints hold its adapters alone: its base is loaded as a fresh run loads it.
+    Then the objective's setup, on the final weights."""
     run.state = TrainState()
     directory = checkpoint_dir(run.cfg, run.out_dir)
     base = base_model(run.cfg, directory, getattr(run.module, "hf_path", None)) \
@@ -230,6 +230,7 @@ def stage_checkpoint(run: Run) -> None:
         restarts = restart_count()
         log.info("%s%s", f"restart {restarts} of {os.environ['TORCHELASTIC_MAX_RESTARTS']}: " if restarts else "",
                  message)
+    run.objective.setup(run)  # the weights are final: what it derives from them (DPO's reference)
 
 
 def load_base(run: Run, init_from: Optional[str]) -> str:

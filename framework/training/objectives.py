@@ -33,7 +33,7 @@ class Objective:
         self._reporters: Optional[List[nn.Module]] = None
 
     def setup(self, run) -> None:
-        """What the objective needs of the built run (framework.training.builder's optimizer stage)."""
+        """What the objective needs of the built run, its weights loaded (the checkpoint stage's end)."""
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
         """The outputs loss_sum scores: the model's, on the batch's inputs."""

@@ -13,25 +13,37 @@ The reference is the model training started from, never trained:
   second copy of the weights (TRL's and torchtune's choice);
 - `frozen_copy`: a second model built from the same source (the seed, the Hugging Face files or
   checkpoint.init_from) and sharded as the policy (its TP plan, fsdp / hsdp), frozen: no
-  gradients and no optimizer state, its parameter bytes again.
+  gradients and no optimizer state, its parameter bytes again;
+- `precomputed`: each pair's reference log-probabilities, computed once before the first step
+  (the model as training starts, adapters off) over the train and val splits and stored beside
+  the prepared data (`<data.path>/reference_logps/<id>-<split>.npy`, the id naming the base
+  model and what changes the numbers); later runs read them, and a step runs no reference.
 A logging step shows TRL's metrics (global-batch means): rewards/chosen, rewards/rejected
 (beta times each response's log-ratio to the reference), rewards/margins, rewards/accuracies
 (the share of pairs whose chosen reward is the larger), logps/chosen, logps/rejected.
 """
+import hashlib
+import json
+import logging
+import os
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
+from framework.atomic import atomic_file
 from framework.config.errors import ConfigError
 from framework.data.tokens import IGNORE, PREFERENCE_DATASETS
 from framework.models.lora import adapters_disabled
 from framework.parallel.plan import final_output_layout
 from framework.training.objectives import Objective
 
-REFERENCES = ("adapters_off", "frozen_copy")
+log = logging.getLogger("framework")
+REFERENCES = ("adapters_off", "frozen_copy", "precomputed")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
 
@@ -53,11 +65,22 @@ class DirectPreference(Objective):
     def setup(self, run) -> None:
         if self.reference == "frozen_copy":
             self.reference_model = frozen_copy(run)
+        elif self.reference == "precomputed":
+            datasets = [run.dataset] + ([run.val_dataloader.dataset] if run.val_dataloader is not None else [])
+            for dataset in datasets:
+                dataset.reference = precomputed_reference(run, dataset)
 
     def forward(self, model: nn.Module, batch) -> Tuple[torch.Tensor, torch.Tensor]:
         """The policy's logits for every sequence of the pairs (chosen, rejected, ...), and the
         reference's log-probabilities of each pair's two (pairs, 2)."""
         inputs, targets = batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1)
+        if self.reference == "precomputed":
+            if batch.reference is None:
+                raise RuntimeError("objective.reference=precomputed: the batch carries no reference log-probabilities "
+                                   "(DirectPreference.setup attaches them to the dataset before training)")
+            return model(inputs), batch.reference
+        if self.reference == "frozen_copy" and self.reference_model is None:
+            raise RuntimeError("objective.reference=frozen_copy: no reference model (DirectPreference.setup builds it)")
         with torch.no_grad():
             if self.reference_model is not None:
                 reference = self.reference_model(inputs)
@@ -130,7 +153,72 @@ def frozen_copy(run) -> nn.Module:
     return copy.module.eval()
 
 
-def check_preference(cfg, pp_size: int, tp_size: int) -> None:
+def reference_path(cfg, dataset, base: dict) -> str:
+    """Where a split's precomputed reference log-probabilities lie: named by what makes them
+    (the base model, the adapter's kind and NF4 blocks, the precision, seq_len, padding, split)."""
+    adapter = OmegaConf.to_container(cfg.adapter, resolve=True)
+    made_of = {"base": base, "adapter": {k: adapter.get(k) for k in ("kind", "block_size", "scaler_block_size")},
+               "mixed_precision": cfg.trainer.mixed_precision, "seq_len": dataset.seq_len, "pad_id": dataset.pad_id,
+               "val_fraction": dataset.val_fraction}
+    digest = hashlib.sha256(json.dumps(made_of, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return os.path.join(dataset.path, "reference_logps", f"{digest}-{dataset.split}.npy")
+
+
+def precomputed_reference(run, dataset) -> np.ndarray:
+    """The split's (pairs, 2) reference log-probabilities: read if a run stored them, else made
+    now by every rank (each DP replica its share of the pairs, gathered) and stored by rank 0."""
+    from framework.checkpoint.base_model import base_model
+    from framework.checkpoint.compat import checkpoint_dir
+
+    base = base_model(run.cfg, checkpoint_dir(run.cfg, run.out_dir), getattr(run.module, "hf_path", None))
+    path = reference_path(run.cfg, dataset, base)
+    if not os.path.isfile(path):
+        if run.resumed is not None and run.cfg.adapter.kind == "none":
+            raise ConfigError("objective.reference", "precomputed", f"{path} is gone, and a resumed full-training "
+                                                                    f"run's model is no longer its reference; restore "
+                                                                    f"it, or use objective.reference=frozen_copy")
+        values = _reference_logps(run, dataset)
+        if run.rank == 0:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with atomic_file(path, "wb") as f:
+                np.save(f, values)
+            log.info("objective.reference=precomputed: the reference log-probabilities of %d %s pairs, in %s",
+                     len(values), dataset.split, path)
+        dist.barrier()
+    return np.load(path)
+
+
+@torch.no_grad()
+def _reference_logps(run, dataset) -> np.ndarray:
+    """Pair i's log-probabilities under the model as training starts, adapters off, on replica
+    i mod DP (its TP ranks together), in micro-batches; gathered over DP."""
+    replicas, replica = run.samples["size"], run.samples["rank"]
+    per_replica = -(-len(dataset) // replicas)
+    mine = [min(replica + k * replicas, len(dataset) - 1) for k in range(per_replica)]  # (the last repeated)
+    size = run.cfg.data.micro_batch_size or run.cfg.data.global_batch_size // replicas
+    device = torch.device(run.cfg.mesh.device_type)
+    bf16 = run.cfg.trainer.mixed_precision == "bf16" and run.cfg.parallel.dp_strategy == "replicate"
+    values = []
+    run.model.eval()
+    with adapters_disabled(run.module), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+        for start in range(0, len(mine), size):
+            pairs = [dataset[i] for i in mine[start:start + size]]
+            inputs = torch.stack([p[0] for p in pairs]).to(device).flatten(0, 1)
+            targets = torch.stack([p[1] for p in pairs]).to(device).flatten(0, 1)
+            values.append(sequence_logps(run.model(inputs), targets).view(-1, 2))
+    run.model.train()
+    local = torch.cat(values).double()
+    gathered = [torch.empty_like(local) for _ in range(replicas)]
+    if replicas > 1:
+        dist.all_gather(gathered, local, group=run.dp_group)
+    else:
+        gathered = [local]
+    gathered = torch.stack(gathered)
+    # pair replica + k * replicas is gathered[replica][k]
+    return gathered.transpose(0, 1).reshape(-1, 2)[:len(dataset)].float().cpu().numpy()
+
+
+def check_preference(cfg, roles) -> None:
     """Before launch: DPO's data holds pairs, its reference exists, and its keys make sense; and
     pairs are trained by DPO alone."""
     objective, dataset = cfg.objective, cfg.data.dataset
@@ -156,12 +244,19 @@ def check_preference(cfg, pp_size: int, tp_size: int) -> None:
         raise ConfigError("objective.beta", objective.beta, "must be > 0")
     if not 0 <= objective.label_smoothing < 0.5:
         raise ConfigError("objective.label_smoothing", objective.label_smoothing, "must be in [0, 0.5)")
-    if pp_size > 1:
+    if objective.reference == "precomputed" and not os.access(os.path.expanduser(dataset.path), os.W_OK):
+        raise ConfigError("objective.reference", "precomputed", f"stores the log-probabilities beside the data, and "
+                                                                f"{dataset.path} is not writable; make it so, or use "
+                                                                f"adapters_off / frozen_copy")
+    if roles.cp_size > 1:
+        raise ConfigError("mesh.shape", list(cfg.mesh.shape), "objective=dpo under context parallelism is not "
+                                                              "supported yet; use a mesh without a cp dim")
+    if roles.pp_size > 1:
         raise ConfigError("mesh.shape", list(cfg.mesh.shape), "objective=dpo under pipeline parallelism is not "
                                                               "supported yet (the reference's forward is not a stage "
                                                               "of the schedule); use a mesh without a pp dim")
     output = OmegaConf.to_container(cfg.plan, resolve=True).get("output") if cfg.plan else None
-    if tp_size > 1 and output and not final_output_layout(output)[1]:
+    if roles.tp_size > 1 and output and not final_output_layout(output)[1]:
         raise ConfigError("plan.output.use_local_output", False, "DPO sums each sequence's log-probabilities from "
                                                                  "whole logits, not vocabulary shards (loss_parallel); "
                                                                  "use a plan whose output is gathered, e.g. lm_tp_sp")
