@@ -19,7 +19,7 @@ MAINS = {"verify": verify.main, "inspect": lambda argv: inspect.main(["comm", *a
     (["trainer.max_step=2"], "config error: trainer.max_step: no such key; did you mean trainer.max_steps?"),
     (["+parallel.dp_stratgy=fsdp"],
      "config error: parallel.dp_stratgy='fsdp': no such key; did you mean parallel.dp_strategy?"),
-    (["recipe=lm_fdsp_tp"], "config error: recipe=lm_fdsp_tp: no such recipe config; the recipe configs are: finetune_hf, lm_2d, lm_3d, "
+    (["recipe=lm_fdsp_tp"], "config error: recipe=lm_fdsp_tp: no such recipe config; the recipe configs are: dpo_hf, finetune_hf, lm_2d, lm_3d, "
                             "lm_files, lm_fsdp_tp, lm_moe, lora_hf, seed_ddp_tp, seed_mesh, seed_tp"),
     (["mesh.shape=[2,x]"], "config error: Error merging override mesh.shape=[2,x]; Value 'x' of type 'str' could not "
                            "be converted to Integer"),
@@ -104,7 +104,7 @@ def test_export_of_a_run_dir_points_at_its_checkpoints(tmp_path, capsys):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("argv,line", [
     (["trainer.max_step=2"], "config error: trainer.max_step: no such key; did you mean trainer.max_steps?"),
-    (["recipe=lm2d"], "config error: recipe=lm2d: no such recipe config; the recipe configs are: finetune_hf, lm_2d, lm_3d, lm_files, "
+    (["recipe=lm2d"], "config error: recipe=lm2d: no such recipe config; the recipe configs are: dpo_hf, finetune_hf, lm_2d, lm_3d, lm_files, "
                       "lm_fsdp_tp, lm_moe, lora_hf, seed_ddp_tp, seed_mesh, seed_tp"),
 ])
 def test_train_exits_2_on_what_hydra_cannot_compose(argv, line, tmp_path):

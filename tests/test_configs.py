@@ -28,23 +28,30 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
           ("model", "lm_moe_tiny"): ["recipe=lm_moe", "model=lm_moe_tiny"], ("model", "lm_moe_small"): ["recipe=lm_moe"],
           ("plan", "lm_moe_tp"): ["recipe=lm_moe"],
           ("adapter", "lora"): ["recipe=lm_2d", "mesh=2x1", "plan=none"],
+          ("adapter", "qlora"): ["recipe=lm_2d", "mesh=2x1", "plan=none"],
+          ("data", "preferences"): ["recipe=lm_files", "data=preferences", "adapter=lora"],
+          ("objective", "dpo"): ["recipe=lm_files", "data=preferences", "adapter=lora"],
           **{("mesh", name): ["recipe=lm_3d", f"mesh={name}"] for name in ("pp2x1x1", "pp2x2x1", "pp2x1x2", "pp2x2x2",
                                                                              "pp2x1x2x1cp")},
           **{("mesh", name): ["recipe=lm_2d", f"mesh={name}"] for name in ("1x2x1cp", "1x4x1cp", "1x2x2cp", "2x2x1cp")},
           ("data", "tokens"): ["recipe=lm_files"], ("data", "instructions"): ["recipe=lm_files", "data=instructions"]}
 # Configs that read prepared token data: which kind (the `prepared` fixture's).
-PREPARED = {("data", "tokens"): "packed", ("data", "instructions"): "instruction", ("recipe", "lm_files"): "packed"}
+PREPARED = {("data", "tokens"): "packed", ("data", "instructions"): "instruction", ("recipe", "lm_files"): "packed",
+            ("data", "preferences"): "preference", ("objective", "dpo"): "preference"}
 # Configs of a Hugging Face model: the `hf_dirs` fixture's keys they need, as overrides.
 HF = {("model", "hf"): ["recipe=lm_2d", "model.path={llama}"],
       ("plan", "qk_norm_tp_sp"): ["recipe=lm_2d", "model=hf", "model.path={qwen3}"],
       ("recipe", "finetune_hf"): ["model.path={llama}", "data.path={tokens}", "data.dataset.seq_len=64"],
-      ("recipe", "lora_hf"): ["model.path={llama}", "data.path={tokens}", "data.dataset.seq_len=64"]}
+      ("recipe", "lora_hf"): ["model.path={llama}", "data.path={tokens}", "data.dataset.seq_len=64"],
+      ("recipe", "dpo_hf"): ["model.path={llama}", "data.path={preference}", "data.tokenizer=null",
+                             "data.dataset.seq_len=64"]}
 
 
 def data_path(group: str, option: str, request) -> list:
     """The overrides that point a config at the data or model the fixtures made."""
     if (group, option) in HF:
-        return [o.format(**request.getfixturevalue("hf_dirs")) for o in HF[group, option]]
+        paths = {**request.getfixturevalue("hf_dirs"), **request.getfixturevalue("prepared")}
+        return [o.format(**paths) for o in HF[group, option]]
     prepared = request.getfixturevalue("prepared")
     return [f"data.path={prepared[PREPARED[group, option]]}"] if (group, option) in PREPARED else []
 

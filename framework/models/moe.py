@@ -30,8 +30,9 @@ from framework.config.errors import ConfigError
 
 def run_local_experts(experts: "Experts", tokens: torch.Tensor, counts: List[int]) -> torch.Tensor:
     """SwiGLU of each expert on its consecutive run of `tokens` (sorted by expert; `counts`
-    tokens each), one matmul per expert: the same numbers in fp32 and bf16 on every device."""
-    w1, w2, w3 = experts.local_weights()
+    tokens each), one matmul per expert: the same numbers in fp32 and bf16 on every device. In
+    the tokens' dtype: FSDP2's bf16 compute leaves EP's experts (not its to cast) in fp32."""
+    w1, w2, w3 = (w.to(tokens.dtype) for w in experts.local_weights())
     outputs = [F.linear(F.silu(F.linear(chunk, w1[e])) * F.linear(chunk, w3[e]), w2[e])
                for e, chunk in enumerate(tokens.split(counts))]
     return torch.cat(outputs) if outputs else tokens[:0]

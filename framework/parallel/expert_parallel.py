@@ -6,7 +6,9 @@ The stacked expert weights become DTensors sharded on the expert dim over the EP
 rank computes only its own experts, and checkpoints (DCP) keep the whole stacks under the same
 names whatever the EP size. An expert's gradient sums the contributions of every replica's
 tokens it served, each replica's loss already scaled for DP's average: DataParallel divides it
-by the DP size instead of all-reducing it (data_parallel.sharded_over_dp). The router's load
+by the DP size instead of all-reducing it (data_parallel.sharded_over_dp), and under fsdp the
+experts stay out of FSDP2's sharding with their gradient divided alike (fully_shard.apply_fsdp).
+The router's load
 statistics pool over the DP ranks (framework.models.moe.load_balance_loss) with or without EP.
 """
 from typing import Callable, Optional
@@ -90,9 +92,9 @@ def check_expert_parallel(model: nn.Module, plan: dict, roles: MeshRoles, dp_str
         raise ConfigError("mesh.shape", list(roles.shape), "mixture-of-experts models do not run under pipeline "
                                                            "parallelism yet (the load-balancing loss pools every "
                                                            "layer's routing); use a mesh without a pp dim")
-    if ep_size > 1 and dp_strategy != "replicate":
-        raise ConfigError("parallel.dp_strategy", dp_strategy, "expert parallelism runs with "
-                                                               "dp_strategy=replicate for now")
+    if ep_size > 1 and dp_strategy == "hsdp":
+        raise ConfigError("parallel.dp_strategy", dp_strategy, "expert parallelism runs with dp_strategy=replicate "
+                                                               "or fsdp for now")
     for key, entry in plan.items():
         if entry.get("style") == "sequence_parallel" and key.split(".")[-1] == "ffn_norm":
             raise ConfigError(f"plan.{key}.style", "sequence_parallel", "would hand the mixture-of-experts blocks "
