@@ -62,7 +62,8 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
     if base is not None and "model" in base and base["device"] != "cpu":
         raise CheckpointError(path, f"its base model is the one trainer.seed drew on {base['device']}, which this "
                                     f"process (on cpu) cannot draw again; export where that device is")
-    torch.manual_seed(cfg.trainer.seed)  # a base drawn from the seed is drawn again
+    if base is not None and "model" in base:
+        torch.manual_seed(base["seed"])  # a base drawn from the seed is drawn again
     with torch.device("cpu"), saved_config_errors(path):
         model = instantiate_checked(cfg.model)
     adapter = cfg.get("adapter") or {"kind": "none"}

@@ -41,7 +41,7 @@ TINY_LM = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "dat
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory) -> Dict[str, str]:
     """Byte-level token data as framework.prepare writes it: "packed" (about 80 KB of text) and
-    "instruction" (400 prompt / response records), "preference" (200 prompt / chosen / rejected
+    "instruction" (400 prompt / response records), "preference" (400 prompt / chosen / rejected
     records)."""
     from framework.prepare import main as prepare
 
@@ -53,7 +53,7 @@ def prepared(tmp_path_factory) -> Dict[str, str]:
     assert prepare([str(root / "chat.jsonl"), "--out", str(root / "instruction"), "--prompt-field", "prompt",
                     "--response-field", "response"]) == 0
     (root / "pairs.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}?", "chosen": "a" * (i % 5 + 1),
-                                                          "rejected": "b" * (i % 3 + 1)}) + "\n" for i in range(200)))
+                                                          "rejected": "b" * (i % 3 + 1)}) + "\n" for i in range(400)))
     assert prepare([str(root / "pairs.jsonl"), "--out", str(root / "preference"), "--prompt-field", "prompt",
                     "--chosen-field", "chosen", "--rejected-field", "rejected"]) == 0
     return {"packed": str(root / "packed"), "instruction": str(root / "instruction"),

@@ -463,3 +463,29 @@ def test_lora_under_bf16_autocast_and_fsdp_mixed_precision_follows_peft_s_curve(
         error = max_relative_error(summary["losses"], peft_reference[0])
         print(f"LoRA 2x1 {strategy} bf16: max relative loss error vs PEFT fp32 {error:.2e}")
         assert 0 < error < 2e-2
+
+
+@pytest.mark.timeout(300)
+def test_a_seed_drawn_base_is_drawn_again_by_resume_and_export(tmp_path):
+    """The framework's own LM: its base is what trainer.seed draws for the model config; an
+    adapter checkpoint resumes on another mesh on the uninterrupted curve, and its export holds
+    that base bitwise."""
+    from hydra.utils import instantiate
+
+    from tests.conftest import TINY_LM
+
+    base = [*TINY_LM, "adapter=lora", "adapter.targets=[wq,wv,w2]", "trainer.max_steps=4", "trainer.log_every=1",
+            "trainer.eval_every=null", "logger.tensorboard=false", "checkpoint.every=2", "plan=none"]
+    whole = launch_local(compose_config([*base, "mesh=1x1"]), str(tmp_path / "whole"))
+    meta = json.loads((tmp_path / "whole" / "checkpoints" / "step_2" / "framework.json").read_text())
+    assert meta["base"]["seed"] == compose_config(base).trainer.seed and "model" in meta["base"]
+    resumed = launch_local(compose_config([*base, "mesh=2x1", "parallel.dp_strategy=fsdp",
+                                           f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step_2'}"]),
+                           str(tmp_path / "resumed"))
+    assert max_relative_error(resumed["losses"], whole["losses"]) < 1e-5
+    export(str(tmp_path / "whole" / "checkpoints"), str(tmp_path / "model.pt"))
+    cfg = compose_config(base)
+    torch.manual_seed(cfg.trainer.seed)
+    drawn = instantiate(cfg.model).state_dict()
+    state = torch.load(tmp_path / "model.pt")
+    assert set(drawn) < set(state) and all(torch.equal(state[k], v) for k, v in drawn.items())
