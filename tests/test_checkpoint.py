@@ -175,6 +175,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_which_auto_resumes(
 
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_under_torchrun_max_restarts_resumes_in_the_first_attempts_job_dir(one_process, tmp_path):
     """torchrun's own --max-restarts restarts the world; rank 0's Hydra makes a new timestamped

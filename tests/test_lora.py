@@ -196,7 +196,7 @@ def test_the_peft_export_loads_in_peft_and_the_merged_export_in_transformers(hf_
     (["adapter.rank=0"], r"adapter.rank=0: must be between 1 and 32"),
     (["adapter.rank=33"], r"adapter.rank=33: must be between 1 and 32"),
     (["checkpoint.final_hf=true"], r"checkpoint.final_hf=True: with adapter=lora the run writes no merged model"),
-    (["adapter.kind=dora"], r"adapter.kind='dora': use none or lora"),
+    (["adapter.kind=dora"], r"adapter.kind='dora': use none, lora or qlora"),
 ])
 def test_bad_adapter_configs_are_refused_naming_the_key(overrides, message, hf_dirs):
     cfg = compose_config([*lora_overrides(hf_dirs["llama"], hf_dirs["tokens"]), "mesh=1x1", *overrides])

@@ -55,6 +55,7 @@ def test_every_schedule_and_composition_trains_the_one_process_model(overrides, 
     assert error < 1e-5
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_checkpoint_saved_under_pp_resumes_without_pp_and_on_another_pp_mesh(one_process, tmp_path):
     saved = [*PP, "checkpoint.every=5", "trainer.eval_every=5", "trainer.eval_batches=2"]

@@ -38,6 +38,7 @@ def _two_nodes(overrides, out: Path):
             agent.kill()
 
 
+@pytest.mark.integration  # (a torchrun run stays in make test: tests/test_cli.py)
 @pytest.mark.timeout(300)
 def test_two_torchrun_nodes_train_the_one_process_model_and_tp_across_them_is_refused(tmp_path):
     results = _two_nodes(["mesh=2x2", *FAST], tmp_path / "nodes")

@@ -26,7 +26,8 @@ def losses(out) -> list:
     pytest.param("1x1", "none", [], marks=pytest.mark.integration),
     ("1x2", "lm_tp_sp", []),
     # with loss_parallel, activation checkpointing and micro-batches together
-    ("1x2", "lm_tp_sp_loss_parallel", ["model.activation_checkpointing=full", "data.micro_batch_size=2"]),
+    pytest.param("1x2", "lm_tp_sp_loss_parallel", ["model.activation_checkpointing=full", "data.micro_batch_size=2"],
+                 marks=pytest.mark.integration),
     pytest.param("2x2", "lm_tp_sp", [], marks=pytest.mark.integration),
     pytest.param("2x1", "none", ["parallel.dp_strategy=fsdp"], marks=pytest.mark.integration),
     pytest.param("pp2x1x1", "none", ["model.n_layers=4"], marks=pytest.mark.integration),  # each stage's blocks compiled

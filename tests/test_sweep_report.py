@@ -53,6 +53,7 @@ def test_a_sweep_over_mesh_shapes_ends_with_its_report(tmp_path):
     assert all(list((sweep / str(i) / "tb").iterdir()) for i in range(2))
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_a_failed_job_is_reported_and_the_sweep_goes_on_then_exits_1(tmp_path):
     """Job 0 loses rank 1, job 1 is refused at validation (TP 5 does not divide the seed MLP),

@@ -58,6 +58,7 @@ def test_each_rank_gets_its_share_of_the_cores_and_is_bound_to_them(mesh, plan, 
     assert_shared_out(cores_in_ranks(tmp_path, ranks), max(1, CORES // ranks))
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_ranks_under_torchrun_are_bound_and_an_eager_runs_default_leaves_them_free(tmp_path):
     threads = threads_in_ranks(tmp_path / "torchrun", "1x2", "plan=seed_mlp_tp", "launcher.bind_cores=true",
@@ -82,6 +83,7 @@ def test_a_rank_s_cores_follow_the_previous_ranks_and_wrap_round():
     assert binds("true", "cuda", False) and not binds("false", "cpu", True)
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_an_exported_omp_num_threads_wins_over_the_key_which_wins_over_the_rule(tmp_path):
     assert threads_in_ranks(tmp_path / "key", "1x1", "plan=none", "launcher.threads_per_rank=3") == {0: 3}

@@ -77,7 +77,7 @@ def update_biases_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Mo
         optimizer.register_step_post_hook(lambda *_: update_expert_biases(blocks, model.token_group))
 
 
-def check_expert_parallel(model: nn.Module, plan: dict, roles: MeshRoles, dp_strategy: str, compiled: bool) -> None:
+def check_expert_parallel(model: nn.Module, plan: dict, roles: MeshRoles, compiled: bool) -> None:
     """What the experts and their parallelism need of the model, the plan and the mesh."""
     blocks, ep_dims, ep_size = moe_blocks(model), list(roles.ep_dims), roles.ep_size
     if ep_dims and not blocks:
@@ -92,9 +92,6 @@ def check_expert_parallel(model: nn.Module, plan: dict, roles: MeshRoles, dp_str
         raise ConfigError("mesh.shape", list(roles.shape), "mixture-of-experts models do not run under pipeline "
                                                            "parallelism yet (the load-balancing loss pools every "
                                                            "layer's routing); use a mesh without a pp dim")
-    if ep_size > 1 and dp_strategy == "hsdp":
-        raise ConfigError("parallel.dp_strategy", dp_strategy, "expert parallelism runs with dp_strategy=replicate "
-                                                               "or fsdp for now")
     for key, entry in plan.items():
         if entry.get("style") == "sequence_parallel" and key.split(".")[-1] == "ffn_norm":
             raise ConfigError(f"plan.{key}.style", "sequence_parallel", "would hand the mixture-of-experts blocks "

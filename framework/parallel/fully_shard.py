@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -41,25 +42,25 @@ def mixed_precision_policy(mixed_precision: Optional[str], root: bool) -> MixedP
                                 output_dtype=torch.float32 if root else None)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[str]) -> nn.Module:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[str],
+               dp_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
     """fully_shard each unit, then the root (which holds what no unit does), over `dp_mesh`:
     1-D for fsdp, (dp_replicate, dp) for hsdp.
 
-    Experts spread over the DP ranks themselves (expert parallelism over dp) have no FSDP share
-    left: they are left to their EP sharding (ignored_params), and as their gradient already sums
-    every rank's tokens they served, it is divided by the DP size as FSDP divides the others'
-    reduce-scattered sums (torchtitan's gradient divide factor for experts)."""
+    Experts spread over the DP ranks themselves (expert parallelism over every DP dim, `dp_group`
+    flattened) have no FSDP share left: they are left to their EP sharding (ignored_params), and
+    as their gradient already sums every rank's tokens they served, it is divided by the DP size
+    as FSDP divides the others' reduced sums (torchtitan's gradient divide factor for experts)."""
     from framework.parallel.data_parallel import sharded_over_dp
 
-    experts = {p for p in model.parameters() if sharded_over_dp(p, dp_mesh.get_group())} if dp_mesh.ndim == 1 \
-        else set()
+    experts = {p for p in model.parameters() if sharded_over_dp(p, dp_group)}
     for unit in fsdp_units(model):
         fully_shard(unit, mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision, root=False),
                     ignored_params=experts or None)
     sharded = fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision, root=True),
                           ignored_params=experts or None)
     for param in experts:
-        param.register_hook(lambda grad, size=dp_mesh.size(): grad / size)
+        param.register_hook(lambda grad, size=dp_mesh.size(): grad / size)  # (dp_mesh: all of dp_group's ranks)
     return sharded
 
 
