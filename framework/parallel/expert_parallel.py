@@ -49,7 +49,9 @@ def dispatch_over(group: dist.ProcessGroup) -> Callable[[Experts, torch.Tensor, 
         returned = all_to_all_single_autograd(back, sent, received, group)
         return returned[order.argsort()]
 
-    return dispatch
+    # eager under trainer.compile=blocks: its splits are the counts just exchanged, which a traced
+    # graph cannot take (the block compiles around it)
+    return torch._dynamo.disable(dispatch)
 
 
 def apply_ep(model: nn.Module, ep_mesh: Optional[DeviceMesh], token_group: Optional[dist.ProcessGroup]) -> None:
@@ -77,7 +79,7 @@ def update_biases_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Mo
         optimizer.register_step_post_hook(lambda *_: update_expert_biases(blocks, model.token_group))
 
 
-def check_expert_parallel(model: nn.Module, plan: dict, roles: MeshRoles, compiled: bool) -> None:
+def check_expert_parallel(model: nn.Module, plan: dict, roles: MeshRoles) -> None:
     """What the experts and their parallelism need of the model, the plan and the mesh."""
     blocks, ep_dims, ep_size = moe_blocks(model), list(roles.ep_dims), roles.ep_size
     if ep_dims and not blocks:
@@ -97,7 +99,3 @@ def check_expert_parallel(model: nn.Module, plan: dict, roles: MeshRoles, compil
             raise ConfigError(f"plan.{key}.style", "sequence_parallel", "would hand the mixture-of-experts blocks "
                                                                         "sequence shards, which they do not take yet; "
                                                                         "use a plan without SP (plan=lm_moe_tp)")
-    if compiled:
-        raise ConfigError("trainer.compile", "blocks", "mixture-of-experts blocks route a data-dependent number "
-                                                       "of tokens to each expert, which fullgraph compile cannot "
-                                                       "trace; use trainer.compile=none")

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
+from framework.models.moe import moe_blocks
 
 
 def compiled_blocks(model: nn.Module) -> List[nn.Module]:
@@ -48,6 +49,8 @@ def apply_compile(model: nn.Module, mode: str, allocated_later: bool = False) ->
     blocks = compiled_blocks(model)
     for block in blocks:
         block.register_forward_pre_hook(_wait_for_inputs)
-        block.forward = torch.compile(block.forward, fullgraph=True)
+        # A mixture of experts routes a data-dependent number of tokens to each expert: its
+        # block compiles in pieces around that (graph breaks), a dense block as one graph.
+        block.forward = torch.compile(block.forward, fullgraph=not moe_blocks(block))
     # one graph for all blocks, recompiled at most for a changed shape (evaluation's batch, say)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(blocks))
