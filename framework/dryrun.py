@@ -5,7 +5,8 @@ launcher's whole validation for the mesh's world size. Then, for each rank of `d
 it joins torch's fake process group as that rank (collectives return at once and move
 nothing), runs the builder's own stages up to the optimizer with the model built on the meta
 device (shapes, no storage), and one training step on meta tensors: forward, backward with
-DataParallel's gradient finalization, optimizer step (no clipping, as `framework.inspect comm`).
+DataParallel's gradient finalization, trainer.grad_clip's global norm, optimizer step: the
+Trainer's own train_step, as `framework.inspect comm` counts it.
 
 Printed per rank:
 - every parameter's local shape and placement (DTensor placements per mesh dim, or a plain
@@ -202,8 +203,7 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
         totals: Dict[Tuple[str, str], List[int]] = {}
         collectives = CollectiveRecorder(counted(totals, lambda op, dim: (op, dim)), run.group_labels(), "other")
         with collectives, activations.hooks():
-            trainer.forward_backward(batch)
-            run.optimizer.step()
+            trainer.train_step(batch, measure_norm=False)  # the configured step, clipping included
         sizes = state_bytes(run.module, run.optimizer)
         return RankReport(
             rank=rank,

@@ -10,8 +10,9 @@ mesh's own ranks.
                                                     share in collectives, a trace in DIR/profile/
 
 Both compose the config like framework.train (same groups, recipes and overrides; no output
-dir), start the mesh's ranks, build the model and run one step (forward, backward with the
-gradient finalization, optimizer step; no clipping or logging). DTensor's own collectives (TP)
+dir), start the mesh's ranks, build the model and run one step as training runs it (the
+Trainer's train_step: forward, backward with the gradient finalization, trainer.grad_clip's
+global norm, optimizer step; no logging). DTensor's own collectives (TP)
 and the c10d ones DataParallel issues (DP gradient averaging) are both seen. `trace` is for a
 hang or a mismatch: ranks of one group must issue that group's collectives in the same order,
 and it says where the first pair of ranks differs.
@@ -68,8 +69,7 @@ def collectives_of_one_step(cfg_container: dict, out_dir: str) -> Dict[str, int]
     trainer = pipeline_warmed(run, batch)
     totals: Dict[str, List[int]] = {}
     with CollectiveRecorder(counted(totals, lambda op, dim: op)):
-        trainer.forward_backward(batch)
-        run.optimizer.step()
+        trainer.train_step(batch, measure_norm=False)  # the configured step, clipping included
     dist.destroy_process_group()
     return {op: count for op, (count, _) in totals.items()}
 
@@ -96,9 +96,8 @@ def trace_of_one_step(cfg_container: dict, out_dir: str) -> List[dict]:
         events[-1]["collectives"].append(f"{op.split('.')[1]}[{dim}]")
 
     with tracker, CollectiveRecorder(record, dim_of_group):
-        trainer.forward_backward(batch)
-        events.append({"pass": "step", "module": "optimizer", "collectives": []})
-        run.optimizer.step()
+        trainer.train_step(batch, measure_norm=False, on_gradients=lambda: events.append(
+            {"pass": "step", "module": "optimizer", "collectives": []}))  # (trainer.grad_clip's norm in it)
     dist.destroy_process_group()
     return events
 

@@ -20,9 +20,11 @@ def test_lm_tp_step_collectives_match_the_plan():
     #   per layer wq, wk, wv, w1, w3 (each converts its input separately)      5 all_reduce
     #   output's input                                                         1 all_reduce
     #   (rowwise layers and the gather's backward need no communication)
+    # Gradient clipping (trainer.grad_clip): the squares of the TP-sharded gradients, all
+    # sharded on the tp dim, summed over it once (the plain norm weights' are whole)   1 allreduce_
     # Optimizer step, DP (size 1) and replicated norm weights (not DTensors): none.
     expected = {"c10d_functional.all_reduce": 1 + 2 * LAYERS + 5 * LAYERS + 1,
-                "c10d_functional.all_gather_into_tensor": 1}
+                "c10d_functional.all_gather_into_tensor": 1, "c10d.allreduce_": 1}
     assert count_collectives([*TINY, "mesh=1x2", "plan=lm_tp"])[0] == expected
 
 
@@ -40,9 +42,11 @@ def test_lm_tp_sp_step_collectives_match_the_plan():
     #   per layer wo and w2, and tok_embeddings                                2L+1 all_gather
     # Gradient finalization: the sequence-parallel norm weights (2 per layer + final norm) get
     # partial gradients, summed together by DataParallel                       1 allreduce_
+    # Gradient clipping: the tp-sharded gradients' squares summed over tp (the norm weights are
+    # replicated DTensors, counted whole)                                       1 allreduce_
     expected = {"c10d_functional.reduce_scatter_tensor": (1 + 2 * LAYERS) + (2 * LAYERS + 1),
                 "c10d_functional.all_gather_into_tensor": (2 * LAYERS + 2) + (2 * LAYERS + 1),
-                "c10d.allreduce_": 1}
+                "c10d.allreduce_": 1 + 1}
     assert count_collectives([*TINY, "mesh=1x2", "plan=lm_tp_sp"])[0] == expected
 
 
@@ -53,7 +57,7 @@ def test_inspect_cli_prints_counts_and_dp_adds_one_bucketed_all_reduce():
     lines = dict(line.split() for line in result.stdout.splitlines() if line.startswith("  "))
     # DP averaging of all gradients fits one 25 MB bucket: one more allreduce_ than on 1x2.
     assert lines == {"c10d_functional.all_gather_into_tensor": "11", "c10d_functional.reduce_scatter_tensor": "10",
-                     "c10d.allreduce_": "2", "total": "23"}
+                     "c10d.allreduce_": "3", "total": "24"}
 
 
 @pytest.mark.timeout(180)
@@ -116,10 +120,14 @@ def test_fsdp_step_gathers_per_unit_and_reduce_scatters_once_per_step_beside_tp(
     # On 2x2 TP adds what it does on 1x2 under lm_tp (test_lm_tp_step_collectives_match_the_plan);
     # DataParallel's all-reduce is gone (FSDP's reduce-scatter replaces it). With 4 micro-batches
     # (of 1 sequence) each gathers again; the gradients are reduce-scattered after the last only.
+    # Gradient clipping sums the gradients' squares over each dim they are sharded on, once per
+    # mesh and set of dims: 2x1, all on dp: 1 allreduce_; 2x2, the TP layers' on (dp, tp): 2, the
+    # norm weights' on dp alone: 1.
     tp = {"c10d_functional.all_reduce": 1 + 2 * LAYERS + 5 * LAYERS + 1,
           "c10d_functional.all_gather_into_tensor": 1} if mesh == "2x2" else {}
     fsdp = {"c10d._allgather_base_": micro_batches * FSDP_UNITS["c10d._allgather_base_"],
-            "c10d._reduce_scatter_base_": FSDP_UNITS["c10d._reduce_scatter_base_"]}
+            "c10d._reduce_scatter_base_": FSDP_UNITS["c10d._reduce_scatter_base_"],
+            "c10d.allreduce_": 3 if mesh == "2x2" else 1}
     per_replica = 8 // 2  # TINY's global batch over DP 2
     counts = count_collectives([*TINY, f"mesh={mesh}", "plan=lm_tp", "parallel.dp_strategy=fsdp",
                                 f"data.micro_batch_size={per_replica // micro_batches}"])[0]

@@ -41,9 +41,10 @@ def test_dry_run_of_2x2_matches_real_ranks_collectives_and_hand_computed_shard_s
         assert report.parameter_bytes == report.gradient_bytes == 4 * elements
         assert report.optimizer_bytes == 2 * 4 * elements  # AdamW: exp_avg and exp_avg_sq
         # DP averages every local gradient plus one used-flag per parameter in one bucket; TP sums
-        # the 5 sequence-parallel norm weights' partial gradients.
+        # the 5 sequence-parallel norm weights' partial gradients, and gradient clipping the
+        # tp-sharded gradients' sum of squares (one fp32 number).
         assert report.collectives[("c10d.allreduce_", "dp")] == [1, 4 * (elements + n_params)]
-        assert report.collectives[("c10d.allreduce_", "tp")] == [1, 4 * 5 * 32]
+        assert report.collectives[("c10d.allreduce_", "tp")] == [2, 4 * 5 * 32 + 4]
         parameters = {name: rest for name, *rest in report.parameters}
         assert parameters["tok_embeddings.weight"] == [[128, 32], [256, 32], "tp: Shard(dim=0)"]
         assert parameters["layers.1.attention.wo.weight"] == [[32, 16], [32, 32], "tp: Shard(dim=1)"]
@@ -64,7 +65,8 @@ def test_a_1024_rank_mesh_is_simulated_in_one_process():
     assert any(line.split()[:3] == ["layers.3.attention.wq.weight", "[16,", "128]"] for line in rank_1023)
     # lm_small has 4 layers: SP gathers 2L+2 times forward, 2L+1 backward; reduce-scatters 2L+1 each way.
     collectives = {tuple(line.split()[:2]): line.split()[2] for line in rank_1023 if line.startswith("    c10d")}
-    assert collectives == {("c10d.allreduce_", "dp"): "1", ("c10d.allreduce_", "tp"): "1",
+    # (tp's second allreduce_: gradient clipping's sum of squares)
+    assert collectives == {("c10d.allreduce_", "dp"): "1", ("c10d.allreduce_", "tp"): "2",
                            ("c10d_functional.all_gather_into_tensor", "tp"): "19",
                            ("c10d_functional.reduce_scatter_tensor", "tp"): "18"}
 
@@ -151,5 +153,7 @@ def test_a_1024_rank_3d_mesh_is_simulated_in_one_process():
     assert parameters[0].startswith("layers.3.") and parameters[-1] == "output.weight"  # 4 blocks, 1 per stage
     # 8 sequences per replica in 4 micro-batches of 2; under SP a stage boundary carries the
     # sequence shard: 2 x (128 / 8) tokens x dim 128 in fp32 = 16 KiB, 4 each way
+    # and gradient clipping sums the stages' squares over pp: one fp32 number
     p2p = {tuple(line.split()[:2]): " ".join(line.split()[2:]) for line in rank_1023 if " pp " in line}
-    assert p2p == {("c10d.recv_", "pp"): "4 64.0 KiB", ("c10d.send", "pp"): "4 64.0 KiB"}
+    assert p2p == {("c10d.recv_", "pp"): "4 64.0 KiB", ("c10d.send", "pp"): "4 64.0 KiB",
+                   ("c10d.allreduce_", "pp"): "1 4 B"}
