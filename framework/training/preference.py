@@ -104,7 +104,7 @@ class DirectPreference(Objective):
         return losses.sum()
 
     def __call__(self, outputs, targets, model, units, tokens):
-        """The lm objective's share of the step's loss, and the pairs' metrics over the same
+        """The share of the step's loss (as every objective's), and the pairs' metrics over the same
         `units` (the step's pairs per replica), so summed over micro-batches and averaged over DP
         they are the global batch's means."""
         total = super().__call__(outputs, targets, model, units, tokens)
