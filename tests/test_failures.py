@@ -128,6 +128,7 @@ def stalled_lm(overrides: list, stall_timeout_s: int, tmp_path, env: dict | None
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.integration  # (about 30 s of cold compiling)
 def test_a_first_step_that_compiles_for_longer_than_the_stall_timeout_trains_to_the_end(tmp_path, cold_inductor_cache):
     """Compiling is progress: with an empty inductor cache the first step's compile of each block
     takes many times the 2 s timeout here, and the run still ends with every step trained."""

@@ -114,7 +114,7 @@ def test_sharded_logits_loss_and_gradients_equal_transformers(kind, mesh, overri
                                             pytest.param("mistral", "1x2", "lm_tp_sp", marks=pytest.mark.integration),
                                             pytest.param("qwen2", "1x2", "lm_tp_sp_loss_parallel",
                                                          marks=pytest.mark.integration),
-                                            ("qwen3", "1x2", "qk_norm_tp_sp")])
+                                            pytest.param("qwen3", "1x2", "qk_norm_tp_sp", marks=pytest.mark.integration)])
 def test_verify_passes_for_each_shipped_plan(kind, mesh, plan, hf_dirs):
     config = hf_config(hf_dirs[kind])  # the same overrides, on verify's command line
     result = run_cli(["recipe=lm_2d", "model=hf", f"model.path={hf_dirs[kind]}", f"mesh={mesh}", f"plan={plan}",

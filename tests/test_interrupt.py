@@ -139,6 +139,7 @@ def test_one_signal_delivered_twice_is_one_and_a_second_one_later_stops_at_once(
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_ctrl_c_in_a_sweep_ends_the_sweep_not_just_its_job(tmp_path):
     marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"

@@ -452,6 +452,7 @@ def test_lora_trains_peft_s_adapters_under_ac_micro_batches_sft_data_hsdp_and_co
     assert error < 1e-5
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_lora_under_bf16_autocast_and_fsdp_mixed_precision_follows_peft_s_curve(hf_dirs, peft_reference, tmp_path):
     """bf16 rounds: the curve is PEFT's fp32 one within bf16's precision, not at fp32's."""

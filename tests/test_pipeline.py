@@ -150,6 +150,7 @@ def test_a_schedule_that_does_not_exist_lists_the_schedules():
                                                  "interleaved_zero_bubble, zbv_zero_bubble, dualpipev]")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_verify_passes_under_pp_x_tp_and_names_the_attention_that_reshapes_with_the_global_head_count():
     """Under PP verify compares each module's input and output on its stage's ranks (the last

@@ -86,6 +86,7 @@ def test_each_job_is_sized_from_its_mesh_and_ranks_per_node():
         job_shape(compose_config(["mesh=2x2", "launcher.max_restarts=2"]))
 
 
+@pytest.mark.integration  # (tests/test_slurm.py sweeps through submitit's Slurm launcher in make test)
 @pytest.mark.timeout(400)
 def test_a_sweep_through_submitit_runs_each_mesh_as_its_own_world(tmp_path):
     sweep = tmp_path / "sweep"

@@ -31,12 +31,14 @@ CASES = [
     ("seed", "4x1", "fsdp", "seed_mlp_tp", SEED_BYTES // 4),
     ("seed", "2x2x1", "hsdp", "seed_mlp_tp", SEED_BYTES // 2),
     ("lm", "2x2", "fsdp", "lm_tp_sp", fsdp_rank0_bytes(tiny_lm_shapes(tp=2), 2)),  # TP halves, 2 FSDP shards
-    ("lm", "2x1x2", "hsdp", "lm_tp", fsdp_rank0_bytes(tiny_lm_shapes(tp=2), 1)),   # TP halves, 1 shard, 2 replicas
+    pytest.param("lm", "2x1x2", "hsdp", "lm_tp", fsdp_rank0_bytes(tiny_lm_shapes(tp=2), 1),  # TP halves, 1 shard,
+                 marks=pytest.mark.integration),                                            # 2 replicas
 ]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("model,mesh,strategy,plan,param_bytes", CASES, ids=[f"{c[2]} {c[1]} {c[0]} {c[3]}" for c in CASES])
+@pytest.mark.parametrize("model,mesh,strategy,plan,param_bytes", CASES,
+                         ids=[" ".join(str(getattr(c, "values", c)[i]) for i in (2, 1, 0, 3)) for c in CASES])
 def test_sharded_strategies_train_the_one_process_model_on_a_shard_of_the_bytes(model, mesh, strategy, plan,
                                                                                    param_bytes, tmp_path):
     common = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=5"]

@@ -23,8 +23,8 @@ def losses(out) -> list:
 
 
 @pytest.mark.parametrize("mesh,plan,extra", [
-    pytest.param("1x1", "none", [], marks=pytest.mark.integration),
-    ("1x2", "lm_tp_sp", []),
+    ("1x1", "none", []),
+    pytest.param("1x2", "lm_tp_sp", [], marks=pytest.mark.integration),
     # with loss_parallel, activation checkpointing and micro-batches together
     pytest.param("1x2", "lm_tp_sp_loss_parallel", ["model.activation_checkpointing=full", "data.micro_batch_size=2"],
                  marks=pytest.mark.integration),
@@ -39,7 +39,7 @@ def test_compiled_blocks_train_the_eager_model_and_their_checkpoint_resumes_eage
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "compiled")), torch.tensor(losses(tmp_path / "eager")),
                                rtol=1e-5, atol=1e-6)
-    if plan == "lm_tp_sp":  # saved compiled, resumed eager: the same names, the same curve
+    if mesh in ("1x1", "1x2"):  # saved compiled, resumed eager: the same names, the same curve
         resumed = run_cli([*base, f"hydra.run.dir={tmp_path / 'resumed'}",
                            f"checkpoint.resume={tmp_path / 'compiled' / 'checkpoints' / 'step_2'}"])
         assert resumed.returncode == 0, resumed.stderr[-3000:]
