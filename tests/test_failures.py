@@ -43,6 +43,7 @@ def test_a_zygote_rank_exits_as_its_client_does_and_dies_with_it():
         assert _gone(rank_pid), f"the rank outlived its client after {end}"
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_rank_killed_by_a_signal_is_the_headline_never_the_ranks_stopped_after_it():
     # The agent stamps failures to the second and used to break ties by rank number, so rank 0,

@@ -80,6 +80,7 @@ def test_ctrl_c_saves_where_every_rank_stopped_and_the_resume_trains_as_if_never
     assert summary["losses"] == json.loads((tmp_path / "straight" / "summary.json").read_text())["losses"]
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_sigterm_to_torchrun_stops_its_ranks_together_with_a_checkpoint(tmp_path):
     marker = f"FRAMEWORK_TEST_{uuid.uuid4().hex}"

@@ -100,7 +100,7 @@ def test_flops_per_token_counts_every_matmul_and_attention():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy,plan", [pytest.param("replicate", "lm_tp_sp_loss_parallel", marks=pytest.mark.integration),
-                                           ("fsdp", "lm_tp_sp")])
+                                           pytest.param("fsdp", "lm_tp_sp", marks=pytest.mark.integration)])
 def test_accumulation_and_activation_checkpointing_train_the_plain_run(strategy, plan, tmp_path):
     # 4 sequences per replica in micro-batches of 1 (under loss_parallel the loss is a DTensor),
     # every block recomputed in backward: the weighted micro-batch gradients add up to the whole

@@ -274,6 +274,7 @@ def test_a_peft_adapter_of_another_rank_or_targets_is_refused(hf_dirs, peft_refe
         validate(compose_config([*base[:-1], f"adapter.init_from={tmp_path}"]))
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_lora_resumes_from_the_command_line_and_starts_from_a_full_checkpoints_base(hf_dirs, tmp_path):
     """Through framework.train's own checks: a LoRA run's checkpoint resumes (its adapters are
@@ -466,6 +467,7 @@ def test_lora_under_bf16_autocast_and_fsdp_mixed_precision_follows_peft_s_curve(
         assert 0 < error < 2e-2
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_seed_drawn_base_is_drawn_again_by_resume_and_export(tmp_path):
     """The framework's own LM: its base is what trainer.seed draws for the model config; an

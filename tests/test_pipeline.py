@@ -36,15 +36,15 @@ def one_process_clipped():
     ["mesh=pp2x1x1", "parallel.pp_schedule=gpipe"],
     ["mesh=pp2x1x1", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=4"],
     ["mesh=pp2x1x1", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"],
-    ["mesh=pp2x1x1", "parallel.pp_schedule=interleaved_zero_bubble", "parallel.pp_stages_per_rank=2"],
-    ["mesh=pp2x1x1", "parallel.pp_schedule=zbv_zero_bubble", "parallel.pp_stages_per_rank=2"],
-    ["mesh=pp2x1x1", "parallel.pp_schedule=dualpipev", "parallel.pp_stages_per_rank=2"],
-    ["mesh=pp2x2x1"],                                     # + DP replicate (gradients synced once per step)
+    pytest.param(["mesh=pp2x1x1", "parallel.pp_schedule=interleaved_zero_bubble", "parallel.pp_stages_per_rank=2"], marks=pytest.mark.integration),
+    pytest.param(["mesh=pp2x1x1", "parallel.pp_schedule=zbv_zero_bubble", "parallel.pp_stages_per_rank=2"], marks=pytest.mark.integration),
+    pytest.param(["mesh=pp2x1x1", "parallel.pp_schedule=dualpipev", "parallel.pp_stages_per_rank=2"], marks=pytest.mark.integration),
+    pytest.param(["mesh=pp2x2x1"], marks=pytest.mark.integration),  # + DP replicate (gradients synced once per step)
     ["mesh=pp2x2x1", "trainer.grad_clip=0.05"],           # clipped by the norm over every stage's gradients
     ["mesh=pp2x2x1", "parallel.dp_strategy=fsdp"],        # + FSDP2, each stage a root
-    ["mesh.shape=[2,1,2,1]", "mesh.dim_names=[pp,dp_replicate,dp,tp]", "parallel.dp_strategy=hsdp"],  # + HSDP
+    pytest.param(["mesh.shape=[2,1,2,1]", "mesh.dim_names=[pp,dp_replicate,dp,tp]", "parallel.dp_strategy=hsdp"], marks=pytest.mark.integration),  # + HSDP
     ["mesh=pp2x1x2", "plan=lm_tp_sp", "parallel.pp_layers_per_stage=[1,3]"],  # + TP+SP, an uneven split
-    ["mesh=pp2x1x2", "plan=lm_tp_sp_loss_parallel"],     # + vocabulary-sharded logits on the last stage
+    pytest.param(["mesh=pp2x1x2", "plan=lm_tp_sp_loss_parallel"], marks=pytest.mark.integration),     # + vocabulary-sharded logits on the last stage
 ], ids=lambda o: " ".join(o))
 def test_every_schedule_and_composition_trains_the_one_process_model(overrides, one_process, one_process_clipped,
                                                                      tmp_path):
@@ -73,6 +73,7 @@ def test_a_checkpoint_saved_under_pp_resumes_without_pp_and_on_another_pp_mesh(o
     assert max_relative_error([v for _, v in val["pp2x2x1"]], [v for _, v in val["2x2"]]) < 1e-5
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_a_sweep_over_a_3d_and_a_2d_mesh_trains_one_model_and_reports_both(tmp_path):
     sweep = tmp_path / "sweep"
@@ -165,6 +166,7 @@ def test_verify_passes_under_pp_x_tp_and_names_the_attention_that_reshapes_with_
                             "layers.0.attention (not in the plan)"), verdict
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_pipeline_runs_console_reads_like_any_other_runs(tmp_path):
     """Each stage holds only its own layers: the plan's entries for the others' (tok_embeddings,

@@ -60,6 +60,7 @@ def test_sharded_strategies_train_the_one_process_model_on_a_shard_of_the_bytes(
     assert summary["memory"]["max_over_ranks"]["parameters"] <= param_bytes
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_fsdp_bf16_agrees_with_one_process_bf16_and_keeps_fp32_master_weights(tmp_path):
     common = [*TINY, *QUIET, "trainer.max_steps=10", "trainer.log_every=5", "trainer.mixed_precision=bf16"]

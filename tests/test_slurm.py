@@ -34,6 +34,7 @@ def squeue(env: dict) -> str:
                           capture_output=True, text=True).stdout
 
 
+@pytest.mark.integration
 def test_a_sweep_runs_each_mesh_across_both_nodes_and_trains_what_a_self_launch_trains(cluster, tmp_path):
     sweep = tmp_path / "sweep"
     result = run_cli([*SLURM, "mesh.shape=[2,2],[4,1]", *FAST, f"hydra.sweep.dir={sweep}"], env=cluster, timeout=380)
