@@ -71,10 +71,7 @@ def dpo_losses(path: str, cfg, steps: int) -> list:
     """DPO by hand: the policy (PEFT's LoRA with our initial adapters, or transformers' model for
     full training) and its reference (PEFT's disable_adapter, or a frozen deep copy), SGD on the
     run's global batches."""
-    from hydra.utils import instantiate
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from tests.test_lora import peft_model
+    from tests.test_lora import peft_model, sgd_and_global_batches
 
     if cfg.adapter.kind == "lora":
         ours = loaded(path)
@@ -84,12 +81,7 @@ def dpo_losses(path: str, cfg, steps: int) -> list:
     else:
         policy = reference(path)
         frozen = copy.deepcopy(policy).requires_grad_(False)
-    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=cfg.optim.lr,
-                                momentum=cfg.optim.get("momentum", 0.0))
-    dataset = instantiate(cfg.data.dataset)
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=cfg.sampler.shuffle, seed=cfg.sampler.seed,
-                                 drop_last=True)
-    batches = iter(DataLoader(dataset, batch_size=cfg.data.global_batch_size, sampler=sampler, drop_last=True))
+    optimizer, batches = sgd_and_global_batches(policy, cfg)
     losses = []
     for _ in range(steps):
         inputs, targets = next(batches)  # (pairs, 2, seq_len)

@@ -102,21 +102,27 @@ def test_lora_computes_what_peft_computes_on_one_process(hf_dirs):
             assert float((p.grad - ref).abs().max() / ref.abs().max()) <= 1e-5, name
 
 
-def peft_training_losses(path: str, cfg, steps: int, nf4_blocks=None) -> list:
-    """PEFT's model trained as the framework trains (SGD, the same global batches, the adapters
-    initialized as ours: the framework's init on the same model)."""
+def sgd_and_global_batches(model, cfg):
+    """The run's optimizer (SGD) over the model's trainable parameters, and its global batches as
+    one process draws them: what a reference loop by hand trains with."""
     from hydra.utils import instantiate
     from torch.utils.data import DataLoader, DistributedSampler
 
-    ours = loaded(path)
-    add_adapters(ours, RANK, ALPHA, 0.0, TARGETS, seed=cfg.trainer.seed)
-    model = peft_model(path, ours, nf4_blocks)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                 momentum=cfg.optim.get("momentum", 0.0))
     dataset = instantiate(cfg.data.dataset)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=cfg.sampler.shuffle, seed=cfg.sampler.seed,
                                  drop_last=True)
-    batches = iter(DataLoader(dataset, batch_size=cfg.data.global_batch_size, sampler=sampler, drop_last=True))
+    return optimizer, iter(DataLoader(dataset, batch_size=cfg.data.global_batch_size, sampler=sampler, drop_last=True))
+
+
+def peft_training_losses(path: str, cfg, steps: int, nf4_blocks=None) -> list:
+    """PEFT's model trained as the framework trains (SGD, the same global batches, the adapters
+    initialized as ours: the framework's init on the same model)."""
+    ours = loaded(path)
+    add_adapters(ours, RANK, ALPHA, 0.0, TARGETS, seed=cfg.trainer.seed)
+    model = peft_model(path, ours, nf4_blocks)
+    optimizer, batches = sgd_and_global_batches(model, cfg)
     losses = []
     for _ in range(steps):
         inputs, targets = next(batches)
