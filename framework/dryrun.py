@@ -47,7 +47,6 @@ from torch.distributed.tensor import DTensor
 
 from framework.data.batch import Batch
 from framework.config.errors import ConfigError
-from framework.models.moe import moe_blocks
 from framework.config.validate import validate
 from framework.parallel.roles import MeshRoles
 from framework.parallel.collectives import CollectiveRecorder, counted
@@ -128,11 +127,6 @@ def stage_model_on_meta(run: Run) -> None:
     """The builder's model stage, with parameters on the meta device: shapes, no storage."""
     with torch.device("meta"):
         run.model = instantiate(run.cfg.model)
-    if moe_blocks(run.model):
-        raise ConfigError("model", run.cfg.model._target_, "is a mixture of experts, which routes by the data (how "
-                                                          "many tokens each expert gets): the dry run's meta tensors "
-                                                          "hold none, so it is not simulated yet; verify and inspect "
-                                                          "comm run it for real")
 
 
 def _placement(param: torch.Tensor) -> str:

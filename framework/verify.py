@@ -72,7 +72,7 @@ def build_one_process(cfg: DictConfig, out_dir: str) -> Run:
     """The reference run in this process, with no process group: no DP or TP roles, so the DP
     wrapper syncs nothing, the plan is not applied and nothing is sharded; the same seeded model,
     data and optimizer."""
-    cfg.parallel.dp_dim = cfg.parallel.tp_dim = cfg.parallel.pp_dim = cfg.parallel.cp_dim = None
+    cfg.parallel.dp_dim = cfg.parallel.tp_dim = cfg.parallel.pp_dim = cfg.parallel.cp_dim = cfg.parallel.ep_dims = None
     cfg.parallel.dp_strategy = "replicate"
     one = {"size": 1, "rank": 0}
     run = Run(cfg=cfg, out_dir=out_dir, dp=one, samples=one, tp=one)

@@ -3,6 +3,7 @@ against transformers itself: logits, loss, gradients and the load-balancing loss
 process, the files' one-tensor-per-expert names in and out, each expert-parallel rank reading
 and writing only its own experts, and config.json fields that are not implemented refused."""
 import json
+import math
 import os
 
 import pytest
@@ -164,7 +165,8 @@ def test_each_expert_parallel_rank_reads_and_writes_only_its_own_experts(moe_dir
     ("2x1", []),  # the routing of both replicas' tokens pooled in the load balance
     ("2x1", ["parallel.ep_dims=[dp]"]),  # 2 experts per rank, read from the files by their rank
     ("2x1", ["parallel.dp_strategy=fsdp"]),  # FSDP shards the stacks on the expert dim too
-], ids=["1x1", "dp", "ep", "fsdp"])
+    ("2x2", ["plan=qk_norm_moe_tp", "parallel.ep_dims=[dp,tp]"]),  # 1 expert per rank, attention TP
+], ids=["1x1", "dp", "ep", "fsdp", "ep-dp-tp"])
 def test_the_trainers_step_equals_transformers_training_loss_and_gradients(mesh, overrides, moe_dirs, tmp_path):
     """One step of the framework's trainer on Qwen3-MoE (built on meta, experts sharded under
     EP, then read): its loss is transformers' training loss, cross-entropy + router_aux_loss_coef
@@ -172,7 +174,7 @@ def test_the_trainers_step_equals_transformers_training_loss_and_gradients(mesh,
     path = moe_dirs["qwen3_moe"]
     cfg = hf_config(path, f"mesh={mesh}", "plan=none", *overrides)
     validate(cfg)
-    result = spawn_ranks(cfg.mesh.shape[0], one_step_gradients, rank_config(cfg), str(tmp_path))[0]
+    result = spawn_ranks(math.prod(cfg.mesh.shape), one_step_gradients, rank_config(cfg), str(tmp_path))[0]
     model = reference(path)
     inputs, targets = first_global_batch(cfg)
     output = model(inputs, output_router_logits=True)

@@ -9,7 +9,8 @@ from omegaconf import open_dict
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
 from framework.launch.handoff import rank_config
-from framework.inspect import count_collectives
+from framework.dryrun import dry_run
+from framework.inspect import collectives_of_one_step, count_collectives, on_ranks
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models.moe import MoE, load_balance_loss, moe_blocks
 from framework.models.transformer import FeedForward, Transformer
@@ -17,6 +18,7 @@ from framework.verify import verify
 from tests.conftest import TINY_LM, compose_config, run_cli
 from tests.reference import max_relative_error, reference_training
 from tests.test_cli import read_events
+from tests.test_dryrun import counts_per_op
 from tests.workers import expert_biases, expert_shapes
 
 # The tiny MoE LM (4 experts, top 2, a shared expert) on the tiny corpus; SGD, so any gradient
@@ -48,6 +50,26 @@ def test_a_moe_block_sends_each_token_to_its_top_k_experts_as_a_loop_by_hand():
         torch.testing.assert_close(block(x), torch.stack(expected).view(3, 7, 8), rtol=1e-5, atol=1e-6)
 
 
+def test_the_grouped_gemm_computes_what_the_per_expert_loop_does_forward_and_backward():
+    """bf16 (where torch._grouped_mm runs on CPU), runs of uneven length and an empty one; both
+    against each other and against the loop in fp32."""
+    from framework.models.moe import grouped_gemm_runs, swiglu_grouped, swiglu_per_expert
+    torch.manual_seed(0)
+    counts = [5, 0, 9, 2]
+    tokens = torch.randn(sum(counts), 32)
+    weights = [torch.randn(4, 48, 32) * 0.1, torch.randn(4, 32, 48) * 0.1, torch.randn(4, 48, 32) * 0.1]
+    assert grouped_gemm_runs(torch.bfloat16) and not grouped_gemm_runs(torch.float32)
+    results = []
+    for swiglu in (swiglu_grouped, swiglu_per_expert):
+        inputs = [t.bfloat16().requires_grad_() for t in (tokens, *weights)]
+        out = swiglu(*inputs, counts)
+        out.float().square().sum().backward()
+        results.append([out, *(t.grad for t in inputs)])
+    for grouped, looped in zip(*results):
+        torch.testing.assert_close(grouped, looped)  # (bf16's tolerances)
+    torch.testing.assert_close(results[0][0].float(), swiglu_per_expert(tokens, *weights, counts), rtol=2e-2, atol=1e-2)
+
+
 def test_the_load_balancing_loss_is_transformers_formula_over_every_layer_pooled():
     """transformers' load_balancing_loss_func, written out: the gate logits of every MoE layer
     concatenated, the share of each expert among the top-k choices times its mean probability,
@@ -74,6 +96,11 @@ def test_the_load_balancing_loss_is_transformers_formula_over_every_layer_pooled
     ["mesh=2x1", "parallel.ep_dims=[dp]"],                 # 2 experts per rank, tokens all-to-all
     ["mesh=4x1", "parallel.ep_dims=[dp]"],                 # 1 expert per rank
     ["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp]"],   # + attention TP
+    ["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp,tp]"],  # 1 expert per rank; TP ranks split their tokens
+    pytest.param(["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[tp]"],  # experts over TP, replicated over DP
+                 marks=pytest.mark.integration),
+    pytest.param(["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp,tp]", "parallel.dp_strategy=fsdp"],
+                 marks=pytest.mark.integration),
     ["mesh=2x1", "parallel.ep_dims=[dp]", "parallel.dp_strategy=fsdp"],  # the rest FSDP-sharded
     pytest.param(["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp]", "parallel.dp_strategy=fsdp"],
                  marks=pytest.mark.integration),
@@ -125,8 +152,11 @@ def test_a_checkpoint_saved_with_experts_over_2_ranks_resumes_over_4_and_on_one(
 @pytest.mark.parametrize("overrides,message", [
     (["mesh=2x1", "parallel.ep_dims=[ep]"], r"parallel.ep_dims=\['ep'\]: 'ep' is not a mesh dim; name some of "
                                             r"\['dp', 'tp'\], or null"),
-    (["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[tp]"],
-     r"parallel.ep_dims=\['tp'\]: experts spread over exactly the DP dims for now: parallel.ep_dims=\['dp'\], or null"),
+    (["mesh=2x2x1", "parallel.ep_dims=[dp]"],
+     r"parallel.ep_dims=\['dp'\]: spreads experts over part of the DP dims \['dp_replicate', 'dp'\], which is not "
+     r"supported yet: name all of them \(with or without 'tp'\), or none"),
+    (["mesh=2x2x1cp", "parallel.ep_dims=[cp]"],
+     r"parallel.ep_dims=\['cp'\]: 'cp' is neither a DP dim \['dp'\] nor the tp dim 'tp'; experts spread over those"),
     (["mesh=pp2x2x1", "parallel.ep_dims=[pp]"], r"parallel.ep_dims=\['pp'\]: experts cannot spread over the pp dim"),
     (["mesh=4x1", "parallel.ep_dims=[dp]", "model.moe.n_experts=6"],
      r"parallel.ep_dims=\['dp'\]: the EP size 4 must divide the 6 experts of each block"),
@@ -193,20 +223,37 @@ def test_the_aux_loss_free_expert_bias_moves_toward_balance_alike_on_every_layou
 
 
 @pytest.mark.timeout(240)
-def test_verify_proves_experts_over_dp_with_attention_tp_against_one_process():
-    ok, verdict, rows = verify(compose_config([*MOE, "mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp]",
+def test_verify_proves_experts_over_dp_and_tp_with_attention_tp_against_one_process():
+    ok, verdict, rows = verify(compose_config([*MOE, "mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp,tp]",
                                                "verify.steps=2"]))
     assert ok, verdict
     assert any(row["name"] == "layers.0.feed_forward.experts.w1" and row["what"].startswith("grad") for row in rows)
 
 
-def test_the_dry_run_refuses_a_mixture_of_experts_in_one_line(tmp_path):
-    result = run_cli(["recipe=lm_moe"], module="framework.dryrun", timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        "config error: model='framework.models.Transformer': is a mixture of experts, which routes by the data "
-        "(how many tokens each expert gets): the dry run's meta tensors hold none, so it is not simulated yet; "
-        "verify and inspect comm run it for real")
+@pytest.mark.timeout(240)
+def test_the_dry_run_of_experts_over_dp_and_tp_matches_real_ranks_and_hand_counts(tmp_path):
+    """Experts over all 4 ranks of a 2x2 mesh (attention TP): the dry run's parameter, gradient
+    and optimizer bytes are those the real run's ranks record in summary.json, its collectives
+    those real gloo ranks issue, and its all-to-all bytes the analytic count under the balanced
+    routing it assumes: each TP rank sends its half of the replica's token slots."""
+    overrides = [*MOE, "mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp,tp]", "optim=adamw", "trainer.max_steps=1"]
+    real = on_ranks(collectives_of_one_step, overrides)
+    reports = dry_run(compose_config([*overrides, "dryrun.ranks=[0,1,2,3]"]))
+    memory = launch_local(compose_config(overrides), str(tmp_path))["memory"]["max_over_ranks"]
+    blocks, top_k, dim, seq_len, replica_batch = 2, 2, 32, 32, 8 // 2
+    slots_sent = replica_batch * seq_len * top_k // 2  # this TP rank's share of its replica's slots
+    for report in reports:
+        assert counts_per_op(report) == real[report.rank]
+        assert [report.parameter_bytes, report.gradient_bytes, report.optimizer_bytes] == \
+            [memory["parameters"], memory["gradients"], memory["optimizer_state"]]
+        experts = {name: shape for name, shape, _, placement in report.parameters if ".experts." in name}
+        assert experts == {f"layers.{i}.feed_forward.experts.{w}": [1, 32, 32] for i in range(blocks)
+                           for w in ("w1", "w2", "w3")}  # 4 experts over 4 ranks
+        # per block: the slots out and back, forward and backward: 4 all-to-alls of slots_sent x dim fp32
+        assert report.collectives[("c10d_functional.all_to_all_single", "dp_tp")] == \
+            [4 * blocks, 4 * blocks * slots_sent * dim * 4]
+        # per block: the shares gathered over TP forward, the slots' gradient backward
+        assert report.collectives[("c10d.allgather_", "tp")][0] == 2 * blocks
 
 
 @pytest.mark.timeout(120)

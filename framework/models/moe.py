@@ -28,21 +28,54 @@ from torch import nn
 from framework.config.errors import ConfigError
 
 
-def run_local_experts(experts: "Experts", tokens: torch.Tensor, counts: List[int]) -> torch.Tensor:
-    """SwiGLU of each expert on its consecutive run of `tokens` (sorted by expert; `counts`
-    tokens each), one matmul per expert: the same numbers in fp32 and bf16 on every device. In
-    the tokens' dtype: FSDP2's bf16 compute leaves EP's experts (not its to cast) in fp32."""
-    w1, w2, w3 = (w.to(tokens.dtype) for w in experts.local_weights())
+def swiglu_per_expert(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                      counts: List[int]) -> torch.Tensor:
+    """SwiGLU of expert e on its run of `counts[e]` consecutive tokens: one matmul per expert."""
     outputs = [F.linear(F.silu(F.linear(chunk, w1[e])) * F.linear(chunk, w3[e]), w2[e])
                for e, chunk in enumerate(tokens.split(counts))]
     return torch.cat(outputs) if outputs else tokens[:0]
+
+
+def swiglu_grouped(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                   counts: List[int]) -> torch.Tensor:
+    """The same with one grouped GEMM per weight over every expert's run (torch._grouped_mm,
+    the offsets the runs' ends), as torchtitan computes its experts."""
+    offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+    hidden = F.silu(torch._grouped_mm(tokens, w1.transpose(-2, -1), offs=offsets)) \
+        * torch._grouped_mm(tokens, w3.transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
+
+
+def grouped_gemm_runs(dtype: torch.dtype) -> bool:
+    """Where torch 2.13's grouped GEMM runs: bf16 (CPU and CUDA); fp32 fails on CPU ("Invalid
+    strides/sizes"), so it takes the per-expert loop."""
+    return dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def run_local_experts(experts: "Experts", tokens: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    """Each local expert on its consecutive run of `tokens` (sorted by expert; `counts` tokens
+    each): a grouped GEMM where it runs, else one matmul per expert (the same numbers: tested).
+    In the tokens' dtype: FSDP2's bf16 compute leaves EP's experts (not its to cast) in fp32."""
+    weights = tuple(w.to(tokens.dtype) for w in experts.local_weights())
+    swiglu = swiglu_grouped if grouped_gemm_runs(tokens.dtype) and len(tokens) else swiglu_per_expert
+    return swiglu(tokens, *weights, counts)
+
+
+def slots_per_expert(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many token slots chose each expert. On meta (framework.dryrun) the ids hold no
+    values: the balanced routing load balancing aims at is assumed (an even share, the
+    remainder to the first experts), counted on the CPU so that the sizes can be read."""
+    if expert_ids.is_meta:
+        slots = expert_ids.numel()
+        return torch.tensor([slots // n_experts + (e < slots % n_experts) for e in range(n_experts)])
+    return torch.bincount(expert_ids, minlength=n_experts)
 
 
 def dispatch_locally(experts: "Experts", tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     """Every expert on this rank: token slots (one per token and choice) sorted by expert, run,
     and returned in the order of `expert_ids` (flattened)."""
     order = expert_ids.argsort(stable=True)
-    counts = torch.bincount(expert_ids, minlength=experts.n_experts).tolist()
+    counts = slots_per_expert(expert_ids, experts.n_experts).tolist()
     return run_local_experts(experts, tokens[order], counts)[order.argsort()]
 
 
@@ -111,7 +144,7 @@ class MoE(nn.Module):
             weights = probabilities.gather(1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        self.stats = RoutingStats(torch.bincount(expert_ids.flatten(), minlength=self.experts.n_experts).detach(),
+        self.stats = RoutingStats(slots_per_expert(expert_ids.flatten(), self.experts.n_experts).to(x.device),
                                   probabilities.sum(dim=0))
         slots = tokens.repeat_interleave(self.top_k, dim=0)  # token t's k-th choice at t * top_k + k
         routed = self.dispatch(self.experts, slots, expert_ids.flatten())

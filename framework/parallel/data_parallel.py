@@ -32,15 +32,18 @@ from framework.models.nf4 import is_nf4
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket cap
 
 
-def sharded_over_dp(param: torch.Tensor, dp_group) -> bool:
-    """A DTensor sharded over the DP ranks themselves (an expert stack under expert parallelism:
-    each rank holds other experts). Its gradient already sums every replica's contributions (the
-    expert served their tokens): DataParallel divides it by the DP size instead of all-reducing
-    it, and the replica check has no replicas of it to compare. Told from its placement, which
-    survives what replaces Parameters (to_empty), not from a mark on the Parameter."""
+def spread_over_dp(param: torch.Tensor, dp_group) -> bool:
+    """A DTensor sharded over a mesh that holds every rank of the DP group (an expert stack
+    under expert parallelism over the DP dims, and maybe TP's: each DP rank holds other experts).
+    Its gradient already sums every replica's contributions (the expert served their tokens):
+    DataParallel divides it by the DP size instead of all-reducing it, and the replica check has
+    no replicas of it to compare. Told from its placement, which survives what replaces
+    Parameters (to_empty), not from a mark on the Parameter."""
     return isinstance(param, DTensor) and dp_group is not None and param.device_mesh.ndim == 1 \
         and param.placements[0].is_shard() \
-        and dist.get_process_group_ranks(param.device_mesh.get_group()) == dist.get_process_group_ranks(dp_group)
+        and set(dist.get_process_group_ranks(dp_group)) <= set(param.device_mesh.mesh.flatten().tolist())
+
+
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's cap for the first bucket, so communication starts early
 
 
@@ -129,7 +132,7 @@ class DataParallel(nn.Module):
         if self._buckets or self.dp_size == 1:
             return
         trainable = [p for p in self.module.parameters() if p.requires_grad]
-        self._summed = [p for p in trainable if sharded_over_dp(p, self.dp_group)]
+        self._summed = [p for p in trainable if spread_over_dp(p, self.dp_group)]
         params = [p for p in trainable if not any(p is q for q in self._summed)]
         self._buckets = [_Bucket(bucket) for bucket in _buckets(params[::-1], FIRST_BUCKET_BYTES)]
         self._bucket_of = {p: bucket for bucket in self._buckets for p in bucket.params}

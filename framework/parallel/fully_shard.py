@@ -51,9 +51,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[
     flattened) have no FSDP share left: they are left to their EP sharding (ignored_params), and
     as their gradient already sums every rank's tokens they served, it is divided by the DP size
     as FSDP divides the others' reduced sums (torchtitan's gradient divide factor for experts)."""
-    from framework.parallel.data_parallel import sharded_over_dp
+    from framework.parallel.data_parallel import spread_over_dp
 
-    experts = {p for p in model.parameters() if sharded_over_dp(p, dp_group)}
+    experts = {p for p in model.parameters() if spread_over_dp(p, dp_group)}
     for unit in fsdp_units(model):
         fully_shard(unit, mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision, root=False),
                     ignored_params=experts or None)

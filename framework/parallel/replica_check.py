@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from framework.parallel.data_parallel import sharded_over_dp
+from framework.parallel.data_parallel import spread_over_dp
 
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
@@ -36,7 +36,7 @@ def check_replicas(model: nn.Module, dp_group, step: int) -> None:
     groups: Dict[str, Tuple[List[str], List[torch.Tensor]]] = {"all ranks": ([], []), "its DP group": ([], [])}
     device = None
     for name, param in model.named_parameters():
-        if sharded_over_dp(param, dp_group):  # an expert under EP: each DP rank holds other experts
+        if spread_over_dp(param, dp_group):  # an expert under EP: each DP rank holds other experts
             continue
         sharded = isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
         local = param.to_local() if isinstance(param, DTensor) else param

@@ -7,7 +7,7 @@ Roles: `tp` (parallel.tp_dim), `dp` (parallel.dp_dim) and, when the mesh has a d
 parallel.dp_replicate_dim, the outer DP dim of hsdp; data parallelism spans both DP dims,
 outer first; `pp` (parallel.pp_dim, when the mesh has a dim of that name, outermost): pipeline
 stages; `ep` (parallel.ep_dims, by name): the dims a mixture of experts' experts are spread over
-(framework.parallel.expert_parallel), for now exactly the DP dims; `cp` (parallel.cp_dim): the
+(framework.parallel.expert_parallel): every DP dim, the tp dim, or both; `cp` (parallel.cp_dim): the
 ranks that split each sequence (framework.parallel.context_parallel), between DP and TP. A role
 whose dim is null or absent has size 1.
 
@@ -98,18 +98,25 @@ class MeshRoles:
                                                                       "not supported yet; use parallel.ep_dims=null")
 
     def check_ep(self) -> None:
-        """EP's dims exist and are the DP dims: experts spread where the tokens differ."""
-        names = list(self.dim_names)
-        for name in self.ep_dims:
+        """EP's dims exist and are every DP dim, the tp dim, or both: experts spread where the
+        tokens differ (DP), or over TP ranks that split their replicated tokens between them. A
+        part of the DP dims would leave replicas of each expert on the rest (torchtitan's efsdp),
+        which is not built yet."""
+        names, ep = list(self.dim_names), list(self.ep_dims)
+        for name in ep:
             if name not in names:
-                raise ConfigError("parallel.ep_dims", list(self.ep_dims), f"{name!r} is not a mesh dim; name some "
-                                                                          f"of {names}, or null")
+                raise ConfigError("parallel.ep_dims", ep, f"{name!r} is not a mesh dim; name some of {names}, or null")
             if name == self.pp_dim:
-                raise ConfigError("parallel.ep_dims", list(self.ep_dims), "experts cannot spread over the pp dim, "
-                                                                          "whose ranks hold other layers")
-        if self.ep_dims and sorted(self.ep_dims) != sorted(self.dp_dims):
-            raise ConfigError("parallel.ep_dims", list(self.ep_dims), f"experts spread over exactly the DP dims for "
-                                                                      f"now: parallel.ep_dims={self.dp_dims}, or null")
+                raise ConfigError("parallel.ep_dims", ep, "experts cannot spread over the pp dim, "
+                                                          "whose ranks hold other layers")
+            if name not in [*self.dp_dims, self.tp_dim]:
+                raise ConfigError("parallel.ep_dims", ep, f"{name!r} is neither a DP dim {self.dp_dims} nor the tp "
+                                                          f"dim {self.tp_dim!r}; experts spread over those")
+        spread_dp = [name for name in ep if name in self.dp_dims]
+        if spread_dp and sorted(spread_dp) != sorted(self.dp_dims):
+            raise ConfigError("parallel.ep_dims", ep, f"spreads experts over part of the DP dims {self.dp_dims}, "
+                                                      f"which is not supported yet: name all of them (with or "
+                                                      f"without {self.tp_dim!r}), or none")
 
     def check_strategy(self, strategy: str) -> None:
         """fsdp needs DP ranks to shard over; hsdp a replica dim outside the shard dim."""
@@ -201,9 +208,18 @@ class MeshRoles:
     def ep_size(self) -> int:
         return math.prod(self.size(name) for name in self.ep_dims)
 
+    @property
+    def ep_dims_in_mesh_order(self) -> List[str]:
+        return [name for name in self.dim_names if name in self.ep_dims]
+
+    @property
+    def ep_spans_tp(self) -> bool:
+        """Experts spread over the TP ranks too: each TP rank dispatches its share of the tokens."""
+        return self.tp_dim in self.ep_dims and self.tp_size > 1
+
     def ep_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
-        """The experts' mesh: the DP ranks as one 1-D mesh (check_ep), None without EP."""
-        return self.dp_mesh(mesh) if self.ep_dims else None
+        """The experts' mesh: the ep dims' ranks as one 1-D mesh, flattened in mesh order; None without EP."""
+        return self._flattened(mesh, self.ep_dims_in_mesh_order)
 
     def pp_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
         return mesh[self.pp_dim] if self.pp_size > 1 else None

@@ -141,7 +141,8 @@ def stage_tensor_parallel(run: Run) -> None:
 
 def stage_expert_parallel(run: Run) -> None:
     """A mixture of experts: its experts over parallel.ep_dims, its routing pooled over DP."""
-    apply_ep(run.module, run.roles.ep_mesh(run.mesh), run.dp_group)
+    roles = run.roles
+    apply_ep(run.module, roles.ep_mesh(run.mesh), run.dp_group, roles.tp_mesh(run.mesh) if roles.ep_spans_tp else None)
 
 
 def stage_context_parallel(run: Run) -> None:

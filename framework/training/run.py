@@ -66,7 +66,9 @@ class Run:
 
     def group_labels(self) -> Dict[str, str]:
         """Process-group name -> what reports call it: each mesh dim's name, and the DP group
-        flattened from two dims (or DP and cp) by its flattened name (`dp_replicate_dp`, `dp_cp`)."""
+        flattened from two dims (or DP and cp), and EP's over several dims, by its flattened name
+        (`dp_replicate_dp`, `dp_cp`, `dp_tp`)."""
         # a mesh dim's own name wins for the flattened group over the same ranks (dp=1 x cp: cp's)
-        meshes = ([self.dp_mesh] if self.dp_mesh is not None else []) + [self.mesh[dim] for dim in self.mesh.mesh_dim_names]
+        flattened = [self.dp_mesh, self.roles.ep_mesh(self.mesh)]
+        meshes = [mesh for mesh in flattened if mesh is not None] + [self.mesh[dim] for dim in self.mesh.mesh_dim_names]
         return {mesh.get_group().group_name: mesh.mesh_dim_names[0] for mesh in meshes}
