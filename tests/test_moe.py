@@ -119,6 +119,32 @@ def test_every_expert_layout_trains_the_one_process_moe_model(overrides, tmp_pat
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("overrides", [
+    ["mesh=pp2x1x1"],                                  # one MoE block per stage
+    pytest.param(["mesh=pp2x2x1", "parallel.ep_dims=[dp]", "parallel.pp_schedule=1f1b"],  # + experts over DP
+                 marks=pytest.mark.integration),
+], ids=lambda o: " ".join(o))
+def test_under_pipeline_parallelism_the_expert_biased_moe_trains_the_one_process_model(overrides, tmp_path):
+    """Balanced by DeepSeek-V3's expert bias (the pooled auxiliary loss is refused under pp):
+    each stage's blocks move their biases from the global load of the step's 4 micro-batches, as
+    the one-process run moves them from its one batch (the reference loop has no bias).
+    TensorBoard shows both stages' layers' load, as one process does."""
+    biased = [*MOE, "model.moe.aux_loss_coef=0.0", "model.moe.bias_update_rate=0.01", "parallel.pp_microbatches=4",
+              "logger.tensorboard=true"]
+    reference = launch_local(compose_config([*biased, "mesh=1x1"]), str(tmp_path / "1x1"))
+    summary = launch_local(compose_config([*biased, *overrides]), str(tmp_path / "pp"))
+    error = max_relative_error(summary["losses"], reference["losses"])
+    print(f"MoE {' '.join(overrides)}: max relative loss error vs one process {error:.2e}")
+    assert error < 1e-5
+    events = {run: read_events(tmp_path / run / "tb") for run in ("1x1", "pp")}
+    for layer in (0, 1):
+        loads = [torch.tensor([e.value for e in events[run].Scalars(f"moe/layer{layer}_load_max_over_mean")])
+                 for run in ("1x1", "pp")]
+        assert len(loads[0]) == 2
+        torch.testing.assert_close(loads[1], loads[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
 def test_with_micro_batches_expert_parallelism_trains_what_plain_dp_trains(tmp_path):
     """Micro-batching enters the load-balancing loss (its statistics are each global micro-batch's),
     so EP is compared with DP on the same micro-batch split."""
@@ -163,7 +189,9 @@ def test_a_checkpoint_saved_with_experts_over_2_ranks_resumes_over_4_and_on_one(
     (["mesh=2x1", "model.moe.top_k=5"], r"model.moe.top_k=5: must be between 1 and model.moe.n_experts=4"),
     (["mesh=2x1", "model=lm_tiny", "parallel.ep_dims=[dp]"],
      r"parallel.ep_dims=\['dp'\]: spreads experts, and Transformer has no mixture-of-experts blocks; set it to null"),
-    (["mesh=pp2x2x1"], r"mesh.shape=\[2, 2, 1\]: mixture-of-experts models do not run under pipeline parallelism yet"),
+    (["mesh=pp2x2x1"], r"objective.aux_coefficients.load_balance=0.1: Transformer reports this auxiliary loss term, "
+                       r"which pipeline parallelism cannot add to the last stage's loss yet; set it to 0 \(a mixture "
+                       r"of experts can balance with model.moe.bias_update_rate instead\)"),
     (["mesh=2x1", "model.moe.layers=[0,5]"], r"model.moe.layers=\[0, 5\]: name blocks 0 to 1 \(model.n_layers=2\)"),
     (["mesh=2x1", "+objective.aux_coefficients.load_balancing=0.1"],
      r"objective.aux_coefficients.load_balancing=0.1: the model reports no such term; it reports: load_balance"),

@@ -114,6 +114,7 @@ def test_an_auxiliary_term_is_weighted_logged_and_the_same_on_every_mesh(tmp_pat
 
 
 def test_a_model_reporting_terms_under_pipeline_parallelism_is_refused_before_launch():
-    with pytest.raises(ConfigError, match=r"mesh.shape=\[2, 1, 1\]: LogitSquareTransformer reports auxiliary loss terms, "
-                                          r"which pipeline parallelism cannot add to the last stage's loss yet"):
+    with pytest.raises(ConfigError, match=r"objective.aux_coefficients.logit_square=0.05: LogitSquareTransformer reports "
+                                          r"this auxiliary loss term, which pipeline parallelism cannot add to the last "
+                                          r"stage's loss yet; set it to 0"):
         validate(compose_config([*AUX, "mesh=pp2x1x1", "model.n_layers=4"]))

@@ -129,6 +129,7 @@ class MoE(nn.Module):
         # token slots per expert since the last logging step (routing_metrics): made from the first
         # routing, so a model allocated later (to_empty, a Hugging Face model) holds no garbage
         self.logged_load: Optional[torch.Tensor] = None
+        self.counts_load = True  # False for a forward that trains nothing (a pipeline's shape inference)
         if bias_update_rate is not None:
             self.register_buffer("expert_bias", torch.zeros(n_experts))  # checkpointed with the model
             self.register_buffer("step_load", torch.zeros(n_experts), persistent=False)  # token slots this step
@@ -185,7 +186,7 @@ def count_step_load(blocks: List[MoE]) -> None:
     and, when biased, to its step's load (called once per training micro-batch, outside the
     blocks: not again when activation checkpointing recomputes them)."""
     for block in blocks:
-        if block.training:
+        if block.training and block.counts_load:
             block.logged_load = block.stats.chosen.clone() if block.logged_load is None \
                 else block.logged_load + block.stats.chosen
             if block.bias_update_rate is not None:
@@ -193,16 +194,16 @@ def count_step_load(blocks: List[MoE]) -> None:
 
 
 @torch.no_grad()
-def routing_metrics(blocks: List[MoE], group: Optional[dist.ProcessGroup] = None) -> Dict[str, float]:
-    """Per MoE layer, since the last logging step, over the global batches: the busiest expert's
-    token slots over the mean (1: balanced), and the spread (max - min) of the expert bias when
-    there is one. One all-reduce over `group`; the loads start again."""
+def routing_metrics(blocks: Dict[int, MoE], group: Optional[dist.ProcessGroup] = None) -> Dict[str, float]:
+    """Per MoE layer (by its index in the model), since the last logging step, over the global
+    batches: the busiest expert's token slots over the mean (1: balanced), and the spread (max -
+    min) of the expert bias when there is one. One all-reduce over `group`; the loads start again."""
     loads = torch.stack([block.logged_load if block.logged_load is not None else torch.zeros_like(block.stats.chosen)
-                         for block in blocks]).float()
+                         for block in blocks.values()]).float()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(loads, group=group)
     metrics = {}
-    for i, (block, load) in enumerate(zip(blocks, loads)):
+    for i, block, load in zip(blocks, blocks.values(), loads):
         metrics[f"moe/layer{i}_load_max_over_mean"] = float(load.max() / load.mean().clamp(min=1))
         if block.bias_update_rate is not None:
             metrics[f"moe/layer{i}_bias_spread"] = float(block.expert_bias.max() - block.expert_bias.min())

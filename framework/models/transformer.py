@@ -264,12 +264,16 @@ class Transformer(nn.Module):
                    layout: Optional[AttentionLayout] = None) -> torch.Tensor:
         """h through `blocks` in order (a pipeline stage runs its own run of them). Activation
         checkpointing keeps only each block's input and recomputes the rest in backward (its TP
-        collectives included, in the same order on every rank)."""
+        collectives included, in the same order on every rank). In training, the MoE blocks'
+        routing of this forward adds to their load (once, outside any recompute)."""
+        blocks = list(blocks)
         for block in blocks:
             if self.recompute_blocks and torch.is_grad_enabled():
                 h = checkpoint(block, h, layout=layout, use_reentrant=False)
             else:
                 h = block(h, layout=layout)
+        if self.sparse_layers and torch.is_grad_enabled():
+            count_step_load([block.feed_forward for block in blocks if isinstance(block.feed_forward, MoE)])
         return h
 
     def attention_layout(self, positions: Optional[torch.Tensor], hidden: torch.Tensor) -> Optional[AttentionLayout]:
@@ -294,15 +298,18 @@ class Transformer(nn.Module):
             for layer, layer_cache in zip(self.layers, cache):
                 h = layer(h, layer_cache)
         if self.sparse_layers and torch.is_grad_enabled():  # training: evaluation and decoding need no term
-            blocks = moe_blocks(self)
-            self.auxiliary_losses = {"load_balance": load_balance_loss(blocks, self.token_group)}
-            count_step_load(blocks)
+            self.auxiliary_losses = {"load_balance": load_balance_loss(moe_blocks(self), self.token_group)}
         return self.output(self.norm(h))
 
     def logged_metrics(self) -> Dict[str, float]:
         """What TensorBoard shows of the model at a logging step (every rank calls it): the experts'
-        load and bias per MoE layer (framework.models.moe.routing_metrics); none for a dense model."""
-        return routing_metrics(moe_blocks(self), self.token_group) if self.sparse_layers else {}
+        load and bias per MoE layer this rank holds, by its index in the model (a pipeline stage
+        holds some; framework.models.moe.routing_metrics); none for a dense model."""
+        if not self.sparse_layers:
+            return {}
+        held = {int(index): layer.feed_forward for index, layer in self.layers.named_children()
+                if isinstance(layer.feed_forward, MoE)}
+        return routing_metrics(held, self.token_group)
 
     def tp_sharded_counts(self) -> Dict[str, int]:
         """Counts a TP plan splits whole across ranks (checked by framework.config.validate)."""

@@ -147,10 +147,6 @@ def check_expert_parallel(model: nn.Module, plan: dict, roles: MeshRoles) -> Non
     if blocks[0].experts.n_experts % ep_size:
         raise ConfigError("parallel.ep_dims", ep_dims, f"the EP size {ep_size} must divide the "
                                                        f"{blocks[0].experts.n_experts} experts of each block")
-    if roles.pp_size > 1:
-        raise ConfigError("mesh.shape", list(roles.shape), "mixture-of-experts models do not run under pipeline "
-                                                           "parallelism yet (the load-balancing loss pools every "
-                                                           "layer's routing); use a mesh without a pp dim")
     for key, entry in plan.items():
         if entry.get("style") == "sequence_parallel" and key.split(".")[-1] == "ffn_norm":
             raise ConfigError(f"plan.{key}.style", "sequence_parallel", "would hand the mixture-of-experts blocks "

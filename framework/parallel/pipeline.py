@@ -17,6 +17,7 @@ from torch import nn
 
 from framework.config.errors import ConfigError
 from framework.data.batch import Batch
+from framework.models.moe import moe_blocks
 
 # schedule name -> (torch class name, stages per rank it takes: 1, ">1", or 2 in a V)
 SCHEDULES: Dict[str, Tuple[str, str]] = {
@@ -134,6 +135,16 @@ class StageModule(nn.Module):
         return self.output(self.norm(h)) if self.output is not None else h
 
 
+def gathered_over_stages(values: Dict[str, float], pp_group) -> Dict[str, float]:
+    """Every stage's named values in one dict on every rank (each stage holds other layers; rank
+    0 logs them all)."""
+    import torch.distributed as dist
+
+    parts: List[Optional[Dict[str, float]]] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(parts, values, group=pp_group)
+    return {name: value for part in parts for name, value in part.items()}
+
+
 def last_stage_rank(pp_size: int, per_rank: int, schedule: str) -> int:
     """The pp rank that runs the last stage (and so computes the loss)."""
     last = pp_size * per_rank - 1
@@ -157,6 +168,30 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, per_rank: int, sch
     return stages
 
 
+def routing_stage_class():
+    """torch's PipelineStage, but its first step's shape inference (one forward of each stage,
+    on the first micro-batch or on uninitialized tensors, that trains nothing) does not count as
+    mixture-of-experts routing: the expert biases move by the load of the step's micro-batches."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if not hasattr(PipelineStage, "_forward_metadata_inference"):  # (torch 2.13's; fail loudly if it moves)
+        raise RuntimeError("torch.distributed.pipelining.PipelineStage has no _forward_metadata_inference: this "
+                           "torch infers stage shapes otherwise; framework/parallel/pipeline.py needs updating")
+
+    class RoutingStage(PipelineStage):
+        def _forward_metadata_inference(self, *args, **kwargs):
+            blocks = moe_blocks(self.submod)
+            for block in blocks:
+                block.counts_load = False
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                for block in blocks:
+                    block.counts_load = True
+
+    return RoutingStage
+
+
 class Pipeline:
     """This rank's stages under the configured schedule. `step` is forward and backward of one
     replica batch (returning its loss on the last stage's ranks, zero elsewhere); `evaluate`
@@ -172,7 +207,7 @@ class Pipeline:
 
         self.n_stages, self.device = n_stages, device
         self.prepare_rotation = stages[0][1].prepare_rotation
-        make_stage = make_stage or pipelining.PipelineStage
+        make_stage = make_stage or routing_stage_class()
         self.stages = [make_stage(module, index, n_stages, device, group=pp_group) for index, module in stages]
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)

@@ -117,14 +117,22 @@ class MeanSquaredError(Objective):
 
 def check_objective(objective_cfg, model: nn.Module, mesh_shape: List[int], pp_size: int) -> None:
     """Before launch: the auxiliary terms' weights name terms the model reports (a mistyped name
-    would leave the model's own weight in place), and no term under pipeline parallelism (the
-    last stage's loss cannot add a term an earlier stage's module reports)."""
+    would leave the model's own weight in place), and no weighted term under pipeline
+    parallelism (the last stage's loss cannot add a term an earlier stage's module reports; a
+    term of weight 0 is only not reported there)."""
     reporters = [module for module in model.modules() if hasattr(module, "auxiliary_losses")]
-    if reporters and pp_size > 1:
-        raise ConfigError("mesh.shape", mesh_shape, f"{type(reporters[0]).__name__} reports auxiliary loss terms, "
-                                                    f"which pipeline parallelism cannot add to the last stage's "
-                                                    f"loss yet; use a mesh without a pp dim")
     declared = [getattr(module, "aux_coefficients", None) for module in reporters]
+    if reporters and pp_size > 1:
+        weights = {name: weight for weights in declared if weights for name, weight in weights.items()}
+        weights.update(objective_cfg.get("aux_coefficients") or {})
+        weighted = [(name, weight) for name, weight in weights.items() if weight]
+        if weighted:
+            name, weight = weighted[0]
+            raise ConfigError(f"objective.aux_coefficients.{name}", weight,
+                              f"{type(reporters[0]).__name__} reports this auxiliary loss term, which pipeline "
+                              f"parallelism cannot add to the last stage's loss yet; set it to 0 (a mixture of "
+                              f"experts can balance with model.moe.bias_update_rate instead), or use a mesh "
+                              f"without a pp dim")
     if not reporters or None in declared:  # a reporter that declares no names: known only at its forward
         return
     names = sorted({name for weights in declared for name in weights})

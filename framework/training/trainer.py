@@ -30,7 +30,7 @@ from framework.models.hf_export import save_hf_sharded
 from framework.parallel.data_parallel import DataParallel
 from framework.parallel.fully_shard import no_gradient_sync
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
-from framework.parallel.pipeline import Pipeline, microbatches
+from framework.parallel.pipeline import Pipeline, gathered_over_stages, microbatches
 from framework.parallel.plan import final_output_layout
 from framework.parallel.replica_check import check_replicas
 from framework.training.interrupt import Interrupt
@@ -336,7 +336,8 @@ class Trainer:
             history["grad_norms"].append(float(grad_norm))
             self._log_terms(step)
             if hasattr(run.module, "logged_metrics"):
-                self.metrics.scalars(step, run.module.logged_metrics())
+                values = run.module.logged_metrics()
+                self.metrics.scalars(step, gathered_over_stages(values, run.pp_group) if run.pp else values)
         self.watchdog.finished()  # the step, and its evaluation
         if saving:
             self.watchdog.stage(f"step {step}: checkpoint save")
