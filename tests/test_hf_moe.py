@@ -160,30 +160,35 @@ def test_each_expert_parallel_rank_reads_and_writes_only_its_own_experts(moe_dir
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mesh,overrides", [
-    ("1x1", []),
-    ("2x1", []),  # the routing of both replicas' tokens pooled in the load balance
-    ("2x1", ["parallel.ep_dims=[dp]"]),  # 2 experts per rank, read from the files by their rank
-    ("2x1", ["parallel.dp_strategy=fsdp"]),  # FSDP shards the stacks on the expert dim too
-    ("2x2", ["plan=qk_norm_moe_tp", "parallel.ep_dims=[dp,tp]"]),  # 1 expert per rank, attention TP
-], ids=["1x1", "dp", "ep", "fsdp", "ep-dp-tp"])
-def test_the_trainers_step_equals_transformers_training_loss_and_gradients(mesh, overrides, moe_dirs, tmp_path):
-    """One step of the framework's trainer on Qwen3-MoE (built on meta, experts sharded under
-    EP, then read): its loss is transformers' training loss, cross-entropy + router_aux_loss_coef
-    x aux_loss (config.json's output_router_logits is true), and its gradients transformers'."""
-    path = moe_dirs["qwen3_moe"]
+@pytest.mark.parametrize("kind,mesh,overrides", [
+    ("qwen3_moe", "1x1", []),
+    ("qwen3_moe", "2x1", []),  # the routing of both replicas' tokens pooled in the load balance
+    ("qwen3_moe", "2x1", ["parallel.ep_dims=[dp]"]),  # 2 experts per rank, read from the files by their rank
+    ("qwen3_moe", "2x1", ["parallel.dp_strategy=fsdp"]),  # FSDP shards the stacks on the expert dim too
+    ("qwen3_moe", "2x2", ["plan=qk_norm_moe_tp", "parallel.ep_dims=[dp,tp]"]),  # 1 expert per rank, attention TP
+    ("qwen2_moe", "pp2x2x1", ["parallel.ep_dims=[dp]"]),  # 2 stages (no aux loss trained), experts over DP
+    pytest.param("qwen2_moe", "2x1", ["parallel.ep_dims=[dp]"], marks=pytest.mark.integration),
+    pytest.param("mixtral", "2x1", ["parallel.ep_dims=[dp]"], marks=pytest.mark.integration),
+], ids=["1x1", "dp", "ep", "fsdp", "ep-dp-tp", "qwen2_moe-pp-ep", "qwen2_moe-ep", "mixtral-ep"])
+def test_the_trainers_step_equals_transformers_training_loss_and_gradients(kind, mesh, overrides, moe_dirs, tmp_path):
+    """One step of the framework's trainer (built on meta, experts sharded under EP, then read):
+    its loss is transformers' training loss, cross-entropy + router_aux_loss_coef x aux_loss
+    where config.json's output_router_logits is true (Qwen3-MoE here), and its gradients
+    transformers' (under pp: each stage's, from its ranks)."""
+    path = moe_dirs[kind]
     cfg = hf_config(path, f"mesh={mesh}", "plan=none", *overrides)
     validate(cfg)
-    result = spawn_ranks(math.prod(cfg.mesh.shape), one_step_gradients, rank_config(cfg), str(tmp_path))[0]
+    results = spawn_ranks(math.prod(cfg.mesh.shape), one_step_gradients, rank_config(cfg), str(tmp_path))
+    grads = {name: grad for result in results.values() for name, grad in result["grads"].items()}
     model = reference(path)
     inputs, targets = first_global_batch(cfg)
     output = model(inputs, output_router_logits=True)
-    ref_loss = cross_entropy(output.logits, targets) + model.config.router_aux_loss_coef * output.aux_loss
+    aux = model.config.router_aux_loss_coef * output.aux_loss if model.config.output_router_logits else 0.0
+    ref_loss = cross_entropy(output.logits, targets) + aux
     ref_loss.backward()
-    grad_errors = stack_errors(hf_state_dict(result["grads"], False, "qwen3_moe"),
-                               saved_gradients(model, str(tmp_path / "grads")))
-    loss_error = abs(result["loss"] - float(ref_loss.detach()))
-    print(f"{mesh} {overrides}: loss {loss_error:.1e}, gradients {max(grad_errors.values()):.1e}")
+    grad_errors = stack_errors(hf_state_dict(grads, False, kind), saved_gradients(model, str(tmp_path / "grads")))
+    loss_error = abs(results[0]["loss"] - float(ref_loss.detach()))
+    print(f"{kind} {mesh} {overrides}: loss {loss_error:.1e}, gradients {max(grad_errors.values()):.1e}")
     assert loss_error <= 1e-5 * float(ref_loss.detach())
     assert all(e <= 1e-5 for e in grad_errors.values()), grad_errors
 

@@ -106,6 +106,9 @@ def test_the_load_balancing_loss_is_transformers_formula_over_every_layer_pooled
                  marks=pytest.mark.integration),
     pytest.param(["mesh=2x2x1", "parallel.ep_dims=[dp_replicate,dp]", "parallel.dp_strategy=hsdp"],
                  marks=pytest.mark.integration),
+    ["mesh=2x2x1", "parallel.ep_dims=[dp]"],          # experts over dp, replicated over dp_replicate
+    pytest.param(["mesh=2x1x2", "plan=lm_moe_tp", "parallel.ep_dims=[tp]"],  # over TP, replicated over 2 DP
+                 marks=pytest.mark.integration),
     pytest.param(["mesh=2x1", "parallel.ep_dims=[dp]", "trainer.compile=blocks"],  # compiled around the routing
                  marks=pytest.mark.integration),
     pytest.param(["mesh=1x1", "trainer.compile=blocks"], marks=pytest.mark.integration),
@@ -178,9 +181,9 @@ def test_a_checkpoint_saved_with_experts_over_2_ranks_resumes_over_4_and_on_one(
 @pytest.mark.parametrize("overrides,message", [
     (["mesh=2x1", "parallel.ep_dims=[ep]"], r"parallel.ep_dims=\['ep'\]: 'ep' is not a mesh dim; name some of "
                                             r"\['dp', 'tp'\], or null"),
-    (["mesh=2x2x1", "parallel.ep_dims=[dp]"],
-     r"parallel.ep_dims=\['dp'\]: spreads experts over part of the DP dims \['dp_replicate', 'dp'\], which is not "
-     r"supported yet: name all of them \(with or without 'tp'\), or none"),
+    (["mesh=2x2x1", "parallel.ep_dims=[dp]", "parallel.dp_strategy=hsdp"],
+     r"parallel.ep_dims=\['dp'\]: spreads experts over part of the DP dims \['dp_replicate', 'dp'\], leaving "
+     r"replicas of each expert over \['dp_replicate'\], which dp_strategy=hsdp does not shard yet"),
     (["mesh=2x2x1cp", "parallel.ep_dims=[cp]"],
      r"parallel.ep_dims=\['cp'\]: 'cp' is neither a DP dim \['dp'\] nor the tp dim 'tp'; experts spread over those"),
     (["mesh=pp2x2x1", "parallel.ep_dims=[pp]"], r"parallel.ep_dims=\['pp'\]: experts cannot spread over the pp dim"),

@@ -33,15 +33,16 @@ BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket cap
 
 
 def spread_over_dp(param: torch.Tensor, dp_group) -> bool:
-    """A DTensor sharded over a mesh that holds every rank of the DP group (an expert stack
-    under expert parallelism over the DP dims, and maybe TP's: each DP rank holds other experts).
-    Its gradient already sums every replica's contributions (the expert served their tokens):
-    DataParallel divides it by the DP size instead of all-reducing it, and the replica check has
-    no replicas of it to compare. Told from its placement, which survives what replaces
-    Parameters (to_empty), not from a mark on the Parameter."""
+    """A DTensor sharded over a mesh that holds other DP ranks than this one (an expert stack
+    under expert parallelism over DP dims, and maybe TP's: DP ranks hold other experts). Its
+    gradient already sums the contributions of the replicas whose tokens the expert served:
+    DataParallel sums it over the DP ranks holding the same experts (none when EP spans every DP
+    dim) and divides it by the DP size, instead of averaging it over DP; the replica check skips
+    it. Told from its placement, which survives what replaces Parameters (to_empty), not from a
+    mark on the Parameter."""
     return isinstance(param, DTensor) and dp_group is not None and param.device_mesh.ndim == 1 \
         and param.placements[0].is_shard() \
-        and set(dist.get_process_group_ranks(dp_group)) <= set(param.device_mesh.mesh.flatten().tolist())
+        and len(set(dist.get_process_group_ranks(dp_group)) & set(param.device_mesh.mesh.flatten().tolist())) > 1
 
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's cap for the first bucket, so communication starts early
@@ -102,9 +103,13 @@ class DataParallel(nn.Module):
     backward, when what is left starts; one wait then. Each bucket's flat buffer lives as long
     as the wrapper, as DDP's bucket buffers do, and the final gradients are views of it."""
 
-    def __init__(self, module: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True):
+    def __init__(self, module: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True,
+                 expert_replicas: Optional[DeviceMesh] = None):
+        """expert_replicas: the DP ranks that hold the same experts with other tokens, when the
+        experts spread over only some DP dims (MeshRoles.expert_replica_mesh)."""
         super().__init__()
         self.module = module
+        self.expert_replica_group = expert_replicas.get_group() if expert_replicas is not None else None
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         self.dp_size = dp_mesh.size() if dp_mesh is not None else 1
         self.overlap = overlap
@@ -201,10 +206,23 @@ class DataParallel(nn.Module):
         self._sync_queued = False
         if self.dp_size > 1 and self._buckets:
             self._finish_all_reduces()
+        self._sum_expert_replicas()
         for p in self._summed:
             if p.grad is not None:
                 p.grad.div_(self.dp_size)
         _reduce_partial_grads([p for p in self.module.parameters() if p.requires_grad and p.grad is not None])
+
+    def _sum_expert_replicas(self) -> None:
+        """Experts over some DP dims: each one's gradient summed over the ranks holding it."""
+        if self.expert_replica_group is None:
+            return
+        for p in self._summed:
+            if p.grad is None:  # (not used by this rank's tokens: nothing to add)
+                p.grad = torch.zeros_like(p)
+        local = [p.grad.to_local() for p in self._summed]
+        _in_flat_buckets(local, lambda flat: dist.all_reduce(flat, group=self.expert_replica_group))
+        for p, summed in zip(self._summed, local):
+            p.grad = DTensor.from_local(summed, p.grad.device_mesh, p.grad.placements, run_check=False)
 
     def _finish_all_reduces(self) -> None:
         """Launch what backward left (buckets with a gradient this rank did not produce, or all of
@@ -292,6 +310,7 @@ def _buckets(tensors: List[torch.Tensor], first_bucket_bytes: int = BUCKET_BYTES
     return buckets
 
 
-def apply_dp(model: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True) -> DataParallel:
+def apply_dp(model: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True,
+             expert_replicas: Optional[DeviceMesh] = None) -> DataParallel:
     """Wrap `model`; with no DP dim (dp_mesh None) the wrapper only keeps the `.module` shape."""
-    return DataParallel(model, dp_mesh, overlap)
+    return DataParallel(model, dp_mesh, overlap, expert_replicas)

@@ -98,10 +98,9 @@ class MeshRoles:
                                                                       "not supported yet; use parallel.ep_dims=null")
 
     def check_ep(self) -> None:
-        """EP's dims exist and are every DP dim, the tp dim, or both: experts spread where the
-        tokens differ (DP), or over TP ranks that split their replicated tokens between them. A
-        part of the DP dims would leave replicas of each expert on the rest (torchtitan's efsdp),
-        which is not built yet."""
+        """EP's dims exist and are DP dims or the tp dim: experts spread where the tokens differ
+        (DP), or over TP ranks that split their replicated tokens between them. The DP dims EP
+        leaves out hold replicas of each expert (expert_replica_dims)."""
         names, ep = list(self.dim_names), list(self.ep_dims)
         for name in ep:
             if name not in names:
@@ -112,11 +111,6 @@ class MeshRoles:
             if name not in [*self.dp_dims, self.tp_dim]:
                 raise ConfigError("parallel.ep_dims", ep, f"{name!r} is neither a DP dim {self.dp_dims} nor the tp "
                                                           f"dim {self.tp_dim!r}; experts spread over those")
-        spread_dp = [name for name in ep if name in self.dp_dims]
-        if spread_dp and sorted(spread_dp) != sorted(self.dp_dims):
-            raise ConfigError("parallel.ep_dims", ep, f"spreads experts over part of the DP dims {self.dp_dims}, "
-                                                      f"which is not supported yet: name all of them (with or "
-                                                      f"without {self.tp_dim!r}), or none")
 
     def check_strategy(self, strategy: str) -> None:
         """fsdp needs DP ranks to shard over; hsdp a replica dim outside the shard dim."""
@@ -124,6 +118,12 @@ class MeshRoles:
             raise ConfigError("parallel.dp_strategy", "fsdp",
                               "shards over the DP ranks, and parallel.dp_dim is null; name a DP mesh dim "
                               "(mesh=4x1 or 2x2), or use dp_strategy=replicate")
+        if strategy != "replicate" and self.expert_replica_dims:
+            name = getattr(strategy, "value", strategy)
+            raise ConfigError("parallel.ep_dims", list(self.ep_dims),
+                              f"spreads experts over part of the DP dims {self.dp_dims}, leaving replicas of each "
+                              f"expert over {self.expert_replica_dims}, which dp_strategy={name} does not shard yet; "
+                              f"name every DP dim, or use dp_strategy=replicate")
         if strategy == "hsdp" and len(self.dp_dims) != 2:
             raise ConfigError("parallel.dp_strategy", "hsdp",
                               f"needs two DP dims, parallel.dp_replicate_dim={self.dp_replicate_dim!r} (replicas) "
@@ -216,6 +216,17 @@ class MeshRoles:
     def ep_spans_tp(self) -> bool:
         """Experts spread over the TP ranks too: each TP rank dispatches its share of the tokens."""
         return self.tp_dim in self.ep_dims and self.tp_size > 1
+
+    @property
+    def expert_replica_dims(self) -> List[str]:
+        """The DP dims experts spread over some DP dims are not spread over: each holds the
+        same experts with other tokens (their gradients sum over them). None without EP over DP."""
+        if not any(name in self.dp_dims for name in self.ep_dims):
+            return []
+        return [name for name in self.dp_dims if name not in self.ep_dims and self.size(name) > 1]
+
+    def expert_replica_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
+        return self._flattened(mesh, self.expert_replica_dims)
 
     def ep_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
         """The experts' mesh: the ep dims' ranks as one 1-D mesh, flattened in mesh order; None without EP."""

@@ -127,7 +127,8 @@ def stage_pipeline_parallel(run: Run) -> None:
 def stage_data_parallel(run: Run) -> None:
     """replicate: the outer DataParallel wrapper, before TP shards its .module."""
     if run.cfg.parallel.dp_strategy == "replicate":
-        run.model = apply_dp(run.model, run.dp_mesh, run.cfg.parallel.overlap_dp_sync)
+        run.model = apply_dp(run.model, run.dp_mesh, run.cfg.parallel.overlap_dp_sync,
+                             run.roles.expert_replica_mesh(run.mesh))
 
 
 def stage_tensor_parallel(run: Run) -> None:
