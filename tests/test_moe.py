@@ -15,7 +15,7 @@ from framework.launch.local import launch_local, spawn_ranks
 from framework.models.moe import MoE, load_balance_loss, moe_blocks
 from framework.models.transformer import FeedForward, Transformer
 from framework.verify import verify
-from tests.conftest import TINY_LM, compose_config, run_cli
+from tests.conftest import TEST_MODELS, TINY_LM, compose_config, run_cli
 from tests.reference import max_relative_error, reference_training
 from tests.test_cli import read_events
 from tests.test_dryrun import counts_per_op
@@ -251,6 +251,22 @@ def test_the_aux_loss_free_expert_bias_moves_toward_balance_alike_on_every_layou
         for rank in (0, 1):
             torch.testing.assert_close(spread[rank]["biases"][name], bias, rtol=1e-5, atol=1e-6, msg=(name, rank))
     assert max_relative_error(spread[0]["losses"], one["losses"]) < 1e-5
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_a_stall_before_a_moe_block_names_the_all_to_all_its_peer_waits_in(tmp_path):
+    """Rank 1 blocks before its first MoE block in step 3; rank 0 waits in the per-expert
+    counts' all-to-all of expert parallelism's dispatch, and the watchdog says so."""
+    result = run_cli([*MOE, "mesh=2x1", "parallel.ep_dims=[dp]", TEST_MODELS,
+                      "model._target_=tests.workers.BlockingTransformer", "+model.rank=1", "+model.at=3",
+                      "+model.where=layers.0.feed_forward", "trainer.stall_timeout_s=4",
+                      f"hydra.run.dir={tmp_path}"], timeout=140)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    rank0 = last.split("; rank 0: ")[1].split("; rank 1: ")[0]
+    assert rank0.startswith("step 3: data, forward and backward, collective all_to_all_single ("), rank0
+    assert "called from exchange (framework/parallel/expert_parallel.py:" in rank0, rank0
 
 
 @pytest.mark.timeout(240)

@@ -258,13 +258,14 @@ class BlockOnRank(SeedMLP):
 
 
 class BlockingTransformer(Transformer):
-    """The LM, except that rank `rank` blocks forever when its final norm runs for the `at`-th
-    time (outside any collective and any compiled block; on the last pipeline stage under PP)."""
+    """The LM, except that rank `rank` blocks forever when its final norm (or the module named
+    `where`) runs for the `at`-th time (outside any collective and any compiled block; on the last
+    pipeline stage under PP)."""
 
-    def __init__(self, rank: int = 1, at: int = 3, **sizes):
+    def __init__(self, rank: int = 1, at: int = 3, where: str = "norm", **sizes):
         super().__init__(**sizes)
         self.block_rank, self.at, self.calls = rank, at, 0
-        self.norm.register_forward_pre_hook(self.block_at)
+        self.get_submodule(where).register_forward_pre_hook(self.block_at)
 
     def block_at(self, module, args):
         self.calls += 1
