@@ -107,6 +107,11 @@ def test_the_load_balancing_loss_is_transformers_formula_over_every_layer_pooled
     pytest.param(["mesh=2x2x1", "parallel.ep_dims=[dp_replicate,dp]", "parallel.dp_strategy=hsdp"],
                  marks=pytest.mark.integration),
     ["mesh=2x2x1", "parallel.ep_dims=[dp]"],          # experts over dp, replicated over dp_replicate
+    ["mesh=2x2x1", "parallel.ep_dims=[dp]", "parallel.dp_strategy=hsdp"],  # ... and FSDP-sharded over it
+    pytest.param(["mesh=2x2x1", "parallel.ep_dims=[dp_replicate]", "parallel.dp_strategy=fsdp"],
+                 marks=pytest.mark.integration),
+    pytest.param(["mesh=2x1x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp,tp]", "parallel.dp_strategy=hsdp"],
+                 marks=pytest.mark.integration),
     pytest.param(["mesh=2x1x2", "plan=lm_moe_tp", "parallel.ep_dims=[tp]"],  # over TP, replicated over 2 DP
                  marks=pytest.mark.integration),
     pytest.param(["mesh=2x1", "parallel.ep_dims=[dp]", "trainer.compile=blocks"],  # compiled around the routing
@@ -158,21 +163,26 @@ def test_with_micro_batches_expert_parallelism_trains_what_plain_dp_trains(tmp_p
 
 
 @pytest.mark.timeout(120)
-def test_each_ep_rank_holds_its_share_of_every_blocks_experts(tmp_path):
-    cfg = compose_config([*MOE, "mesh=4x1", "parallel.ep_dims=[dp]"])
-    shapes = spawn_ranks(4, expert_shapes, rank_config(cfg), str(tmp_path))
+@pytest.mark.parametrize("overrides", [
+    ["mesh=4x1", "parallel.ep_dims=[dp]"],                                  # 1 expert per rank
+    ["mesh=2x2x1", "parallel.ep_dims=[dp]", "parallel.dp_strategy=hsdp"],   # 2 per EP rank, FSDP halves them
+], ids=lambda o: " ".join(o))
+def test_each_ep_rank_holds_its_share_of_every_blocks_experts(overrides, tmp_path):
+    cfg = compose_config([*MOE, *overrides])
+    shapes = spawn_ranks(4, expert_shapes, rank_config(cfg), str(tmp_path), "fully_shard")
     for rank_shapes in shapes.values():  # 4 experts of width 32 on dim 32: 1 per rank
         assert rank_shapes == {f"layers.{i}.feed_forward.experts.{w}": shape for i in (0, 1)
                                for w, shape in (("w1", [1, 32, 32]), ("w2", [1, 32, 32]), ("w3", [1, 32, 32]))}
 
 
 @pytest.mark.timeout(300)
-def test_a_checkpoint_saved_with_experts_over_2_ranks_resumes_over_4_and_on_one(tmp_path):
+def test_a_checkpoint_saved_with_experts_over_2_ranks_resumes_over_4_on_one_and_fsdp_sharded(tmp_path):
     reference = reference_training(compose_config([*MOE, "mesh=1x1"]))
     saved = tmp_path / "ep2"
     launch_local(compose_config([*MOE, "mesh=2x1", "parallel.ep_dims=[dp]", "trainer.max_steps=4",
                                  "checkpoint.every=4"]), str(saved))
-    for mesh in (["mesh=4x1", "parallel.ep_dims=[dp]"], ["mesh=1x1"]):
+    for mesh in (["mesh=4x1", "parallel.ep_dims=[dp]"], ["mesh=1x1"],
+                 ["mesh=2x2x1", "parallel.ep_dims=[dp]", "parallel.dp_strategy=hsdp"]):  # experts over 2, FSDP over 2
         resumed = launch_local(compose_config([*MOE, *mesh, f"checkpoint.resume={saved / 'checkpoints' / 'step_4'}"]),
                                str(tmp_path / mesh[0]))
         assert max_relative_error(resumed["losses"], reference["losses"]) < 1e-5, mesh
@@ -181,9 +191,6 @@ def test_a_checkpoint_saved_with_experts_over_2_ranks_resumes_over_4_and_on_one(
 @pytest.mark.parametrize("overrides,message", [
     (["mesh=2x1", "parallel.ep_dims=[ep]"], r"parallel.ep_dims=\['ep'\]: 'ep' is not a mesh dim; name some of "
                                             r"\['dp', 'tp'\], or null"),
-    (["mesh=2x2x1", "parallel.ep_dims=[dp]", "parallel.dp_strategy=hsdp"],
-     r"parallel.ep_dims=\['dp'\]: spreads experts over part of the DP dims \['dp_replicate', 'dp'\], leaving "
-     r"replicas of each expert over \['dp_replicate'\], which dp_strategy=hsdp does not shard yet"),
     (["mesh=2x2x1cp", "parallel.ep_dims=[cp]"],
      r"parallel.ep_dims=\['cp'\]: 'cp' is neither a DP dim \['dp'\] nor the tp dim 'tp'; experts spread over those"),
     (["mesh=pp2x2x1", "parallel.ep_dims=[pp]"], r"parallel.ep_dims=\['pp'\]: experts cannot spread over the pp dim"),

@@ -381,9 +381,9 @@ def compiled_blocks_and_names(cfg_container: dict, out_dir: str) -> dict:
     return result
 
 
-def expert_shapes(cfg_container: dict, out_dir: str) -> dict:
-    """Built through expert_parallel: the local shape of each stacked expert weight."""
-    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="expert_parallel")
+def expert_shapes(cfg_container: dict, out_dir: str, through: str = "expert_parallel") -> dict:
+    """Built through `through`: the local shape of each stacked expert weight."""
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through=through)
     shapes = {name: list(local_tensor(p).shape) for name, p in run.module.named_parameters() if ".experts." in name}
     dist.destroy_process_group()
     return shapes

@@ -52,15 +52,6 @@ def grouped_gemm_runs(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
-def run_local_experts(experts: "Experts", tokens: torch.Tensor, counts: List[int]) -> torch.Tensor:
-    """Each local expert on its consecutive run of `tokens` (sorted by expert; `counts` tokens
-    each): a grouped GEMM where it runs, else one matmul per expert (the same numbers: tested).
-    In the tokens' dtype: FSDP2's bf16 compute leaves EP's experts (not its to cast) in fp32."""
-    weights = tuple(w.to(tokens.dtype) for w in experts.local_weights())
-    swiglu = swiglu_grouped if grouped_gemm_runs(tokens.dtype) and len(tokens) else swiglu_per_expert
-    return swiglu(tokens, *weights, counts)
-
-
 def slots_per_expert(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """How many token slots chose each expert. On meta (framework.dryrun) the ids hold no
     values: the balanced routing load balancing aims at is assumed (an even share, the
@@ -76,7 +67,7 @@ def dispatch_locally(experts: "Experts", tokens: torch.Tensor, expert_ids: torch
     and returned in the order of `expert_ids` (flattened)."""
     order = expert_ids.argsort(stable=True)
     counts = slots_per_expert(expert_ids, experts.n_experts).tolist()
-    return run_local_experts(experts, tokens[order], counts)[order.argsort()]
+    return experts(tokens[order], counts)[order.argsort()]
 
 
 class Experts(nn.Module):
@@ -96,6 +87,15 @@ class Experts(nn.Module):
 
     def local_weights(self):
         return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+
+    def forward(self, tokens: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """Each local expert on its consecutive run of `tokens` (sorted by expert; `counts` tokens
+        each): a grouped GEMM where it runs, else one matmul per expert (the same numbers: tested).
+        In the tokens' dtype: FSDP2's bf16 compute leaves EP's experts (not its to cast) in fp32.
+        A module call, so FSDP2 gathers the experts it shards over the DP ranks EP leaves out."""
+        weights = tuple(w.to(tokens.dtype) for w in self.local_weights())
+        swiglu = swiglu_grouped if grouped_gemm_runs(tokens.dtype) and len(tokens) else swiglu_per_expert
+        return swiglu(tokens, *weights, counts)
 
 
 @dataclass

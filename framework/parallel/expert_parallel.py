@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework.config.errors import ConfigError
 from framework.parallel.roles import MeshRoles
-from framework.models.moe import Experts, moe_blocks, run_local_experts, slots_per_expert, update_expert_biases
+from framework.models.moe import Experts, moe_blocks, slots_per_expert, update_expert_biases
 
 
 def _gather_shares(share: torch.Tensor, sizes: List[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -90,7 +90,7 @@ def dispatch_over(group: dist.ProcessGroup, tp_group: Optional[dist.ProcessGroup
         # arrival order is (source, expert); the experts want (expert, source)
         run = torch.repeat_interleave(torch.arange(size * local, device=counts.device), arriving)
         by_expert = ((run % local) * size + run // local).argsort(stable=True).to(slots.device)
-        computed = run_local_experts(experts, arrived[by_expert], arriving.view(size, local).sum(dim=0).tolist())
+        computed = experts(arrived[by_expert], arriving.view(size, local).sum(dim=0).tolist())
         back = computed[by_expert.argsort()]
         returned = all_to_all_single_autograd(back, sent, received, group)
         return returned[order.argsort()]

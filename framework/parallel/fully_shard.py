@@ -43,17 +43,28 @@ def mixed_precision_policy(mixed_precision: Optional[str], root: bool) -> MixedP
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[str],
-               dp_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
+               dp_group: Optional[dist.ProcessGroup] = None, expert_replicas: Optional[DeviceMesh] = None) -> nn.Module:
     """fully_shard each unit, then the root (which holds what no unit does), over `dp_mesh`:
     1-D for fsdp, (dp_replicate, dp) for hsdp.
 
-    Experts spread over the DP ranks themselves (expert parallelism over every DP dim, `dp_group`
-    flattened) have no FSDP share left: they are left to their EP sharding (ignored_params), and
-    as their gradient already sums every rank's tokens they served, it is divided by the DP size
-    as FSDP divides the others' reduced sums (torchtitan's gradient divide factor for experts)."""
+    Experts spread over DP ranks (expert parallelism, `dp_group` the DP ranks flattened) already
+    sum, in their gradient, the tokens of every rank they served. Spread over every DP dim they
+    have no FSDP share left: they stay out of FSDP's sharding (ignored_params), their gradient
+    divided by the DP size as FSDP divides the others' reduced sums (torchtitan's gradient divide
+    factor for experts). Spread over some DP dims, each expert has replicas on the rest
+    (`expert_replicas`): FSDP2 shards each block's experts over those ranks (torchtitan's efsdp),
+    and its reduce-scatter's sum is divided by the DP size alike."""
+    from framework.models.moe import Experts
     from framework.parallel.data_parallel import spread_over_dp
 
-    experts = {p for p in model.parameters() if spread_over_dp(p, dp_group)}
+    if expert_replicas is not None:
+        dp_size = dist.get_world_size(dp_group)
+        for experts_module in [m for m in model.modules() if isinstance(m, Experts)]:
+            fully_shard(experts_module, mesh=expert_replicas, mp_policy=mixed_precision_policy(mixed_precision, False))
+            # a sum, divided after it (gloo has no pre-multiplied sum for a divide factor of its own)
+            experts_module.set_force_sum_reduction_for_comms(True)
+            experts_module.set_gradient_divide_factor(float(dp_size))
+    experts = {p for p in model.parameters() if spread_over_dp(p, dp_group)} if expert_replicas is None else set()
     for unit in fsdp_units(model):
         fully_shard(unit, mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision, root=False),
                     ignored_params=experts or None)

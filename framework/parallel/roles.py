@@ -118,12 +118,6 @@ class MeshRoles:
             raise ConfigError("parallel.dp_strategy", "fsdp",
                               "shards over the DP ranks, and parallel.dp_dim is null; name a DP mesh dim "
                               "(mesh=4x1 or 2x2), or use dp_strategy=replicate")
-        if strategy != "replicate" and self.expert_replica_dims:
-            name = getattr(strategy, "value", strategy)
-            raise ConfigError("parallel.ep_dims", list(self.ep_dims),
-                              f"spreads experts over part of the DP dims {self.dp_dims}, leaving replicas of each "
-                              f"expert over {self.expert_replica_dims}, which dp_strategy={name} does not shard yet; "
-                              f"name every DP dim, or use dp_strategy=replicate")
         if strategy == "hsdp" and len(self.dp_dims) != 2:
             raise ConfigError("parallel.dp_strategy", "hsdp",
                               f"needs two DP dims, parallel.dp_replicate_dim={self.dp_replicate_dim!r} (replicas) "

@@ -159,10 +159,11 @@ def stage_fully_shard(run: Run) -> None:
     strategy = run.cfg.parallel.dp_strategy
     if strategy != "replicate":
         mesh, precision = run.roles.sharding_mesh(run.mesh, strategy), run.cfg.trainer.mixed_precision
+        shard = dict(dp_group=run.dp_group, expert_replicas=run.roles.expert_replica_mesh(run.mesh))
         if run.stages:  # each pipeline stage is a root, as each model part is in torchtitan
-            run.stages = [(index, apply_fsdp(module, mesh, precision, run.dp_group)) for index, module in run.stages]
+            run.stages = [(index, apply_fsdp(module, mesh, precision, **shard)) for index, module in run.stages]
         else:
-            run.model = apply_fsdp(run.model, mesh, precision, run.dp_group)
+            run.model = apply_fsdp(run.model, mesh, precision, **shard)
     if run.deferred_init:
         materialize(run.module, run.cfg.mesh.device_type)
         init_adapters(run.module, run.cfg.trainer.seed)  # (to_empty left them garbage too)
