@@ -153,6 +153,22 @@ def test_under_pipeline_parallelism_the_expert_biased_moe_trains_the_one_process
 
 
 @pytest.mark.timeout(240)
+def test_on_instruction_data_with_activation_checkpointing_experts_over_2_ranks_train_the_one_process_model(
+        prepared, tmp_path):
+    """Masked targets (only the responses count: one all-reduce of the count) and recomputed
+    blocks (whose routing is counted once): the loss curve of one process."""
+    sft = ["recipe=lm_files", "data=instructions", f"data.path={prepared['instruction']}", "data.dataset.seq_len=32",
+           "data.global_batch_size=8", "trainer.progress_bar=false", *MOE[len(TINY_LM):],
+           "model.moe.bias_update_rate=0.01"]
+    reference = launch_local(compose_config([*sft, "mesh=1x1"]), str(tmp_path / "1x1"))
+    spread = launch_local(compose_config([*sft, "mesh=2x1", "parallel.ep_dims=[dp]",
+                                          "model.activation_checkpointing=full"]), str(tmp_path / "ep"))
+    assert max_relative_error(spread["losses"], reference["losses"]) < 1e-5
+    assert max_relative_error(reference["losses"], reference_training(compose_config([*sft, "mesh=1x1",
+                              "model.moe.bias_update_rate=null"]))["losses"]) > 1e-4  # (the bias moved the routing)
+
+
+@pytest.mark.timeout(240)
 def test_with_micro_batches_expert_parallelism_trains_what_plain_dp_trains(tmp_path):
     """Micro-batching enters the load-balancing loss (its statistics are each global micro-batch's),
     so EP is compared with DP on the same micro-batch split."""
