@@ -40,7 +40,8 @@ def one_process_clipped():
     pytest.param(["mesh=pp2x1x1", "parallel.pp_schedule=zbv_zero_bubble", "parallel.pp_stages_per_rank=2"], marks=pytest.mark.integration),
     pytest.param(["mesh=pp2x1x1", "parallel.pp_schedule=dualpipev", "parallel.pp_stages_per_rank=2"], marks=pytest.mark.integration),
     pytest.param(["mesh=pp2x2x1"], marks=pytest.mark.integration),  # + DP replicate (gradients synced once per step)
-    ["mesh=pp2x2x1", "trainer.grad_clip=0.05"],           # clipped by the norm over every stage's gradients
+    ["mesh=pp2x2x1", "trainer.grad_clip=0.05", "trainer.check_replicas_every=5"],  # clipped by the norm over every
+    # stage's gradients; the replica check compares each stage's ranks (it compared stages' other layers before)
     ["mesh=pp2x2x1", "parallel.dp_strategy=fsdp"],        # + FSDP2, each stage a root
     pytest.param(["mesh.shape=[2,1,2,1]", "mesh.dim_names=[pp,dp_replicate,dp,tp]", "parallel.dp_strategy=hsdp"], marks=pytest.mark.integration),  # + HSDP
     ["mesh=pp2x1x2", "plan=lm_tp_sp", "parallel.pp_layers_per_stage=[1,3]"],  # + TP+SP, an uneven split

@@ -2,7 +2,8 @@
 several ranks are. A plain parameter (or a replicated DTensor) must be equal on every rank, a
 sharded DTensor's local shard on every DP replica. One float64 checksum per parameter; one
 all-reduce per group (of [checksum, -checksum] under MAX, giving max and min at once) finds any
-that differ, and the run fails naming the first and the group."""
+that differ, and the run fails naming the first and the group. Under pipeline parallelism "every
+rank" is every rank of the pipeline stage (the others hold other layers)."""
 from typing import Dict, List, Tuple
 
 import torch
@@ -31,8 +32,9 @@ def _differing(names: List[str], sums: List[torch.Tensor], group, device) -> Lis
 
 
 @torch.no_grad()
-def check_replicas(model: nn.Module, dp_group, step: int) -> None:
-    """Raise naming the first parameter that differs where it must not (every rank raises)."""
+def check_replicas(model: nn.Module, dp_group, step: int, stage_group=None) -> None:
+    """Raise naming the first parameter that differs where it must not (every rank raises).
+    `stage_group`: the ranks of this pipeline stage (None: every rank holds every layer)."""
     groups: Dict[str, Tuple[List[str], List[torch.Tensor]]] = {"all ranks": ([], []), "its DP group": ([], [])}
     device = None
     for name, param in model.named_parameters():
@@ -44,7 +46,7 @@ def check_replicas(model: nn.Module, dp_group, step: int) -> None:
         names, sums = groups["its DP group" if sharded else "all ranks"]
         names.append(name)
         sums.append(_checksum(local))
-    for label, group in (("all ranks", None), ("its DP group", dp_group)):
+    for label, group in (("all ranks", stage_group), ("its DP group", dp_group)):
         if label == "its DP group" and dp_group is None:
             continue
         differing = _differing(*groups[label], group=group, device=device)

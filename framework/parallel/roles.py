@@ -226,6 +226,11 @@ class MeshRoles:
         """The experts' mesh: the ep dims' ranks as one 1-D mesh, flattened in mesh order; None without EP."""
         return self._flattened(mesh, self.ep_dims_in_mesh_order)
 
+    def stage_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
+        """The ranks of one pipeline stage: every dim but pp, flattened (None without pp)."""
+        return self._flattened(mesh, [name for name in self.dim_names if name != self.pp_dim]) \
+            if self.pp_size > 1 else None
+
     def pp_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
         return mesh[self.pp_dim] if self.pp_size > 1 else None
 

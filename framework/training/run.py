@@ -61,6 +61,12 @@ class Run:
         return self.roles.pp_mesh(self.mesh).get_group() if self.pp else None
 
     @property
+    def stage_group(self):
+        """The ranks of this rank's pipeline stage (every dim but pp); None without pp."""
+        stage = self.roles.stage_mesh(self.mesh) if self.pp else None
+        return None if stage is None else stage.get_group()
+
+    @property
     def dp_group(self):
         return None if self.dp_mesh is None else self.dp_mesh.get_group()
 

@@ -323,7 +323,7 @@ class Trainer:
         if trainer.check_replicas_every and self.cfg.parallel.dp_strategy == "replicate" \
                 and step % trainer.check_replicas_every == 0:
             self.watchdog.stage(f"step {step}: replica check")
-            check_replicas(run.module, run.dp_group, step)
+            check_replicas(run.module, run.dp_group, step, run.stage_group)
         if trainer.eval_every and step % trainer.eval_every == 0:
             self.watchdog.stage(f"step {step}: evaluation")
             self.metrics.exclude(self._evaluate_and_log(step))
