@@ -174,6 +174,14 @@ class DryrunConfig:
 
 
 @dataclass
+class PlannerConfig:
+    world: Optional[int] = None
+    device: str = "cpu"
+    device_memory_gb: Optional[float] = None
+    calibration: Optional[str] = None
+
+
+@dataclass
 class AdapterConfig:
     kind: str = "none"  # none | lora | qlora (conf/adapter/)
     rank: int = 8
@@ -209,6 +217,7 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     dryrun: DryrunConfig = field(default_factory=DryrunConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     pipeline: List[str] = field(default_factory=lambda: list(STAGES))
     allowed_targets: List[str] = field(default_factory=lambda: ["framework", "torch.nn", "torch.optim"])
 

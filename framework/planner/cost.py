@@ -1,0 +1,106 @@
+"""A candidate's predicted memory per rank and step time, from its dry run.
+
+Memory: the dry run's parameter, gradient and optimizer bytes (exact: the local shards the run
+holds) plus the activations it saw saved for backward (one micro-batch's, or what the pipeline
+schedule keeps alive). fsdp is dry-run as replicate (FSDP2 refuses meta parameters) and its
+parameter, gradient and optimizer bytes divided by the DP size, its DP all-reduce counted as
+FSDP's all-gather, re-gather and reduce-scatter (1.5 x the bytes).
+
+Time = compute + communication + the pipeline's bubble, nothing overlapped:
+- compute: the step's FLOPs on this rank (the model's flops_per_token x the tokens a rank
+  computes; x 4/3 with activation checkpointing, which repeats the forward) over the device's
+  matmul rate at the rank's thread count; ranks beyond the cores share them (oversubscription);
+- communication: each collective the dry run recorded, latency + bytes moved / bandwidth (ring
+  algorithms: an all-reduce moves 2 (n-1)/n of its buffer, an all-gather (n-1) x its input, a
+  reduce-scatter or all-to-all (n-1)/n), inside a host or across hosts by the group's ranks;
+- bubble: compute x (pp - 1) / micro-batches under 1f1b and gpipe.
+"""
+import math
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from framework.parallel.mesh import spanning_ranks
+from framework.parallel.roles import MeshRoles
+
+# bytes moved per byte taken in, for a group of n ranks
+MOVED = {"allreduce": lambda n: 2 * (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n,
+         "allgather": lambda n: n - 1, "all_gather": lambda n: n - 1,
+         "reduce_scatter": lambda n: (n - 1) / n, "alltoall": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    memory_bytes: int
+    tokens_per_s: float
+
+
+def moved_fraction(op: str, n: int) -> float:
+    name = op.split(".", 1)[1]
+    return next((f(n) for key, f in MOVED.items() if name.startswith(key)), 1.0)  # send / recv / broadcast: 1
+
+
+def group_ranks(roles: MeshRoles, dim: str) -> List[int]:
+    """Rank 0's group over a recorded dim (a flattened one is named by its dims joined by _)."""
+    names = list(roles.dim_names)
+    dims = [d for d in names if d == dim] or [d for d in names if d in dim.split("_")] or names
+    return spanning_ranks(list(roles.shape), 0, [names.index(d) for d in dims])
+
+
+def flops_per_rank(cfg: DictConfig, roles: MeshRoles) -> float:
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    seq_len = cfg.data.dataset.get("seq_len") or 1
+    tokens = cfg.data.global_batch_size * seq_len
+    per_token = model.flops_per_token(seq_len) if hasattr(model, "flops_per_token") \
+        else 6 * sum(p.numel() for p in model.parameters())
+    recompute = 4 / 3 if cfg.model.get("activation_checkpointing") == "full" else 1.0
+    return per_token * tokens * recompute / (roles.dp_size * roles.tp_size * roles.pp_size * roles.cp_size)
+
+
+def compute_seconds(flops: float, world: int, device: Dict) -> float:
+    if "cores" not in device:  # a GPU profile: one device per rank
+        return flops / (device["matmul_tflops"] * 1e12)
+    cores, rates = device["cores"], device["matmul_gflops"]
+    threads = max(1, cores // world)
+    rate = rates[threads] if threads in rates else rates[1] * threads  # (measured at 1 and at every core)
+    return flops / (rate * 1e9) * max(1.0, world * threads / cores)
+
+
+def comm_seconds(collectives: Dict, roles: MeshRoles, strategy: str, device: Dict) -> float:
+    per_host = device.get("ranks_per_host") or roles.world
+    total = 0.0
+    for (op, dim), (count, nbytes) in collectives.items():
+        ranks = group_ranks(roles, dim)
+        inside = len({r // per_host for r in ranks}) == 1
+        latency = device["intra_latency_us" if inside else "inter_latency_us"] * 1e-6
+        bandwidth = device["intra_gbps" if inside else "inter_gbps"] * 1e9
+        moved = nbytes * moved_fraction(op, len(ranks))
+        if strategy == "fsdp" and dim in roles.dp_dims and "allreduce" in op:
+            moved *= 1.5  # all-gather + re-gather + reduce-scatter in place of one all-reduce
+        total += count * latency + moved / bandwidth
+    return total
+
+
+def predict(cfg: DictConfig, reports: List, device: Dict) -> Prediction:
+    """From the candidate's config and the dry-run reports of its ranks (replicate in place of fsdp)."""
+    roles = MeshRoles.from_config(cfg)
+    strategy = getattr(cfg.parallel.dp_strategy, "value", cfg.parallel.dp_strategy)
+    shard = roles.dp_size if strategy == "fsdp" else 1
+    memory = max(math.ceil((r.parameter_bytes + r.gradient_bytes + r.optimizer_bytes) / shard) + r.activation_bytes
+                 for r in reports)
+    compute = compute_seconds(flops_per_rank(cfg, roles), roles.world, device)
+    comm = max(comm_seconds(r.collectives, roles, strategy, device) for r in reports)
+    bubble = 0.0
+    if roles.pp_size > 1:
+        bubble = compute * (roles.pp_size - 1) / (cfg.parallel.pp_microbatches or roles.pp_size)
+    step = compute + comm + bubble
+    tokens = cfg.data.global_batch_size * (cfg.data.dataset.get("seq_len") or 1)
+    return Prediction(step, compute, comm, bubble, memory, tokens / step)

@@ -1,0 +1,105 @@
+"""python -m framework.planner: the layouts it weighs against the validation's refusals, its
+memory against real runs' summary.json, its device profiles and calibration file, its refusals,
+and --confirm's comparison with real runs."""
+import json
+import socket
+
+import pytest
+
+from framework.config.errors import ConfigError
+from framework.launch.local import launch_local
+from framework.planner.__main__ import device_profile, rehearse
+from framework.planner.calibrate import load
+from framework.planner.candidates import candidates, factorizations
+from framework.planner.confirm import kendall_tau, mape
+from tests.conftest import TINY_LM, compose_config, run_cli
+
+TINY = [*TINY_LM, "trainer.eval_every=null", "logger.tensorboard=false", "trainer.max_steps=3"]
+
+
+def test_factorizations_are_every_ordered_product():
+    assert sorted(factorizations(4, 3)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+    assert len(factorizations(8, 3)) == 10 and all(a * b * c == 8 for a, b, c in factorizations(8, 3))
+
+
+@pytest.mark.timeout(120)
+def test_every_layout_of_4_ranks_is_weighed_and_the_refused_keep_the_validations_line():
+    """lm_tiny (2 layers, 4 heads) on 4 ranks: every mesh over pp, dp, tp; fsdp only with DP
+    ranks; pp=4 refused by the validation (2 layers do not split into 4 stages), in its words."""
+    found = candidates(TINY, 4)
+    meshes = {c.labels["mesh"] for c in found}
+    assert meshes == {"pp1 dp1 tp4", "pp1 dp2 tp2", "pp1 dp4 tp1", "pp2 dp1 tp2", "pp2 dp2 tp1", "pp4 dp1 tp1"}
+    assert {c.labels["strategy"] for c in found if c.labels["mesh"] == "pp1 dp1 tp4"} == {"replicate"}
+    assert len(found) == 2 * (1 + 2 + 2 + 1 + 2 + 1)  # AC on and off x the strategies of each mesh (tp4 first)
+    refused = [c for c in found if c.refusal]
+    assert {c.labels["mesh"] for c in refused} == {"pp4 dp1 tp1"}
+    assert all("parallel.pp_layers_per_stage=None: an even split, and the model's 2 layers do not split evenly into "
+               "4 stages" in c.refusal for c in refused)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", ["pp1 dp2 tp2", "pp2 dp2 tp1"])
+def test_predicted_parameter_gradient_and_optimizer_bytes_are_the_real_runs(layout, tmp_path):
+    """The planner's memory of a replicate layout less its activations is the dry run's state
+    bytes, which equal the largest rank's in the real run's summary.json."""
+    candidate = next(c for c in candidates([*TINY, "optim=adamw"], 4)
+                     if c.labels == {"mesh": layout, "strategy": "replicate", "AC": "none",
+                                     "micro": c.labels["micro"]})
+    device = {"cores": 2, "matmul_gflops": {1: 100.0, 2: 200.0}, "intra_gbps": 1.0, "inter_gbps": 1.0,
+              "intra_latency_us": 100.0, "inter_latency_us": 100.0}
+    prediction, reports = rehearse(candidate, device)
+    memory = launch_local(candidate.cfg.copy(), str(tmp_path))["memory"]["max_over_ranks"]
+    state = max(r.parameter_bytes + r.gradient_bytes + r.optimizer_bytes for r in reports)
+    assert state == memory["parameters"] + memory["gradients"] + memory["optimizer_state"]
+    assert prediction.memory_bytes == max(r.parameter_bytes + r.gradient_bytes + r.optimizer_bytes + r.activation_bytes
+                                          for r in reports)
+    assert prediction.step_s == pytest.approx(prediction.compute_s + prediction.comm_s + prediction.bubble_s)
+
+
+def test_kendall_tau_and_mape_by_hand():
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
+    assert kendall_tau([1, 2, 3], [10, 30, 20]) == pytest.approx(1 / 3)  # 2 concordant, 1 discordant of 3
+    assert mape([1.1, 1.8], [1.0, 2.0]) == pytest.approx(10.0)
+
+
+def test_an_unknown_device_profile_is_refused_naming_the_profiles():
+    cfg = compose_config([*TINY, "planner.device=tpu9"])
+    with pytest.raises(ConfigError, match=r"planner.device='tpu9': is not a device profile; use cpu \(measured "
+                                          r"here\) or one of \['a100', 'h100', 'h200'\]"):
+        device_profile(cfg.planner)
+
+
+def test_a_calibration_from_another_host_is_refused(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"host": "elsewhere", "backend": "gloo", "cores": 2, "matmul_gflops": {"1": 1.0},
+                                "latency_us": 1.0, "gbps": 1.0}))
+    with pytest.raises(ConfigError, match=rf"planner.calibration='{path}': was measured on host 'elsewhere' with "
+                                          rf"gloo, and this is '{socket.gethostname()}' with gloo; re-calibrate"):
+        load(str(path))
+
+
+@pytest.mark.timeout(180)
+def test_a_world_no_layout_fits_is_refused_with_the_smallest_need(tmp_path):
+    result = run_cli([*TINY, "planner.world=2", "planner.device=h100", "planner.device_memory_gb=0.0001"],
+                     module="framework.planner", timeout=170)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: planner.world=2: no layout fits 0.0001 GiB per rank "
+                           "(planner.device_memory_gb); the smallest layout needs "), last
+
+
+@pytest.mark.timeout(240)
+def test_confirm_runs_the_top_layout_and_the_last_two_and_compares(tmp_path):
+    """Calibrated here (a file of this host's figures), then 3 real 2-rank runs beside the predictions."""
+    calibration = tmp_path / "calibration.json"
+    result = run_cli([*TINY, "planner.world=2", f"planner.calibration={calibration}", "--confirm", "1"],
+                     module="framework.planner", timeout=230)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(calibration.read_text())
+    assert figures["host"] == socket.gethostname() and figures["latency_us"] > 0 and figures["gbps"] > 0
+    out = result.stdout
+    assert "planner: 2 ranks of cpu (calibrated in " in out
+    confirmed = out.split("confirmed (real runs, median step of steps 2-6):")[1].splitlines()
+    assert len([line for line in confirmed if "mesh.shape=" in line]) == 3
+    assert any(line.strip().startswith("Kendall tau ") for line in confirmed)
