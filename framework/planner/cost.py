@@ -13,6 +13,9 @@ Time = compute + communication + the pipeline's bubble, nothing overlapped:
 - communication: each collective the dry run recorded, latency + bytes moved / bandwidth (ring
   algorithms: an all-reduce moves 2 (n-1)/n of its buffer, an all-gather (n-1) x its input, a
   reduce-scatter or all-to-all (n-1)/n), inside a host or across hosts by the group's ranks;
+  fsdp adds the latency of an all-gather, a re-gather and a reduce-scatter per FSDP unit (each
+  block and the root) in place of the replicate dry run's bucketed all-reduce; with more ranks
+  than cores a collective waits for its peers to be scheduled: its latency x ranks / cores;
 - bubble: compute x (pp - 1) / micro-batches under 1f1b and gpipe.
 """
 import math
@@ -74,17 +77,19 @@ def compute_seconds(flops: float, world: int, device: Dict) -> float:
     return flops / (rate * 1e9) * max(1.0, world * threads / cores)
 
 
-def comm_seconds(collectives: Dict, roles: MeshRoles, strategy: str, device: Dict) -> float:
+def comm_seconds(collectives: Dict, roles: MeshRoles, strategy: str, device: Dict, fsdp_units: int) -> float:
     per_host = device.get("ranks_per_host") or roles.world
+    waits = max(1.0, roles.world / device["cores"]) if "cores" in device else 1.0
     total = 0.0
     for (op, dim), (count, nbytes) in collectives.items():
         ranks = group_ranks(roles, dim)
         inside = len({r // per_host for r in ranks}) == 1
-        latency = device["intra_latency_us" if inside else "inter_latency_us"] * 1e-6
+        latency = device["intra_latency_us" if inside else "inter_latency_us"] * 1e-6 * waits
         bandwidth = device["intra_gbps" if inside else "inter_gbps"] * 1e9
         moved = nbytes * moved_fraction(op, len(ranks))
         if strategy == "fsdp" and dim in roles.dp_dims and "allreduce" in op:
             moved *= 1.5  # all-gather + re-gather + reduce-scatter in place of one all-reduce
+            count += 3 * fsdp_units
         total += count * latency + moved / bandwidth
     return total
 
@@ -97,7 +102,8 @@ def predict(cfg: DictConfig, reports: List, device: Dict) -> Prediction:
     memory = max(math.ceil((r.parameter_bytes + r.gradient_bytes + r.optimizer_bytes) / shard) + r.activation_bytes
                  for r in reports)
     compute = compute_seconds(flops_per_rank(cfg, roles), roles.world, device)
-    comm = max(comm_seconds(r.collectives, roles, strategy, device) for r in reports)
+    units = (cfg.model.get("n_layers") or 0) // roles.pp_size + 1  # each block of a stage, and the root
+    comm = max(comm_seconds(r.collectives, roles, strategy, device, units) for r in reports)
     bubble = 0.0
     if roles.pp_size > 1:
         bubble = compute * (roles.pp_size - 1) / (cfg.parallel.pp_microbatches or roles.pp_size)
