@@ -45,8 +45,9 @@ def test_predicted_parameter_gradient_and_optimizer_bytes_are_the_real_runs(layo
     candidate = next(c for c in candidates([*TINY, "optim=adamw"], 4)
                      if c.labels == {"mesh": layout, "strategy": "replicate", "AC": "none",
                                      "micro": c.labels["micro"]})
-    device = {"cores": 2, "matmul_gflops": {1: 100.0, 2: 200.0}, "intra_gbps": 1.0, "inter_gbps": 1.0,
-              "intra_latency_us": 100.0, "inter_latency_us": 100.0}
+    device = {"cores": 2, "matmul_gflops": {1: 100.0, 2: 200.0},
+              "collectives": {2: {"latency_us": 100.0, "busy_latency_us": 200.0, "gbps": 1.0},
+                              4: {"latency_us": 300.0, "busy_latency_us": 900.0, "gbps": 0.5}}}
     prediction, reports = rehearse(candidate, device)
     memory = launch_local(candidate.cfg.copy(), str(tmp_path))["memory"]["max_over_ranks"]
     state = max(r.parameter_bytes + r.gradient_bytes + r.optimizer_bytes for r in reports)
@@ -73,7 +74,7 @@ def test_an_unknown_device_profile_is_refused_naming_the_profiles():
 def test_a_calibration_from_another_host_is_refused(tmp_path):
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"host": "elsewhere", "backend": "gloo", "cores": 2, "matmul_gflops": {"1": 1.0},
-                                "latency_us": 1.0, "gbps": 1.0}))
+                                "collectives": {"2": {"latency_us": 1.0, "gbps": 1.0}}}))
     with pytest.raises(ConfigError, match=rf"planner.calibration='{path}': was measured on host 'elsewhere' with "
                                           rf"gloo, and this is '{socket.gethostname()}' with gloo; re-calibrate"):
         load(str(path))
@@ -97,9 +98,36 @@ def test_confirm_runs_the_top_layout_and_the_last_two_and_compares(tmp_path):
                      module="framework.planner", timeout=230)
     assert result.returncode == 0, result.stderr
     figures = json.loads(calibration.read_text())
-    assert figures["host"] == socket.gethostname() and figures["latency_us"] > 0 and figures["gbps"] > 0
+    assert figures["host"] == socket.gethostname() and sorted(figures["collectives"]) == ["2", "4"]
+    assert all(c["latency_us"] > 0 and c["busy_latency_us"] >= 0 and c["gbps"] > 0
+               for c in figures["collectives"].values())
     out = result.stdout
     assert "planner: 2 ranks of cpu (calibrated in " in out
     confirmed = out.split("confirmed (real runs, median step of steps 2-6):")[1].splitlines()
     assert len([line for line in confirmed if "mesh.shape=" in line]) == 3
     assert any(line.strip().startswith("Kendall tau ") for line in confirmed)
+
+
+def test_the_cost_model_by_hand():
+    """lm_tiny on 2x1: compute = its FLOPs per rank over the 1-thread matmul rate (2 ranks on 2
+    cores: 1 thread each); one 1 MB DP all-reduce = the busier latency measured for 2 ranks +
+    a ring all-reduce's 2 (n-1)/n x 1 MB over the bandwidth; memory = state + activations."""
+    from hydra.utils import instantiate
+    import torch
+    from framework.dryrun import RankReport
+    from framework.planner.cost import predict
+
+    cfg = compose_config([*TINY, "mesh=2x1", "plan=none"])
+    report = RankReport(rank=0, coordinates={}, parameters=[], parameter_bytes=100, gradient_bytes=100,
+                        optimizer_bytes=200, activation_bytes=50,
+                        collectives={("c10d.allreduce_", "dp"): [1, 1_000_000]})
+    device = {"cores": 2, "matmul_gflops": {1: 100.0, 2: 200.0},
+              "collectives": {2: {"latency_us": 100.0, "busy_latency_us": 200.0, "gbps": 1.0}}}
+    prediction = predict(cfg, [report], device)
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    flops = model.flops_per_token(32) * 8 * 32 / 2
+    assert prediction.compute_s == pytest.approx(flops / 100e9)
+    assert prediction.comm_s == pytest.approx(200e-6 + 2 * (1 / 2) * 1_000_000 / 1e9)
+    assert prediction.bubble_s == 0.0 and prediction.memory_bytes == 450
+    assert prediction.tokens_per_s == pytest.approx(8 * 32 / prediction.step_s)

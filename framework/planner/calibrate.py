@@ -1,6 +1,8 @@
 """This host's figures for the planner's cost model, measured: the fp32 matmul rate at each thread
-count a rank may get, and a gloo collective's latency and bandwidth between two local ranks.
-Cached in a JSON file that names the host and backend it was measured on (planner.calibration)."""
+count a rank may get, and a gloo all-reduce's latency and bandwidth among 2 and 4 local ranks
+(with more ranks than cores, a collective also waits for its peers to be scheduled: measured, not
+modelled). Cached in a JSON file that names the host and backend it was measured on
+(planner.calibration)."""
 import json
 import os
 import socket
@@ -40,12 +42,35 @@ def matmul_gflops(threads: int, size: int = 1024, repeats: int = 8) -> float:
         torch.set_num_threads(before)
 
 
-def _collective_rank(rank: int, port: int, out: str) -> None:
-    """One of two ranks: all-reduces of 4 B (latency) and of 8 MiB (bandwidth), timed."""
+RANKS = (2, 4)  # the world sizes whose collectives are measured
+
+
+def _between_compute(world: int, repeats: int = 20) -> float:
+    """A 4-byte all-reduce's cost between bursts of compute, as a training step meets it: the
+    time of (matmuls + all-reduce) x repeats less that of the matmuls alone, run alike on every
+    rank. With more ranks than cores it includes the wait for peers the scheduler set aside."""
+    a, b, flag = torch.randn(384, 384), torch.randn(384, 384), torch.ones(1)
+    timings = []
+    for with_collective in (False, True):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for _ in range(4):
+                a @ b
+            if with_collective:
+                dist.all_reduce(flag)
+        dist.barrier()
+        timings.append(time.perf_counter() - start)
+    return max(timings[1] - timings[0], 0.0) / repeats
+
+
+def _collective_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One of `world` ranks: all-reduces of 4 B (latency, alone and between compute) and of 8 MiB
+    (bandwidth), timed."""
     torch.set_num_threads(1)
-    dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        figures = {}
+        figures = {"between_compute": _between_compute(world)}
         for name, numel, repeats in (("small", 1, 50), ("large", 2 * 2**20, 6)):
             tensor = torch.ones(numel)
             dist.all_reduce(tensor)
@@ -55,10 +80,10 @@ def _collective_rank(rank: int, port: int, out: str) -> None:
                 dist.all_reduce(tensor)
             figures[name] = (time.perf_counter() - start) / repeats
         if rank == 0:
-            large_bytes = 2 * 2**20 * 4  # a ring all-reduce over 2 ranks moves each rank's buffer once
+            moved = 2 * (world - 1) / world * 2 * 2**20 * 4  # what a ring all-reduce moves per rank
             with open(out, "w") as f:
-                json.dump({"latency_us": 1e6 * figures["small"],
-                           "gbps": large_bytes / max(figures["large"] - figures["small"], 1e-9) / 1e9}, f)
+                json.dump({"latency_us": 1e6 * figures["small"], "busy_latency_us": 1e6 * figures["between_compute"],
+                           "gbps": moved / max(figures["large"] - figures["small"], 1e-9) / 1e9}, f)
     finally:
         dist.destroy_process_group()
 
@@ -72,13 +97,15 @@ def _free_port() -> int:
 def calibrate(path: str) -> Dict:
     """Measure, write `path` (atomically) and return the figures."""
     cores = available_cores()
+    collectives = {}
     with tempfile.TemporaryDirectory() as work:
-        out = os.path.join(work, "collectives.json")
-        mp.start_processes(_collective_rank, args=(_free_port(), out), nprocs=2, start_method="spawn")
-        with open(out) as f:
-            collectives = json.load(f)
+        for world in RANKS:
+            out = os.path.join(work, f"collectives{world}.json")
+            mp.start_processes(_collective_rank, args=(world, _free_port(), out), nprocs=world, start_method="spawn")
+            with open(out) as f:
+                collectives[str(world)] = json.load(f)
     figures = {"host": socket.gethostname(), "backend": BACKEND, "torch": torch.__version__, "cores": cores,
-               "matmul_gflops": {str(t): matmul_gflops(t) for t in sorted({1, cores})}, **collectives}
+               "matmul_gflops": {str(t): matmul_gflops(t) for t in sorted({1, cores})}, "collectives": collectives}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with atomic_file(path) as f:
         json.dump(figures, f, indent=2)
@@ -95,12 +122,15 @@ def load(path: str) -> Dict:
                                                        f"{figures.get('backend')}, and this is {here!r} with "
                                                        f"{BACKEND}; re-calibrate (--calibrate) or name this "
                                                        f"host's file")
+    if "collectives" not in figures:
+        raise ConfigError("planner.calibration", path, "holds no collective figures per world size (an older "
+                                                       "planner's); re-calibrate (--calibrate)")
     return figures
 
 
 def cpu_profile(path: str, recalibrate: bool) -> Dict:
     """The `cpu` device profile: this host's figures, measured first when there are none."""
     figures = calibrate(path) if recalibrate or not os.path.exists(path) else load(path)
+    measured = {int(world): values for world, values in figures["collectives"].items()}
     return {"matmul_gflops": {int(t): rate for t, rate in figures["matmul_gflops"].items()}, "cores": figures["cores"],
-            "memory_gb": None, "ranks_per_host": None, "intra_gbps": figures["gbps"], "inter_gbps": figures["gbps"],
-            "intra_latency_us": figures["latency_us"], "inter_latency_us": figures["latency_us"], "calibration": path}
+            "memory_gb": None, "ranks_per_host": None, "collectives": measured, "calibration": path}

@@ -14,13 +14,16 @@ Time = compute + communication + the pipeline's bubble, nothing overlapped:
   algorithms: an all-reduce moves 2 (n-1)/n of its buffer, an all-gather (n-1) x its input, a
   reduce-scatter or all-to-all (n-1)/n), inside a host or across hosts by the group's ranks;
   fsdp adds the latency of an all-gather, a re-gather and a reduce-scatter per FSDP unit (each
-  block and the root) in place of the replicate dry run's bucketed all-reduce; with more ranks
-  than cores a collective waits for its peers to be scheduled: its latency x ranks / cores;
-- bubble: compute x (pp - 1) / micro-batches under 1f1b and gpipe.
+  block and the root) in place of the replicate dry run's bucketed all-reduce. On the CPU the
+  latency and bandwidth are those measured with as many ranks as the run has (the nearest world
+  measured), its latency the larger of an idle all-reduce's and one's between bursts of compute
+  (with more ranks than cores it waits for peers the scheduler set aside);
+- bubble: compute x (pp - 1) / micro-batches under 1f1b and gpipe; none with more ranks than
+  cores, where a stage that waits leaves its core to another rank.
 """
 import math
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from hydra.utils import instantiate
@@ -77,15 +80,21 @@ def compute_seconds(flops: float, world: int, device: Dict) -> float:
     return flops / (rate * 1e9) * max(1.0, world * threads / cores)
 
 
+def link(device: Dict, world: int, inside: bool) -> Tuple[float, float]:
+    """(latency in s, bandwidth in B/s) of a collective in a run of `world` ranks."""
+    if "collectives" in device:  # measured here: with the nearest world size measured, between compute
+        measured = device["collectives"][min(device["collectives"], key=lambda n: (abs(n - world), -n))]
+        return max(measured["latency_us"], measured["busy_latency_us"]) * 1e-6, measured["gbps"] * 1e9
+    where = "intra" if inside else "inter"
+    return device[f"{where}_latency_us"] * 1e-6, device[f"{where}_gbps"] * 1e9
+
+
 def comm_seconds(collectives: Dict, roles: MeshRoles, strategy: str, device: Dict, fsdp_units: int) -> float:
     per_host = device.get("ranks_per_host") or roles.world
-    waits = max(1.0, roles.world / device["cores"]) if "cores" in device else 1.0
     total = 0.0
     for (op, dim), (count, nbytes) in collectives.items():
         ranks = group_ranks(roles, dim)
-        inside = len({r // per_host for r in ranks}) == 1
-        latency = device["intra_latency_us" if inside else "inter_latency_us"] * 1e-6 * waits
-        bandwidth = device["intra_gbps" if inside else "inter_gbps"] * 1e9
+        latency, bandwidth = link(device, roles.world, len({r // per_host for r in ranks}) == 1)
         moved = nbytes * moved_fraction(op, len(ranks))
         if strategy == "fsdp" and dim in roles.dp_dims and "allreduce" in op:
             moved *= 1.5  # all-gather + re-gather + reduce-scatter in place of one all-reduce
@@ -105,7 +114,7 @@ def predict(cfg: DictConfig, reports: List, device: Dict) -> Prediction:
     units = (cfg.model.get("n_layers") or 0) // roles.pp_size + 1  # each block of a stage, and the root
     comm = max(comm_seconds(r.collectives, roles, strategy, device, units) for r in reports)
     bubble = 0.0
-    if roles.pp_size > 1:
+    if roles.pp_size > 1 and roles.world <= device.get("cores", roles.world):  # (else idle stages yield their cores)
         bubble = compute * (roles.pp_size - 1) / (cfg.parallel.pp_microbatches or roles.pp_size)
     step = compute + comm + bubble
     tokens = cfg.data.global_batch_size * (cfg.data.dataset.get("seq_len") or 1)
