@@ -11,8 +11,9 @@ names whatever the EP size. An expert spread over the DP ranks sums the contribu
 replica's tokens it served, each replica's loss already scaled for DP's average: DataParallel
 divides its gradient by the DP size instead of all-reducing it (data_parallel.spread_over_dp),
 and under fsdp the experts stay out of FSDP2's sharding with their gradient divided alike
-(fully_shard.apply_fsdp). Experts over the tp dim alone are replicated over DP like any TP
-shard, and averaged as one. The router's load statistics pool over the DP ranks
+(fully_shard.apply_fsdp). Spread over some DP dims, they are summed over the others under
+replicate, and FSDP2-sharded over them under fsdp / hsdp (torchtitan's efsdp). Experts over the
+tp dim alone are replicated over DP like any TP shard, and averaged as one. The router's load statistics pool over the DP ranks
 (framework.models.moe.load_balance_loss) with or without EP.
 """
 from typing import Callable, List, Optional
