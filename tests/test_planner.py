@@ -8,7 +8,7 @@ import pytest
 
 from framework.config.errors import ConfigError
 from framework.launch.local import launch_local
-from framework.planner.__main__ import device_profile, rehearse
+from framework.planner.plan import device_profile, rehearse
 from framework.planner.calibrate import load
 from framework.planner.candidates import candidates, factorizations
 from framework.planner.confirm import kendall_tau, mape
