@@ -41,7 +41,7 @@ warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigSto
 
 def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     """Join torchrun's world or a submitit job's when inside one, else validate and start the
-    ranks here."""
+    ranks here (with mesh=auto, on the planner's first choice)."""
     if in_submitit_job():
         from framework.launch.slurm import join_job_world  # see below
 
@@ -52,6 +52,10 @@ def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
         from framework.launch.torchrun import launch_in_torchrun_world
 
         return launch_in_torchrun_world(cfg, out_dir)
+    if cfg.mesh.auto:
+        from framework.planner.auto import choose_layout  # (the planner: only when asked for)
+
+        cfg = choose_layout(cfg, list(HydraConfig.get().overrides.task))
     validate(cfg, out_dir=out_dir)
     finished = nothing_to_train(cfg, checkpoint_dir(cfg, out_dir))
     if finished:

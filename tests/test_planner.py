@@ -2,6 +2,7 @@
 memory against real runs' summary.json, its device profiles and calibration file, its refusals,
 and --confirm's comparison with real runs."""
 import json
+import re
 import socket
 
 import pytest
@@ -131,3 +132,31 @@ def test_the_cost_model_by_hand():
     assert prediction.comm_s == pytest.approx(200e-6 + 2 * (1 / 2) * 1_000_000 / 1e9)
     assert prediction.bubble_s == 0.0 and prediction.memory_bytes == 450
     assert prediction.tokens_per_s == pytest.approx(8 * 32 / prediction.step_s)
+
+
+@pytest.mark.timeout(240)
+def test_mesh_auto_trains_on_the_planners_first_choice_and_says_so(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    common = [*TINY, f"planner.calibration={calibration}", "trainer.max_steps=2"]
+    planned = run_cli([*common, "planner.world=2"], module="framework.planner", timeout=200)
+    assert planned.returncode == 0, planned.stderr
+    first = next(line for line in planned.stdout.splitlines() if line.startswith("1 "))
+    chosen = first.split("python -m framework.train ")[1].split()[len(common) - 1:]  # the layout's overrides
+    result = run_cli([*common, "mesh=auto", "planner.world=2", f"hydra.run.dir={tmp_path / 'run'}"], timeout=200)
+    assert result.returncode == 0, result.stderr
+    said = next(line for line in result.stderr.splitlines() + result.stdout.splitlines() if "mesh=auto: " in line)
+    assert said.split("mesh=auto: ")[1].startswith(" ".join(chosen) + " (predicted "), said
+    assert "runner-up " in said
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert len(summary["losses"]) == 2
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["mesh=auto"], r"planner.world=None: mesh=auto plans for this many ranks: give planner.world=N"),
+    (["mesh=auto", "planner.world=2", "mesh.shape=[2,1]"],
+     r"mesh='auto': lets the planner choose the mesh, and mesh.shape=\[2,1\] gives one too; drop one of them"),
+], ids=["no world", "a shape too"])
+def test_mesh_auto_refusals_are_one_line(overrides, message, tmp_path):
+    result = run_cli([*TINY, *overrides, f"hydra.run.dir={tmp_path}"], timeout=100)
+    assert result.returncode == 2
+    assert re.search(message, result.stderr.strip().splitlines()[-1]), result.stderr

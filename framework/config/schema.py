@@ -81,6 +81,7 @@ class MeshConfig:
     backend: Backend = Backend.auto
     # Ranks that share one host; null: all ranks of a self-launched run, LOCAL_WORLD_SIZE under torchrun.
     ranks_per_host: Optional[int] = None
+    auto: bool = False  # mesh=auto: framework.train lets the planner choose (framework.planner.auto)
 
 
 @dataclass

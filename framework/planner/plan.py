@@ -64,6 +64,11 @@ def plan(user_overrides: List[str], planner, device: dict) -> Plan:
         fits = result.memory_gb is None or prediction.memory_bytes <= result.memory_gb * GIB
         (result.ranked if fits else result.over).append((candidate, prediction))
     result.ranked.sort(key=lambda pair: pair[1].step_s)
+    if not result.ranked and not result.over:
+        first = result.refused[0]
+        raise ConfigError("planner.world", planner.world, f"validation refuses every layout; the first, "
+                                                          f"{' '.join(first.overrides)}, with: "
+                                                          f"{first.refusal.removeprefix('config error: ')}")
     if not result.ranked:
         smallest = min((p for _, p in result.over), key=lambda p: p.memory_bytes, default=None)
         need = f"; the smallest layout needs {human(smallest.memory_bytes)} per rank" if smallest else ""
