@@ -94,6 +94,8 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
     order: List[str] = []
     hooks = []
     for name, module in model.named_modules():
+        if getattr(module, "layout_dependent_activations", False):  # (a rank's routed experts)
+            continue
         # prepend: the input as it arrives, before a plan's PrepareModuleInput redistributes it
         hooks.append(module.register_forward_pre_hook(partial(_keep_input, inputs_seen, name), prepend=True))
         hooks.append(module.register_forward_hook(partial(_keep_output, outputs_seen, name)))

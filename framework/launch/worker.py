@@ -79,13 +79,26 @@ def _say_before_restart(error: Exception, rank: int) -> None:
 
 
 class ErrorFileUnderExitLock(ErrorHandler):
-    """The agent's error file, written holding the stall watchdog's exit lock: a watchdog that
-    ends the process while the main thread writes the file would leave it cut short, and the
-    agent fails reading it (the ranks' stall reports then never reach the console)."""
+    """The agent's error file, written holding the stall watchdog's exit lock (a watchdog that
+    ends the process while the main thread writes the file would leave it cut short) and whole
+    or not at all: torch writes it in place, and an agent polling while a rank wrote it read an
+    empty file and failed (JSONDecodeError) instead of restarting the ranks."""
+
+    _writing_to: Optional[str] = None
+
+    def _get_error_file_path(self) -> Optional[str]:
+        return self._writing_to or super()._get_error_file_path()
 
     def record_exception(self, e: BaseException) -> None:
         with EXIT_LOCK:
-            super().record_exception(e)
+            final = super()._get_error_file_path()
+            self._writing_to = f"{final}.tmp" if final else None
+            try:
+                super().record_exception(e)
+                if final:
+                    os.replace(self._writing_to, final)
+            finally:
+                self._writing_to = None
 
 
 def _run_from_argv() -> None:

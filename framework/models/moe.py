@@ -75,6 +75,10 @@ class Experts(nn.Module):
     [E, dim, hidden] (down), as Linear weights are laid out. Under expert parallelism the stacks
     are DTensors sharded on the expert dim; `local_weights` is this rank's experts."""
 
+    # its inputs are the token slots routed to this rank's experts, which depend on the layout:
+    # framework.verify compares its parameters and gradients, and the MoE block's input and output
+    layout_dependent_activations = True
+
     def __init__(self, n_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.n_experts = n_experts
