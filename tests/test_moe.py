@@ -107,7 +107,8 @@ def test_the_load_balancing_loss_is_transformers_formula_over_every_layer_pooled
     pytest.param(["mesh=2x2x1", "parallel.ep_dims=[dp_replicate,dp]", "parallel.dp_strategy=hsdp"],
                  marks=pytest.mark.integration),
     ["mesh=2x2x1", "parallel.ep_dims=[dp]"],          # experts over dp, replicated over dp_replicate
-    ["mesh=2x2x1", "parallel.ep_dims=[dp]", "parallel.dp_strategy=hsdp"],  # ... and FSDP-sharded over it
+    pytest.param(["mesh=2x2x1", "parallel.ep_dims=[dp]", "parallel.dp_strategy=hsdp"],  # ... and FSDP-sharded
+                 marks=pytest.mark.integration),  # over it (make test: its shards and its checkpoint resume)
     pytest.param(["mesh=2x2x1", "parallel.ep_dims=[dp_replicate]", "parallel.dp_strategy=fsdp"],
                  marks=pytest.mark.integration),
     pytest.param(["mesh=2x1x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp,tp]", "parallel.dp_strategy=hsdp"],
