@@ -120,6 +120,8 @@ def test_inspect_trace_orders_each_stages_sends_and_receives_before_the_one_dp_s
                            r"evenly into 2 stages .* e.g. \[2, 1\]"),
     (["parallel.pp_layers_per_stage=[1,2]"], r"parallel.pp_layers_per_stage=\[1, 2\]: give 2 counts .* summing to "
                                              r"the model's 4 layers"),
+    (["model.n_layers=1"], r"parallel.pp_layers_per_stage=None: the model's 1 layers cannot fill 2 stages \(pp x "
+                           r"pp_stages_per_rank\), each of which needs at least one; use at most 1 stages"),
     (["parallel.pp_microbatches=1"], "parallel.pp_microbatches=1: 1f1b needs at least as many micro-batches as stages"),
     (["parallel.pp_schedule=dualpipev", "parallel.pp_stages_per_rank=2", "parallel.pp_microbatches=2"],
      r"parallel.pp_microbatches=2: dualpipev needs at least as many micro-batches as stages \(4\)"),

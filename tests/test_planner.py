@@ -34,8 +34,8 @@ def test_every_layout_of_4_ranks_is_weighed_and_the_refused_keep_the_validations
     assert len(found) == 2 * (1 + 2 + 2 + 1 + 2 + 1)  # AC on and off x the strategies of each mesh (tp4 first)
     refused = [c for c in found if c.refusal]
     assert {c.labels["mesh"] for c in refused} == {"pp4 dp1 tp1"}
-    assert all("parallel.pp_layers_per_stage=None: an even split, and the model's 2 layers do not split evenly into "
-               "4 stages" in c.refusal for c in refused)
+    assert all("parallel.pp_layers_per_stage=None: the model's 2 layers cannot fill 4 stages (pp x "
+               "pp_stages_per_rank), each of which needs at least one; use at most 2 stages" in c.refusal for c in refused)
 
 
 @pytest.mark.timeout(240)

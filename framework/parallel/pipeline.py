@@ -47,6 +47,10 @@ def layers_per_stage(n_layers: int, n_stages: int, given: Optional[List[int]]) -
                               f"give {n_stages} counts (pp x pp_stages_per_rank stages), each >= 1, summing to the "
                               f"model's {n_layers} layers")
         return list(given)
+    if n_layers < n_stages:
+        raise ConfigError("parallel.pp_layers_per_stage", None,
+                          f"the model's {n_layers} layers cannot fill {n_stages} stages (pp x pp_stages_per_rank), "
+                          f"each of which needs at least one; use at most {n_layers} stages")
     if n_layers % n_stages:
         raise ConfigError("parallel.pp_layers_per_stage", None,
                           f"an even split, and the model's {n_layers} layers do not split evenly into {n_stages} "
