@@ -61,6 +61,10 @@ def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     if finished:
         print(finished)
         return None
+    if cfg.launcher.fault_tolerance:
+        from framework.launch.replica_groups import launch_replica_groups  # (torchft: only when asked for)
+
+        return launch_replica_groups(cfg, out_dir)
     return launch_local(cfg, out_dir)
 
 

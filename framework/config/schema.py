@@ -158,6 +158,9 @@ class LauncherConfig:
     ranks_per_node: Optional[int] = None
     threads_per_rank: Optional[int] = None
     bind_cores: Optional[bool] = None
+    fault_tolerance: Optional[str] = None
+    lighthouse: Optional[str] = None
+    ft_detection_s: float = 5.0
 
 
 @dataclass

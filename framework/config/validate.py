@@ -24,6 +24,7 @@ from framework.models.nf4 import check_qlora
 from framework.training.preference import check_preference
 from framework.parallel.context_parallel import check_context_parallel
 from framework.parallel.expert_parallel import check_expert_parallel
+from framework.parallel.fault_tolerance import check_fault_tolerance
 from framework.training.objectives import check_objective
 from framework.parallel.pipeline import check_pipeline_parallel
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules
@@ -291,6 +292,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or mesh_size
     check_ranks_per_node(cfg)
     check_threads(cfg)
+    check_fault_tolerance(cfg)
     MeshRoles.from_config(cfg).check_tp_placement(per_host, cfg.parallel.enforce_tp_innermost,
                                                   cfg.parallel.allow_tp_across_hosts)
     check_devices(cfg, per_host)

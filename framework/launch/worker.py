@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from framework.launch.local import headline, lost_peer
 from framework.launch.threads import apply_in_rank, binds_cores
 from framework.launch.zygote import restart_note
+from framework.parallel.fault_tolerance import replica_group
 from framework.training.builder import build_and_run
 from framework.training.watchdog import EXIT_LOCK
 from framework.config.validate import validate
@@ -40,7 +41,9 @@ def setup_rank_logging(out_dir: str, rank: int) -> None:
         console = logging.StreamHandler(sys.stdout)
         console.addFilter(_no_traceback)
         handlers.append(console)
-    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s",
+    position = replica_group()  # launcher.fault_tolerance: each replica group numbers its own ranks
+    name = f"group{position[0]} rank{rank}" if position else f"rank{rank}"
+    logging.basicConfig(level=logging.INFO, format=f"[{name}] %(asctime)s %(message)s",
                         handlers=handlers, force=True)
 
 

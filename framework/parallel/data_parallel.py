@@ -104,14 +104,18 @@ class DataParallel(nn.Module):
     as the wrapper, as DDP's bucket buffers do, and the final gradients are views of it."""
 
     def __init__(self, module: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True,
-                 expert_replicas: Optional[DeviceMesh] = None):
+                 expert_replicas: Optional[DeviceMesh] = None, replica_groups: Any = None):
         """expert_replicas: the DP ranks that hold the same experts with other tokens, when the
-        experts spread over only some DP dims (MeshRoles.expert_replica_mesh)."""
+        experts spread over only some DP dims (MeshRoles.expert_replica_mesh). replica_groups:
+        the DP replicas are torchft replica groups (framework.parallel.fault_tolerance), whose
+        all_reduce and size (the live groups) stand in for the DP group's."""
         super().__init__()
         self.module = module
         self.expert_replica_group = expert_replicas.get_group() if expert_replicas is not None else None
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         self.dp_size = dp_mesh.size() if dp_mesh is not None else 1
+        self.replica_groups = replica_groups
+        self.syncs = self.dp_size > 1 or replica_groups is not None
         self.overlap = overlap
         self._sync_queued = False
         self.sync_after_backward = True  # False while micro-batches accumulate (no_sync)
@@ -134,7 +138,7 @@ class DataParallel(nn.Module):
 
     def _bind(self) -> None:
         """Hook and bucket the trainable parameters `.module` holds now (once: the first forward)."""
-        if self._buckets or self.dp_size == 1:
+        if self._buckets or not self.syncs:
             return
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         self._summed = [p for p in trainable if spread_over_dp(p, self.dp_group)]
@@ -194,7 +198,8 @@ class DataParallel(nn.Module):
         torch._foreach_copy_(bucket.views[:len(grads)], grads)
         if last:  # every bucket has recorded its flags by now
             bucket.views[-1].copy_(torch.tensor([flag for b in self._buckets for flag in b.produced]))
-        bucket.work = dist.all_reduce(bucket.flat, group=self.dp_group, async_op=True)
+        bucket.work = self.replica_groups.all_reduce(bucket.flat) if self.replica_groups \
+            else dist.all_reduce(bucket.flat, group=self.dp_group, async_op=True)
         self._launched += 1
 
     @torch.no_grad()
@@ -204,7 +209,7 @@ class DataParallel(nn.Module):
         optimizer skips it, as it would in one process); one only some replicas used gets their
         average, the others counting zeros. Every replica runs the same collectives either way."""
         self._sync_queued = False
-        if self.dp_size > 1 and self._buckets:
+        if self.syncs and self._buckets:
             self._finish_all_reduces()
         self._sum_expert_replicas()
         for p in self._summed:
@@ -229,9 +234,10 @@ class DataParallel(nn.Module):
         them without overlap), in order; wait for each and average."""
         while self._launched < len(self._buckets):
             self._launch(self._buckets[self._launched])
+        replicas = self.replica_groups.size() if self.replica_groups else self.dp_size
         for bucket in self._buckets:
             wait_for_all_reduce(bucket.work)
-            bucket.flat.div_(self.dp_size)
+            bucket.flat.div_(replicas)
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = DTensor.from_local(view, p.grad.device_mesh, p.grad.placements, run_check=False) \
                     if isinstance(p.grad, DTensor) else view
@@ -311,6 +317,7 @@ def _buckets(tensors: List[torch.Tensor], first_bucket_bytes: int = BUCKET_BYTES
 
 
 def apply_dp(model: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True,
-             expert_replicas: Optional[DeviceMesh] = None) -> DataParallel:
-    """Wrap `model`; with no DP dim (dp_mesh None) the wrapper only keeps the `.module` shape."""
-    return DataParallel(model, dp_mesh, overlap, expert_replicas)
+             expert_replicas: Optional[DeviceMesh] = None, replica_groups: Any = None) -> DataParallel:
+    """Wrap `model`; with no DP dim (dp_mesh None) and no replica groups the wrapper only keeps
+    the `.module` shape."""
+    return DataParallel(model, dp_mesh, overlap, expert_replicas, replica_groups)

@@ -30,6 +30,7 @@ from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
 from framework.parallel.context_parallel import SequenceChunks, apply_cp
 from framework.parallel.expert_parallel import apply_ep, update_biases_after_each_step
+from framework.parallel.fault_tolerance import OneGroup, replica_groups, spread_over_groups
 from framework.parallel.tensor_parallel import apply_tp
 from framework.training.schedule import build_scheduler
 from framework.training.state import TrainState
@@ -79,7 +80,7 @@ def stage_mesh(run: Run) -> None:
     run.mesh = build_mesh(cfg.mesh.device_type, cfg.mesh.shape, cfg.mesh.dim_names)
     run.dp_mesh = run.roles.gradient_mesh(run.mesh)
     run.dp = coordinates_on(run.dp_mesh)
-    run.samples = coordinates_on(run.roles.dp_mesh(run.mesh))
+    run.samples = spread_over_groups(coordinates_on(run.roles.dp_mesh(run.mesh)))  # (and over replica groups)
     run.tp = coordinates_on(run.roles.tp_mesh(run.mesh))
     if run.rank == 0:
         log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, run.roles.spans()))
@@ -125,10 +126,13 @@ def stage_pipeline_parallel(run: Run) -> None:
 
 
 def stage_data_parallel(run: Run) -> None:
-    """replicate: the outer DataParallel wrapper, before TP shards its .module."""
+    """replicate: the outer DataParallel wrapper, before TP shards its .module; its gradients
+    averaged over the DP group, or over torchft's replica groups (launcher.fault_tolerance)."""
     if run.cfg.parallel.dp_strategy == "replicate":
+        run.replicas = replica_groups(run.cfg)
         run.model = apply_dp(run.model, run.dp_mesh, run.cfg.parallel.overlap_dp_sync,
-                             run.roles.expert_replica_mesh(run.mesh))
+                             run.roles.expert_replica_mesh(run.mesh),
+                             None if isinstance(run.replicas, OneGroup) else run.replicas)
 
 
 def stage_tensor_parallel(run: Run) -> None:
@@ -200,9 +204,11 @@ def stage_optimizer(run: Run) -> None:
     after DP and TP (DTensor shards included), its warmup / decay schedule, and the objective."""
     t = run.cfg.trainer
     run.objective = instantiate(run.cfg.objective)
-    run.optimizer = instantiate(run.cfg.optim)([p for p in run.model.parameters() if p.requires_grad])
-    update_biases_after_each_step(run.optimizer, run.module)
-    run.scheduler = build_scheduler(run.optimizer, t.warmup_steps, t.max_steps, t.lr_decay)
+    optimizer = instantiate(run.cfg.optim)([p for p in run.model.parameters() if p.requires_grad])
+    update_biases_after_each_step(optimizer, run.module)
+    # (replica groups: both advance only on the steps every live group committed)
+    run.optimizer, run.scheduler = run.replicas.gate(
+        optimizer, build_scheduler(optimizer, t.warmup_steps, t.max_steps, t.lr_decay))
 
 
 def stage_checkpoint(run: Run) -> None:
@@ -214,8 +220,8 @@ def stage_checkpoint(run: Run) -> None:
     directory = checkpoint_dir(run.cfg, run.out_dir)
     base = base_model(run.cfg, directory, getattr(run.module, "hf_path", None)) \
         if run.cfg.adapter.kind != "none" else None
-    run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank, run.module, run.optimizer, run.scheduler,
-                                    run.state, base)
+    run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank, run.module, getattr(run.optimizer, "optim", run.optimizer),
+                                    getattr(run.scheduler, "scheduler", run.scheduler), run.state, base)
     path, kind = run.checkpointer.source()
     if kind == "resume":
         if "base" in read_meta(path):  # adapters alone (the launcher checked their base is this one)
@@ -259,7 +265,10 @@ def load_pretrained(run: Run) -> None:
 
 
 def stage_trainer(run: Run) -> None:
-    run.summary = Trainer(run).train()
+    try:
+        run.summary = Trainer(run).train()
+    finally:
+        run.replicas.close()
 
 
 STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {

@@ -152,6 +152,7 @@ class Metrics:
             "restarts": restart_count(),
             "checkpoints": history["checkpoints"],
             "memory": self.memory,  # bytes of parameters, gradients, optimizer state: rank 0's and the max over ranks
+            **run.replicas.summary(),  # launcher.fault_tolerance: the live replica groups of each step
         }
         if run.rank == 0:
             self._report(summary)

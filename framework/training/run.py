@@ -7,6 +7,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.parallel.data_parallel import DataParallel
+from framework.parallel.fault_tolerance import OneGroup
 from framework.parallel.roles import MeshRoles
 
 
@@ -37,6 +38,8 @@ class Run:
     checkpointer: Any = None  # framework.checkpoint.manager.Checkpointer
     resumed: Any = None  # framework.checkpoint.manager.Resumed, when the run continues a checkpoint
     summary: Optional[dict] = None
+    # launcher.fault_tolerance=torchft: this rank's torchft replica group (framework.parallel.fault_tolerance)
+    replicas: Any = field(default_factory=OneGroup)
 
     @property
     def roles(self) -> MeshRoles:

@@ -277,23 +277,31 @@ class Trainer:
         # not yet averaged over DP: at most log_every (a logging step flushes them), nor more than the steps left
         self.pending = PendingLosses(min(trainer.log_every, trainer.max_steps - state.step), self.device)
         run.model.train()
+        run.replicas.carry(run, self.pending)  # (torchft: what a restarted replica group receives)
         stopped = None
         with garbage_frozen(), profiled(run.out_dir, run.rank, trainer.profile_steps) as profiler, \
                 Interrupt(run.rank) as interrupt:
-            for step in range(state.step + 1, trainer.max_steps + 1):
-                state.step = step
+            while state.step < trainer.max_steps:
+                self.watchdog.stage(f"step {state.step + 1}: replica groups' quorum")
+                if run.replicas.start_step():  # a restarted replica group took a live one's state: go on from there
+                    data = batches(run.sampler, run.dataloader, state.position, self.cfg.data.global_batch_size)
+                step = state.step = state.step + 1
                 logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
                 self.watchdog.stage(f"step {step}: data, forward and backward{self._pipeline_where()}")
                 batch = Batch.of(next(data), self.device)
                 lr = run.optimizer.param_groups[0]["lr"]
                 loss, grad_norm = self.train_step(batch, logging_step, on_gradients=lambda: self.watchdog.stage(
                     f"step {step}: gradient norm, optimizer step"))
-                self.pending.append(loss)
+                if not run.replicas.committed():  # a replica group failed in it: the live groups run it again
+                    state.step = step - 1
+                    continue
+                self.pending.append(run.replicas.mean(loss))
                 stopped = interrupt.agreed()
                 self._after_step(step, logging_step, grad_norm, stopping=stopped is not None)
                 if logging_step:
                     history = state.history
                     self.metrics.log_step(step, history["losses"][-1], lr, history["grad_norms"][-1])
+                    self.metrics.scalars(step, run.replicas.scalars())
                 if profiler:
                     profiler.step()
                 if stopped:

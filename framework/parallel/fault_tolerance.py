@@ -1,0 +1,317 @@
+"""launcher.fault_tolerance=torchft: the DP replicas of the mesh run as torchft replica groups.
+
+Each replica group is a world of its own (its TP / PP ranks inside, as usual), started and
+restarted by its own elastic agent (framework.launch.replica_groups). Across groups the gradient
+average goes through torchft's Manager: every step starts with a quorum of the live groups (the
+lighthouse's), the gradients are averaged over the groups in it, and the optimizer steps only if
+every group's all-reduce succeeded (`should_commit`). A group that fails is left out of the next
+quorum (after the lighthouse's heartbeat timeout, launcher.ft_detection_s) while the others go
+on; restarted, it receives a live group's weights, optimizer, schedule and training state over
+torchft's checkpoint transport in its first quorum and trains on from that step.
+
+A step a group failed in is not committed by any group: the live ones run it again, on their next
+batch (the failed step's batch is skipped), so every step number in the history was trained once.
+Its global batch is what the live groups trained (their samples; the learning rate is the step's).
+"""
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+from urllib.parse import urlparse
+
+from framework.config.errors import ConfigError
+from framework.parallel.roles import MeshRoles
+
+log = logging.getLogger("framework")
+
+GROUP_ENV = "FRAMEWORK_REPLICA_GROUP"  # "g/G": this process is in replica group g of G (set by the launcher)
+
+
+def replica_dim(cfg: DictConfig) -> str:
+    """The mesh dim whose positions become replica groups: dp_replicate when the mesh has one, else dp."""
+    p = cfg.parallel
+    return p.dp_replicate_dim if p.dp_replicate_dim in cfg.mesh.dim_names else p.dp_dim
+
+
+def replica_group() -> Optional[Tuple[int, int]]:
+    """(g, G) in a rank of a replica group, else None."""
+    value = os.environ.get(GROUP_ENV)
+    if not value:
+        return None
+    group, groups = value.split("/")
+    return int(group), int(groups)
+
+
+def spread_over_groups(samples: Dict[str, int]) -> Dict[str, int]:
+    """The sampler's replicas and this rank's among them, over every group's DP replicas."""
+    position = replica_group()
+    if position is None:
+        return samples
+    group, groups = position
+    return {"size": samples["size"] * groups, "rank": group * samples["size"] + samples["rank"]}
+
+
+class OneGroup:
+    """No fault tolerance: one world; every step commits; nothing to heal."""
+
+    def start_step(self) -> bool:
+        return False
+
+    def committed(self) -> bool:
+        return True
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def gate(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> Tuple[Any, Any]:
+        return optimizer, scheduler
+
+    def carry(self, run: Any, pending: Any) -> None:
+        pass
+
+    def scalars(self) -> Dict[str, float]:
+        return {}
+
+    def summary(self) -> Dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class _CommitGate(torch.optim.Optimizer):
+    """The optimizer, stepped only when the Manager commits the step (torchft's OptimizerWrapper,
+    except that the quorum starts at the step's start, before its data: ReplicaGroups.start_step)."""
+
+    def __init__(self, groups: "ReplicaGroups", optimizer: torch.optim.Optimizer):
+        self.groups, self.optim = groups, optimizer
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none)
+
+    def step(self, closure=None) -> None:
+        if self.groups.commit():
+            self.optim.step()
+
+    def state_dict(self):
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optim.load_state_dict(state_dict)
+
+
+class _CommittedSchedule:
+    """The LR schedule, advanced only by committed steps."""
+
+    def __init__(self, groups: "ReplicaGroups", scheduler: Any):
+        self.groups, self.scheduler = groups, scheduler
+
+    def step(self) -> None:
+        if self.groups.committed():
+            self.scheduler.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+def _local(tree: Any) -> Any:
+    """DTensors as their local shards: what the checkpoint transport sends (same layout on both ends)."""
+    return tree_map_only(DTensor, lambda t: t.to_local(), tree)
+
+
+def _like(received: Any, live: Any) -> Any:
+    """`received` (local shards) placed as the `live` state's DTensors are."""
+    if isinstance(live, DTensor):
+        return DTensor.from_local(received, live.device_mesh, live.placements, run_check=False,
+                                  shape=live.shape, stride=live.stride())
+    if isinstance(live, dict):
+        return {key: _like(value, live[key]) if key in live else value for key, value in received.items()}
+    return received
+
+
+class ReplicaGroups:
+    """This rank's side of the replica groups: torchft's Manager (made at the first step, so the
+    lighthouse never waits on a group still building), the gradient all-reduce across groups
+    (DataParallel calls all_reduce / size), and the commit of each step."""
+
+    def __init__(self, cfg: DictConfig, group: int, groups: int):
+        self.cfg, self.group, self.groups = cfg, group, groups
+        self.manager = None
+        self._committed = True
+        self.live: List[int] = []  # per committed step: the replica groups that trained it
+        self._healed = False
+
+    # -- what DataParallel calls ---------------------------------------------------------
+
+    def all_reduce(self, flat: torch.Tensor):
+        """Sum over the quorum's groups (a failure is reported to the Manager, not raised)."""
+        return self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
+
+    def size(self) -> int:
+        return self.manager.num_participants()
+
+    # -- what the builder and the loop call ------------------------------------------------
+
+    def gate(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> Tuple[Any, Any]:
+        return _CommitGate(self, optimizer), _CommittedSchedule(self, scheduler)
+
+    def carry(self, run: Any, pending: Any) -> None:
+        """Make the Manager, carrying what a restarted group receives from a live one: the model,
+        optimizer and schedule (the checkpointer's parts, as local shards), the training state
+        with the losses not yet logged, and the live-group counts."""
+        from torchft import Manager, ProcessGroupGloo
+
+        detection = timedelta(seconds=self.cfg.launcher.ft_detection_s)
+        patient = timedelta(seconds=self.cfg.trainer.collective_timeout_s)
+        checkpointer = run.checkpointer
+
+        def state_dict() -> Dict[str, Any]:
+            history = checkpointer.state.state_dict()
+            history["history"]["losses"] += pending.buffer[: pending.count].tolist()
+            return {"model": _local(checkpointer.model.state_dict()), "optim": _local(checkpointer.optimizer.state_dict()),
+                    "scheduler": checkpointer.scheduler.state_dict(), "train": history, "live": list(self.live)}
+
+        def load_state_dict(received: Dict[str, Any]) -> None:
+            checkpointer.model.load_state_dict(_like(received["model"], checkpointer.model.state_dict()))
+            checkpointer.optimizer.load_state_dict(_like(received["optim"], checkpointer.optimizer.state_dict()))
+            checkpointer.scheduler.load_state_dict(received["scheduler"])
+            state, train = checkpointer.state, received["train"]
+            state.step = train["step"]
+            state.position.epoch, state.position.samples = train["data"]["epoch"], train["data"]["samples"]
+            for key, values in train["history"].items():  # in place: the loop's Metrics hold these lists
+                state.history.setdefault(key, [])[:] = values
+            pending.count = 0
+            self.live[:] = received["live"]
+            self._healed = True
+            log.info("replica group %d: healed from a live group at step %d", self.group, state.step)
+
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):  # its per-step INFO lines
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=detection), load_state_dict=load_state_dict, state_dict=state_dict,
+            min_replica_size=1, use_async_quorum=False, timeout=patient, quorum_timeout=patient,
+            connect_timeout=patient, replica_id=f"replica_group_{self.group}", init_sync=False)
+        self.manager.load_state_dict({"step": run.state.step, "batches_committed": 0})
+        self._wait_for_every_group(run.state.step, patient.total_seconds())
+
+    def _wait_for_every_group(self, step: int, patience: float) -> None:
+        """A fresh run's groups start together (else the first to arrive would train alone):
+        quorums until every group is in one, or `patience` seconds. A restarted group heals instead."""
+        if step > 0 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return
+        deadline = time.monotonic() + patience
+        while True:
+            self.manager.start_quorum()
+            if self.manager.num_participants() >= self.groups or time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
+    def start_step(self) -> bool:
+        """The step's quorum; True when this group just took a live group's state (the loop then
+        continues from its step and data position)."""
+        self.manager.start_quorum()
+        healed, self._healed = self._healed, False
+        return healed
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum finished the step (asked once, before the optimizer)."""
+        self._committed = self.manager.should_commit()
+        if self._committed:
+            self.live.append(self.manager.num_participants())
+        else:
+            log.warning("replica group %d: step %d not committed (a replica group failed in it); the live groups "
+                        "run it again", self.group, self.manager.current_step() + 1)
+        return self._committed
+
+    def committed(self) -> bool:
+        return self._committed
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean over the quorum's groups of a per-group value (the step's loss)."""
+        value = value.detach().float().reshape(1).clone()
+        self.manager.allreduce(value).wait()
+        return value[0]
+
+    def scalars(self) -> Dict[str, float]:
+        return {"live_replica_groups": float(self.live[-1])} if self.live else {}
+
+    def summary(self) -> Dict[str, Any]:
+        return {"replica_groups": self.groups, "replica_group": self.group, "live_replica_groups": list(self.live)}
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+
+
+def replica_groups(cfg: DictConfig):
+    """This rank's ReplicaGroups under launcher.fault_tolerance=torchft, else OneGroup."""
+    position = replica_group()
+    if cfg.launcher.get("fault_tolerance") != "torchft" or position is None:
+        return OneGroup()
+    return ReplicaGroups(cfg, *position)
+
+
+def check_fault_tolerance(cfg: DictConfig) -> None:
+    """launcher.fault_tolerance's refusals, in the launcher (the ranks of a group see its own mesh)."""
+    kind = cfg.launcher.get("fault_tolerance")
+    if kind is None or replica_group() is not None:
+        return
+    if kind != "torchft":
+        raise ConfigError("launcher.fault_tolerance", kind, "null (one world) or torchft (per-step fault tolerance)")
+    if "RANK" in os.environ:
+        raise ConfigError("launcher.fault_tolerance", kind, "each replica group needs an elastic agent of its own: "
+                          "launch with python -m framework.train, not under torchrun")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise ConfigError("launcher.fault_tolerance", kind, "torchft is not installed: pip install 'framework[ft]'") \
+            from None
+    strategy = cfg.parallel.dp_strategy
+    if strategy != "replicate":
+        raise ConfigError("parallel.dp_strategy", strategy, "fault_tolerance=torchft averages gradients across "
+                          "replica groups under dp_strategy=replicate; fsdp / hsdp reduce-scatter through FSDP2, "
+                          "which has no torchft hook here yet")
+    roles, dim = MeshRoles.from_config(cfg), replica_dim(cfg)
+    sizes = dict(zip(roles.dim_names, roles.shape))
+    if sizes.get(dim, 1) < 2:
+        raise ConfigError("mesh.shape", list(cfg.mesh.shape), f"fault_tolerance=torchft needs at least 2 DP "
+                          f"replicas to make replica groups of (dim {dim!r} has {sizes.get(dim, 1)})")
+    inner = [name for name in (cfg.parallel.dp_dim, roles.cp_dim, roles.pp_dim) if name and name != dim
+             and sizes.get(name, 1) > 1]
+    if inner:
+        raise ConfigError("mesh.shape", list(cfg.mesh.shape), f"fault_tolerance=torchft makes replica groups of "
+                          f"dim {dim!r}; dims {inner} inside a group are not served yet: give them size 1 "
+                          f"(TP inside a group is)")
+    if roles.ep_dims:
+        raise ConfigError("parallel.ep_dims", list(roles.ep_dims), "experts spread over ranks are not served "
+                          "with fault_tolerance=torchft yet; use []")
+    if cfg.launcher.lighthouse:
+        check_lighthouse(cfg.launcher.lighthouse)
+
+
+def check_lighthouse(address: str, timeout_s: float = 5.0) -> None:
+    """A lighthouse address must answer (a TCP connection within timeout_s)."""
+    parsed = urlparse(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as error:
+        raise ConfigError("launcher.lighthouse", address, f"no lighthouse answers there within {timeout_s:g} s "
+                          f"({error}); start one (torchft_lighthouse --min_replicas 1) or use null to have "
+                          f"the launcher start one") from None
