@@ -143,6 +143,24 @@ class KillAtForward(SeedMLP):
         return super().forward(x)
 
 
+class TransformerKilledInReplicaGroup(Transformer):
+    """The LM, except that on the first attempt of replica group `group` (launcher.fault_tolerance)
+    its rank 0 dies by SIGKILL in its forward number `at` (during that step); each forward takes
+    at least `step_s`."""
+
+    def __init__(self, group: int = 1, at: int = 10, step_s: float = 0.0, **sizes):
+        super().__init__(**sizes)
+        self.kill_group, self.at, self.calls, self.step_s = group, at, 0, step_s
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.step_s)  # (steps long enough for the killed group to come back before the end)
+        if self.calls == self.at and os.environ.get("FRAMEWORK_REPLICA_GROUP", "").startswith(f"{self.kill_group}/") \
+                and _first_attempt_on(0):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(*args, **kwargs)
+
+
 class KillInSave(SeedMLP):
     """The seed model, except that on the first attempt rank `rank` dies by SIGKILL while its
     state is gathered for save number `at` (the other ranks are already saving)."""

@@ -29,7 +29,8 @@ def check_checkpoint_keys(cfg: DictConfig) -> None:
                           "checkpoint.resume=auto (init_from applies when it finds nothing) or drop init_from")
     if cfg.launcher.max_restarts < 0:
         raise ConfigError("launcher.max_restarts", cfg.launcher.max_restarts, "must be >= 0")
-    if cfg.launcher.max_restarts and not c.every:
+    # (a restarted torchft replica group takes a live group's state instead)
+    if cfg.launcher.max_restarts and not c.every and not cfg.launcher.get("fault_tolerance"):
         raise ConfigError("launcher.max_restarts", cfg.launcher.max_restarts,
                           "a restart resumes from the newest checkpoint; set checkpoint.every too")
 

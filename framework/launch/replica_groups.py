@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -51,6 +52,28 @@ def _start_lighthouse(cfg: DictConfig):
                             heartbeat_timeout_ms=int(cfg.launcher.ft_detection_s * 1000))
 
 
+def _wait(processes: List[subprocess.Popen], grace_s: float) -> List[int]:
+    """Every group's exit code. Groups in one quorum finish together; a group still running
+    `grace_s` after another finished restarted too late to rejoin (nothing left to heal from) and
+    would train alone from its own start: it is stopped (SIGTERM) and counts as done."""
+    finished_at = None
+    while any(process.poll() is None for process in processes):
+        codes = [process.poll() for process in processes]
+        if finished_at is None and 0 in codes:
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > grace_s:
+            for group, process in enumerate(processes):
+                if process.poll() is None:
+                    print(f"replica group {group} stopped: the others had finished before it rejoined",
+                          file=sys.stderr)
+                    process.terminate()
+                    process.wait()
+                    process.returncode = 0
+            break
+        time.sleep(0.1)
+    return [process.returncode for process in processes]
+
+
 def launch_replica_groups(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     """Start the lighthouse and every group; wait for all; return group 0's summary."""
     groups = dict(zip(cfg.mesh.dim_names, cfg.mesh.shape))[replica_dim(cfg)]
@@ -65,7 +88,7 @@ def launch_replica_groups(cfg: DictConfig, out_dir: str) -> Optional[dict]:
             env = {"RUST_LOG": "warn", **os.environ, GROUP_ENV: f"{group}/{groups}", "TORCHFT_LIGHTHOUSE": address}
             processes.append(subprocess.Popen([sys.executable, "-m", "framework.launch.replica_groups", config_path,
                                                group_dir], env=env))
-        codes = [process.wait() for process in processes]
+        codes = _wait(processes, grace_s=max(10.0, 2 * cfg.launcher.ft_detection_s))
     except KeyboardInterrupt:
         for process in processes:
             process.send_signal(signal.SIGINT)

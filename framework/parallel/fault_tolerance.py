@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -176,6 +177,7 @@ class ReplicaGroups:
         optimizer and schedule (the checkpointer's parts, as local shards), the training state
         with the losses not yet logged, and the live-group counts."""
         from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing.http_transport import HTTPTransport
 
         detection = timedelta(seconds=self.cfg.launcher.ft_detection_s)
         patient = timedelta(seconds=self.cfg.trainer.collective_timeout_s)
@@ -188,6 +190,8 @@ class ReplicaGroups:
                     "scheduler": checkpointer.scheduler.state_dict(), "train": history, "live": list(self.live)}
 
         def load_state_dict(received: Dict[str, Any]) -> None:
+            """(The transport's tensors view its read-only receive buffer: cloned before use.)"""
+            received = tree_map_only(torch.Tensor, torch.clone, received)
             checkpointer.model.load_state_dict(_like(received["model"], checkpointer.model.state_dict()))
             checkpointer.optimizer.load_state_dict(_like(received["optim"], checkpointer.optimizer.state_dict()))
             checkpointer.scheduler.load_state_dict(received["scheduler"])
@@ -201,19 +205,24 @@ class ReplicaGroups:
             self._healed = True
             log.info("replica group %d: healed from a live group at step %d", self.group, state.step)
 
-        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):  # its per-step INFO lines
-            logging.getLogger(name).setLevel(logging.WARNING)
+        # its per-step INFO lines, and a warning per quorum that gloo has no NCCL flight recorder
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")  # (see load_state_dict)
+        transport = HTTPTransport(timeout=patient, num_chunks=0)  # torchft's default, minus a console line per request
+        transport._server.RequestHandlerClass.log_message = lambda *args: None
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=detection), load_state_dict=load_state_dict, state_dict=state_dict,
             min_replica_size=1, use_async_quorum=False, timeout=patient, quorum_timeout=patient,
-            connect_timeout=patient, replica_id=f"replica_group_{self.group}", init_sync=False)
+            connect_timeout=patient, replica_id=f"replica_group_{self.group}", init_sync=False,
+            checkpoint_transport=transport)
         self.manager.load_state_dict({"step": run.state.step, "batches_committed": 0})
         self._wait_for_every_group(run.state.step, patient.total_seconds())
 
     def _wait_for_every_group(self, step: int, patience: float) -> None:
-        """A fresh run's groups start together (else the first to arrive would train alone):
+        """Launched groups start together (else the first to arrive would train alone):
         quorums until every group is in one, or `patience` seconds. A restarted group heals instead."""
-        if step > 0 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return
         deadline = time.monotonic() + patience
         while True:
@@ -277,6 +286,7 @@ def check_fault_tolerance(cfg: DictConfig) -> None:
     if "RANK" in os.environ:
         raise ConfigError("launcher.fault_tolerance", kind, "each replica group needs an elastic agent of its own: "
                           "launch with python -m framework.train, not under torchrun")
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
     try:
         import torchft  # noqa: F401
     except ImportError:

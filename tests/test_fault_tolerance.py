@@ -1,0 +1,82 @@
+"""launcher.fault_tolerance=torchft: two replica groups of one rank on the tiny LM. Without a
+failure they train what replicate 2x1 trains; a replica group killed by SIGKILL leaves the other
+going on alone, comes back, takes its state and ends with the same parameters; bad configs are
+refused before any rank starts, one line naming the key."""
+import json
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
+from tests.conftest import TEST_MODELS, TINY_LM, compose_config, run_cli
+
+pytest.importorskip("torchft")
+
+FT = [*TINY_LM, "mesh=2x1", "launcher.fault_tolerance=torchft"]
+
+
+def _summary(directory):
+    return json.loads((directory / "summary.json").read_text())
+
+
+@pytest.mark.timeout(240)
+def test_without_a_failure_the_groups_train_what_replicate_2x1_trains(tmp_path):
+    steps = ["trainer.max_steps=12", "trainer.log_every=4"]
+    reference = run_cli([*TINY_LM, "mesh=2x1", *steps, f"hydra.run.dir={tmp_path / 'replicate'}"])
+    assert reference.returncode == 0, reference.stderr
+    result = run_cli([*FT, *steps, f"hydra.run.dir={tmp_path / 'ft'}"])
+    assert result.returncode == 0, result.stderr
+    replicate, groups = _summary(tmp_path / "replicate"), _summary(tmp_path / "ft")
+    assert groups["replica_groups"] == 2 and groups["live_replica_groups"] == [2] * 12
+    assert _summary(tmp_path / "ft" / "replica_group_1")["losses"] == groups["losses"]
+    # the same global batches, averaged over two groups instead of one DP group
+    assert len(groups["losses"]) == 12
+    torch.testing.assert_close(groups["losses"], replicate["losses"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_group_leaves_the_other_going_and_rejoins_with_its_state(tmp_path):
+    """Group 1's rank dies by SIGKILL in step 10. Group 0 does not commit step 10, runs it again
+    without group 1 and goes on alone; group 1's agent restarts it, it takes group 0's state in
+    its first quorum and both end at step 40 with bitwise equal weights and optimizer state."""
+    out = tmp_path / "job"
+    result = run_cli([*FT, "trainer.max_steps=40", "launcher.max_restarts=1", "launcher.ft_detection_s=2",
+                      "checkpoint.every=40", TEST_MODELS, "model._target_=tests.workers.TransformerKilledInReplicaGroup",
+                      "+model.group=1", "+model.at=10", "+model.step_s=0.1", f"hydra.run.dir={out}"], timeout=280)
+    assert result.returncode == 0, result.stderr
+    assert "replica group 0: step 10 not committed (a replica group failed in it)" in result.stdout
+    assert "replica group 1: healed from a live group at step" in result.stdout
+    first, second = _summary(out / "replica_group_0"), _summary(out / "replica_group_1")
+    live = first["live_replica_groups"]
+    assert first["steps"] == 40 and len(first["losses"]) == 40 and len(live) == 40  # no step missing
+    assert live[:9] == [2] * 9 and live[9] == 1  # step 10 trained again by group 0 alone
+    alone = live.index(2, 9) - 9  # group 0 went on alone for these steps while group 1 restarted
+    assert alone >= 1 and live[9 + alone:] == [2] * (40 - 9 - alone)
+    print(f"group 0 trained {alone} steps alone; step 10 took {first['step_times_s'][9]:.2f} s "
+          f"(ft_detection_s=2, other steps {sorted(first['step_times_s'])[20]:.2f} s)")
+    assert second["restarts"] == 1 and second["live_replica_groups"] == live and second["losses"] == first["losses"]
+    contents = []
+    for group in (0, 1):
+        dcp_to_torch_save(out / f"replica_group_{group}" / "checkpoints" / "step_40", tmp_path / f"{group}.pt")
+        contents.append(torch.load(tmp_path / f"{group}.pt", weights_only=False))
+    model = [key for key in contents[0]["model"]]
+    assert model and all(torch.equal(contents[0]["model"][key], contents[1]["model"][key]) for key in model)
+    optim = {key: value for key, value in contents[0]["optim"].items() if isinstance(value, torch.Tensor)}
+    assert any("exp_avg" in key for key in optim)
+    assert all(torch.equal(value, contents[1]["optim"][key]) for key, value in optim.items())
+
+
+@pytest.mark.parametrize("overrides, key, fix", [
+    (["mesh=1x2"], "mesh.shape", "needs at least 2 DP replicas"),
+    (["mesh=2x1", "parallel.dp_strategy=fsdp"], "parallel.dp_strategy", "fsdp / hsdp reduce-scatter through FSDP2"),
+    (["mesh=2x2x1"], "mesh.shape", "dims ['dp'] inside a group are not served yet"),
+    (["mesh=2x1", "launcher.fault_tolerance=raft"], "launcher.fault_tolerance", "null (one world) or torchft"),
+    (["mesh=2x1", "launcher.lighthouse=127.0.0.1:9"], "launcher.lighthouse", "no lighthouse answers there"),
+])
+def test_bad_fault_tolerance_configs_are_refused_naming_the_key(overrides, key, fix):
+    cfg = compose_config([*TINY_LM, "launcher.fault_tolerance=torchft", *overrides])
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg, deep=False)
+    assert refused.value.key == key and fix in str(refused.value)
