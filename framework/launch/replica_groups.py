@@ -6,6 +6,7 @@ launcher.max_restarts times without stopping the other groups (framework.paralle
 Group g's outputs go to OUT_DIR/replica_group_<g>/ (logs, TensorBoard, checkpoints, its
 summary.json); the run's summary.json is group 0's.
 """
+import ctypes
 import json
 import math
 import os
@@ -52,6 +53,13 @@ def _start_lighthouse(cfg: DictConfig):
                             heartbeat_timeout_ms=int(cfg.launcher.ft_detection_s * 1000))
 
 
+def _stop_with_parent() -> None:
+    """A group's process gets SIGTERM when the launcher dies (even by kill -9), so no group
+    trains on orphaned (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 def _wait(processes: List[subprocess.Popen], grace_s: float) -> List[int]:
     """Every group's exit code. Groups in one quorum finish together; a group still running
     `grace_s` after another finished restarted too late to rejoin (nothing left to heal from) and
@@ -87,7 +95,7 @@ def launch_replica_groups(cfg: DictConfig, out_dir: str) -> Optional[dict]:
             # (RUST_LOG: torchft's lighthouse and managers log every quorum at info)
             env = {"RUST_LOG": "warn", **os.environ, GROUP_ENV: f"{group}/{groups}", "TORCHFT_LIGHTHOUSE": address}
             processes.append(subprocess.Popen([sys.executable, "-m", "framework.launch.replica_groups", config_path,
-                                               group_dir], env=env))
+                                               group_dir], env=env, preexec_fn=_stop_with_parent))
         codes = _wait(processes, grace_s=max(10.0, 2 * cfg.launcher.ft_detection_s))
     except KeyboardInterrupt:
         for process in processes:

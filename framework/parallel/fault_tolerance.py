@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map_only
 from urllib.parse import urlparse
 
 from framework.config.errors import ConfigError
+from framework.parallel.replica_check import checksum
 from framework.parallel.roles import MeshRoles
 
 log = logging.getLogger("framework")
@@ -76,6 +77,9 @@ class OneGroup:
         return optimizer, scheduler
 
     def carry(self, run: Any, pending: Any) -> None:
+        pass
+
+    def check(self, module: torch.nn.Module, step: int) -> None:
         pass
 
     def scalars(self) -> Dict[str, float]:
@@ -211,13 +215,26 @@ class ReplicaGroups:
         warnings.filterwarnings("ignore", message="The given buffer is not writable")  # (see load_state_dict)
         transport = HTTPTransport(timeout=patient, num_chunks=0)  # torchft's default, minus a console line per request
         transport._server.RequestHandlerClass.log_message = lambda *args: None
+        host, port = self._attempt_store()
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=detection), load_state_dict=load_state_dict, state_dict=state_dict,
             min_replica_size=1, use_async_quorum=False, timeout=patient, quorum_timeout=patient,
             connect_timeout=patient, replica_id=f"replica_group_{self.group}", init_sync=False,
-            checkpoint_transport=transport)
+            checkpoint_transport=transport, store_addr=host, store_port=port)
         self.manager.load_state_dict({"step": run.state.step, "batches_committed": 0})
         self._wait_for_every_group(run.state.step, patient.total_seconds())
+
+    def _attempt_store(self) -> Tuple[str, int]:
+        """A TCPStore of this attempt's own for the Manager (served by the group's rank 0; its port
+        broadcast over the group): the elastic agent's store outlives a restart, and a restarted
+        rank read the dead attempt's manager address from it and waited on it."""
+        host = os.environ["MASTER_ADDR"]
+        port = [None]
+        if dist.get_rank() == 0:
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port = [self._store.port]
+        dist.broadcast_object_list(port, src=0)
+        return host, port[0]
 
     def _wait_for_every_group(self, step: int, patience: float) -> None:
         """Launched groups start together (else the first to arrive would train alone):
@@ -256,6 +273,21 @@ class ReplicaGroups:
         value = value.detach().float().reshape(1).clone()
         self.manager.allreduce(value).wait()
         return value[0]
+
+    @torch.no_grad()
+    def check(self, module: torch.nn.Module, step: int) -> None:
+        """The replica check across groups (trainer.check_replicas_every): each parameter's local
+        shard the same in every live group (one all-reduce of checksums under MAX)."""
+        names, sums = zip(*[(name, checksum(p.to_local() if isinstance(p, DTensor) else p))
+                            for name, p in module.named_parameters()])
+        local = torch.stack(sums)
+        both = torch.cat([local, -local])
+        self.manager.allreduce(both, reduce_op=dist.ReduceOp.MAX).wait()
+        differing = [name for name, differs in zip(names, (both[: len(local)] != -both[len(local):]).any(dim=1).tolist())
+                     if differs]
+        if differing:
+            raise RuntimeError(f"replica check at step {step}: parameter {differing[0]} differs across replica groups "
+                               f"(they must hold the same weights after every committed step)")
 
     def scalars(self) -> Dict[str, float]:
         return {"live_replica_groups": float(self.live[-1])} if self.live else {}

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from framework.parallel.data_parallel import spread_over_dp
 
 
-def _checksum(tensor: torch.Tensor) -> torch.Tensor:
+def checksum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum and sum of squares weighted by position, so a swap or a sign flip also shows."""
     flat = tensor.detach().reshape(-1).double()
     weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device) / max(1, flat.numel())
@@ -45,7 +45,7 @@ def check_replicas(model: nn.Module, dp_group, step: int, stage_group=None) -> N
         device = local.device
         names, sums = groups["its DP group" if sharded else "all ranks"]
         names.append(name)
-        sums.append(_checksum(local))
+        sums.append(checksum(local))
     for label, group in (("all ranks", stage_group), ("its DP group", dp_group)):
         if label == "its DP group" and dp_group is None:
             continue

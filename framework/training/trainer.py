@@ -332,6 +332,7 @@ class Trainer:
                 and step % trainer.check_replicas_every == 0:
             self.watchdog.stage(f"step {step}: replica check")
             check_replicas(run.module, run.dp_group, step, run.stage_group)
+            run.replicas.check(run.module, step)  # (torchft: across the replica groups too)
         if trainer.eval_every and step % trainer.eval_every == 0:
             self.watchdog.stage(f"step {step}: evaluation")
             self.metrics.exclude(self._evaluate_and_log(step))
