@@ -3,8 +3,9 @@ of two TP ranks (mesh 2x2, the tiny LM with TP + SP inside each group).
 
 1. Overhead when nothing fails: the median steady step time of torchft's replica groups against
    plain replicate on the same mesh, runs alternated.
-2. Chaos: one run of --steps steps with --kills kill -9s of a random rank of a random group at
-   random moments (each once the previous victim has rejoined). Per failure: the steps the
+2. Chaos: one run of --steps steps with --kills kill -9s of a random rank of group 1 at random
+   moments (each once it has rejoined; group 0, never killed, keeps its own step times: a healed
+   group takes the history of the group it heals from). Per failure: the steps the
    healthy group redid (not committed), its pause (the failed step's time over the median), the
    steps it trained alone, and the victim's time from the kill to its heal; against today's
    restart, which loses the steps since the last checkpoint on every replica.
@@ -26,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.seq_len=64", "trainer.eval_every=null",
+COMMON = ["recipe=lm_2d", "data.dataset.seq_len=64", "trainer.eval_every=null",
           "trainer.progress_bar=false", "logger.tensorboard=false", "trainer.log_every=50"]
 FT = ["launcher.fault_tolerance=torchft"]
 
@@ -44,12 +45,12 @@ def steady_step_s(summary_path: Path) -> float:
     return statistics.median(json.loads(summary_path.read_text())["step_times_s"][10:])
 
 
-def overhead(steps: int, repeats: int, tmp: Path) -> dict:
+def overhead(model: list, steps: int, repeats: int, tmp: Path) -> dict:
     times = {"replicate": [], "torchft": []}
     for repeat in range(repeats):
         for name, extra in (("replicate", []), ("torchft", FT)):
-            out = tmp / f"{name}{repeat}"
-            train([f"trainer.max_steps={steps}", *extra], out)
+            out = tmp / f"{name}{repeat}{'-'.join(model)}"
+            train([f"trainer.max_steps={steps}", *extra, *model], out)
             times[name].append(steady_step_s(out / "summary.json"))
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -77,15 +78,15 @@ def heals(out: Path, group: int) -> list:
     return [line for line in log.read_text().splitlines() if "healed from a live group" in line] if log.exists() else []
 
 
-def chaos(steps: int, kills: int, tmp: Path, seed: int = 0) -> dict:
+def chaos(steps: int, kills: int, detection_s: float, tmp: Path, seed: int = 0) -> dict:
     rng = random.Random(seed)
-    out = tmp / "chaos"
-    process = train([f"trainer.max_steps={steps}", *FT, "launcher.max_restarts=3", "checkpoint.every=50"],
-                    out, wait=False)
+    out = tmp / f"chaos{detection_s:g}"
+    process = train([f"trainer.max_steps={steps}", "model=lm_tiny", *FT, f"launcher.max_restarts={kills}", "checkpoint.every=50",
+                     f"launcher.ft_detection_s={detection_s}"], out, wait=False)
     events = []
-    time.sleep(rng.uniform(10, 15))
+    time.sleep(rng.uniform(20, 25))  # past start-up (about 8 s here)
     for _ in range(kills):
-        group = rng.randrange(2)
+        group = 1
         pids = ranks_of(group)
         healed_before = len(heals(out, group))
         victim = rng.choice(pids)
@@ -99,18 +100,22 @@ def chaos(steps: int, kills: int, tmp: Path, seed: int = 0) -> dict:
         time.sleep(rng.uniform(3, 8))
     _, err = process.communicate()
     assert process.returncode == 0, err
-    for event in events:
+    previous = 0  # the healthy group's steps up to the previous victim's heal
+    for i, event in enumerate(events):
         healthy = 1 - event["group"]
         summary = json.loads((out / f"replica_group_{healthy}" / "summary.json").read_text())
         log = (out / f"replica_group_{healthy}" / "logs" / "rank0.log").read_text().splitlines()
-        redone = [line for line in log if "not committed" in line and log_time(line) >= event["killed_at"] - 1]
-        step = int(re.search(r"step (\d+) not committed", redone[0]).group(1)) if redone else None
-        median = statistics.median(summary["step_times_s"])
-        live = summary["live_replica_groups"]
-        event.update(failed_step=step, redone_steps=len({line for line in redone if f"step {step} " in line}),
-                     pause_s=summary["step_times_s"][step - 1] - median if step else None,
-                     alone_steps=(live.index(2, step - 1) - (step - 1)) if step and 2 in live[step - 1:] else None,
-                     restart_would_lose=2 * ((step - 1) % 50) if step else None)
+        until = events[i + 1]["killed_at"] if i + 1 < len(events) else float("inf")
+        redone = [line for line in log if "not committed" in line and event["killed_at"] - 0.5 <= log_time(line) < until]
+        healed = int(re.search(r"at step (\d+)", heals(out, event["group"])[i - sum(
+            e["group"] != event["group"] for e in events[:i])]).group(1))
+        window = summary["step_times_s"][previous:healed + 1]  # the failure lies in these steps
+        slowest = previous + window.index(max(window)) + 1
+        event.update(healed_at=healed, slowest_step=slowest, redone_steps=len(redone),
+                     pause_s=max(window) - statistics.median(summary["step_times_s"]),
+                     alone_steps=summary["live_replica_groups"][previous:healed + 1].count(1),
+                     restart_would_lose=2 * ((slowest - 1) % 50))
+        previous = healed + 1
     final = [json.loads((out / f"replica_group_{g}" / "summary.json").read_text()) for g in (0, 1)]
     return {"events": events, "final_losses_equal": final[0]["losses"] == final[1]["losses"],
             "steps": final[0]["steps"], "median_step_s": statistics.median(final[0]["step_times_s"])}
@@ -121,19 +126,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--detection", type=float, nargs="+", default=[5.0, 2.0], help="launcher.ft_detection_s")
+    parser.add_argument("--out", help="keep the runs here (default: a temporary dir)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        times = overhead(100, args.repeats, Path(tmp))
-        print(f"steady step, mesh 2x2 lm_tiny TP+SP: replicate {times['replicate'] * 1e3:.1f} ms, torchft replica "
-              f"groups {times['torchft'] * 1e3:.1f} ms ({times['torchft'] / times['replicate'] - 1:+.1%})")
-        result = chaos(args.steps, args.kills, Path(tmp))
-        print(f"chaos: {result['steps']} steps, median step {result['median_step_s'] * 1e3:.1f} ms, groups' "
-              f"loss histories equal: {result['final_losses_equal']}")
-        print("| kill | group | failed step | redone | healthy group's pause s | steps alone | rejoin s | "
-              "restart would lose (steps x replicas) |")
-        for i, e in enumerate(result["events"]):
-            print(f"| {i + 1} | {e['group']} | {e['failed_step']} | {e['redone_steps']} | {e['pause_s']:.2f} | "
-                  f"{e['alone_steps']} | {e.get('rejoin_s', float('nan')):.1f} | {e['restart_would_lose']} |")
+        tmp = args.out or tmp
+        for model in (["model=lm_tiny"], ["model=lm_small", "data.dataset.seq_len=128"])[: 2 if args.repeats else 0]:
+            times = overhead(model, 100, args.repeats, Path(tmp))
+            print(f"steady step (median of {args.repeats} runs' medians), mesh 2x2 {' '.join(model)} TP+SP: replicate "
+                  f"{times['replicate'] * 1e3:.1f} ms, torchft replica groups {times['torchft'] * 1e3:.1f} ms "
+                  f"({times['torchft'] / times['replicate'] - 1:+.1%})")
+        for detection_s in args.detection:
+            result = chaos(args.steps, args.kills, detection_s, Path(tmp))
+            print(f"chaos, ft_detection_s={detection_s:g}: {result['steps']} steps, median step "
+                  f"{result['median_step_s'] * 1e3:.1f} ms, groups' loss histories equal: {result['final_losses_equal']}")
+            print("| kill | slowest step | steps redone | group 0's pause s | steps alone | rejoin s | healed at step | "
+                  "a full restart would lose (steps x replicas) |")
+            for i, e in enumerate(result["events"]):
+                print(f"| {i + 1} | {e['slowest_step']} | {e['redone_steps']} | {e['pause_s']:.2f} | {e['alone_steps']} | "
+                      f"{e.get('rejoin_s', float('nan')):.1f} | {e['healed_at']} | {e['restart_would_lose']} |")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ failure they train what replicate 2x1 trains; a replica group killed by SIGKILL 
 going on alone, comes back, takes its state and ends with the same parameters; bad configs are
 refused before any rank starts, one line naming the key."""
 import json
+import sys
 
 import pytest
 import torch
@@ -80,3 +81,10 @@ def test_bad_fault_tolerance_configs_are_refused_naming_the_key(overrides, key, 
     with pytest.raises(ConfigError) as refused:
         validate(cfg, deep=False)
     assert refused.value.key == key and fix in str(refused.value)
+
+
+def test_fault_tolerance_without_torchft_installed_is_refused(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` raises ImportError
+    with pytest.raises(ConfigError, match=r"launcher.fault_tolerance='torchft': torchft is not installed: "
+                                          r"pip install 'framework\[ft\]'"):
+        validate(compose_config([*FT]), deep=False)

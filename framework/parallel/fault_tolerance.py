@@ -15,6 +15,7 @@ Its global batch is what the live groups trained (their samples; the learning ra
 """
 import logging
 import os
+import signal
 import socket
 import time
 import warnings
@@ -63,6 +64,8 @@ def spread_over_groups(samples: Dict[str, int]) -> Dict[str, int]:
 
 class OneGroup:
     """No fault tolerance: one world; every step commits; nothing to heal."""
+
+    stopping_signals = (signal.SIGINT, signal.SIGTERM)  # stop the ranks together (framework.training.interrupt)
 
     def start_step(self) -> bool:
         return False
@@ -154,6 +157,12 @@ class ReplicaGroups:
     """This rank's side of the replica groups: torchft's Manager (made at the first step, so the
     lighthouse never waits on a group still building), the gradient all-reduce across groups
     (DataParallel calls all_reduce / size), and the commit of each step."""
+
+    # SIGTERM ends a rank at once: its group's agent sends it when one of the group's ranks died,
+    # and a rank then waiting in torchft's quorum or commit for the dead one would otherwise sit
+    # there until the agent's SIGKILL (30 s), its group still heartbeating, so that the lighthouse
+    # held the live groups' quorum that long. Ctrl-C (SIGINT) still stops each group cleanly.
+    stopping_signals = (signal.SIGINT,)
 
     def __init__(self, cfg: DictConfig, group: int, groups: int):
         self.cfg, self.group, self.groups = cfg, group, groups

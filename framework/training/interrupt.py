@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,9 @@ DECIDE_AT = 3  # the step whose time (the slowest rank's) sets how many steps th
 class Interrupt:
     """Used as a context around the loop (it holds the signal handlers); `agreed()` after each step."""
 
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, rank: int, signals: Tuple[int, ...] = STOPPING):
+        """signals: those that stop the ranks together (the others keep their default action)."""
+        self.rank, self.signals = rank, signals
         self.received = 0  # the first signal's number, 0 until one arrives
         self.received_at = 0.0
         distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -47,7 +48,7 @@ class Interrupt:
     def __enter__(self) -> "Interrupt":
         if threading.current_thread() is not threading.main_thread():
             return self  # signals reach the main thread only (a test may train in another)
-        for number in STOPPING:
+        for number in self.signals:
             self.previous[number] = signal.signal(number, self._handle)
         return self
 

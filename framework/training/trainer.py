@@ -280,7 +280,7 @@ class Trainer:
         run.replicas.carry(run, self.pending)  # (torchft: what a restarted replica group receives)
         stopped = None
         with garbage_frozen(), profiled(run.out_dir, run.rank, trainer.profile_steps) as profiler, \
-                Interrupt(run.rank) as interrupt:
+                Interrupt(run.rank, run.replicas.stopping_signals) as interrupt:
             while state.step < trainer.max_steps:
                 self.watchdog.stage(f"step {state.step + 1}: replica groups' quorum")
                 if run.replicas.start_step():  # a restarted replica group took a live one's state: go on from there
@@ -301,7 +301,7 @@ class Trainer:
                 if logging_step:
                     history = state.history
                     self.metrics.log_step(step, history["losses"][-1], lr, history["grad_norms"][-1])
-                    self.metrics.scalars(step, run.replicas.scalars())
+                self.metrics.scalars(step, run.replicas.scalars())  # (torchft: the live replica groups, every step)
                 if profiler:
                     profiler.step()
                 if stopped:
