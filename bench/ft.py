@@ -49,7 +49,7 @@ def overhead(model: list, steps: int, repeats: int, tmp: Path) -> dict:
     times = {"replicate": [], "torchft": []}
     for repeat in range(repeats):
         for name, extra in (("replicate", []), ("torchft", FT)):
-            out = tmp / f"{name}{repeat}{'-'.join(model)}"
+            out = tmp / f"{name}{repeat}-{model[0].split('=')[1]}"
             train([f"trainer.max_steps={steps}", *extra, *model], out)
             times[name].append(steady_step_s(out / "summary.json"))
     return {name: statistics.median(values) for name, values in times.items()}

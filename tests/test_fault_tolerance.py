@@ -88,3 +88,28 @@ def test_fault_tolerance_without_torchft_installed_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match=r"launcher.fault_tolerance='torchft': torchft is not installed: "
                                           r"pip install 'framework\[ft\]'"):
         validate(compose_config([*FT]), deep=False)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_when_every_group_is_gone_the_same_command_resumes_each_from_its_checkpoint(tmp_path):
+    common = [*TINY_LM, "mesh=2x1", "checkpoint.every=6"]
+    reference = run_cli([*common, "trainer.max_steps=18", f"hydra.run.dir={tmp_path / 'replicate'}"])
+    assert reference.returncode == 0, reference.stderr
+    out = tmp_path / "ft"
+    for steps in (12, 18):
+        result = run_cli([*FT, "checkpoint.every=6", f"trainer.max_steps={steps}", f"hydra.run.dir={out}"])
+        assert result.returncode == 0, result.stderr
+    for group in (0, 1):
+        assert f"resumed from {out / f'replica_group_{group}' / 'checkpoints' / 'step_12'} (step 12)" in result.stdout
+    torch.testing.assert_close(_summary(out)["losses"], _summary(tmp_path / "replicate")["losses"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_the_replica_check_names_a_weight_that_differs_across_groups(tmp_path):
+    result = run_cli([*FT, "trainer.max_steps=10", "trainer.check_replicas_every=5", TEST_MODELS,
+                      "model._target_=tests.workers.TransformerDivergingInReplicaGroup", "+model.at=3",
+                      f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 1
+    assert "replica check at step 5: parameter" in result.stderr and "differs across replica groups" in result.stderr

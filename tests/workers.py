@@ -161,6 +161,22 @@ class TransformerKilledInReplicaGroup(Transformer):
         return super().forward(*args, **kwargs)
 
 
+class TransformerDivergingInReplicaGroup(Transformer):
+    """The LM, except that replica group `group` nudges its first weight in its forward number
+    `at`: a rank-dependent update the replica check must catch."""
+
+    def __init__(self, group: int = 1, at: int = 3, **sizes):
+        super().__init__(**sizes)
+        self.nudge_group, self.at, self.calls = group, at, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at and os.environ.get("FRAMEWORK_REPLICA_GROUP", "").startswith(f"{self.nudge_group}/"):
+            with torch.no_grad():
+                next(self.parameters()).add_(1e-3)
+        return super().forward(*args, **kwargs)
+
+
 class KillInSave(SeedMLP):
     """The seed model, except that on the first attempt rank `rank` dies by SIGKILL while its
     state is gathered for save number `at` (the other ranks are already saving)."""

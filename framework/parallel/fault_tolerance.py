@@ -1,6 +1,6 @@
 """launcher.fault_tolerance=torchft: the DP replicas of the mesh run as torchft replica groups.
 
-Each replica group is a world of its own (its TP / PP ranks inside, as usual), started and
+Each replica group is a world of its own (its TP ranks inside, as usual), started and
 restarted by its own elastic agent (framework.launch.replica_groups). Across groups the gradient
 average goes through torchft's Manager: every step starts with a quorum of the live groups (the
 lighthouse's), the gradients are averaged over the groups in it, and the optimizer steps only if
