@@ -25,13 +25,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 from urllib.parse import urlparse
 
 from framework.config.errors import ConfigError
-from framework.parallel.replica_check import checksum
 from framework.parallel.roles import MeshRoles
+
+# (DTensor and the replica check are imported where they are used: validate imports this module
+# in the launcher, which never loads the ranks' machinery.)
 
 log = logging.getLogger("framework")
 
@@ -140,11 +141,15 @@ class _CommittedSchedule:
 
 def _local(tree: Any) -> Any:
     """DTensors as their local shards: what the checkpoint transport sends (same layout on both ends)."""
+    from torch.distributed.tensor import DTensor
+
     return tree_map_only(DTensor, lambda t: t.to_local(), tree)
 
 
 def _like(received: Any, live: Any) -> Any:
     """`received` (local shards) placed as the `live` state's DTensors are."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(live, DTensor):
         return DTensor.from_local(received, live.device_mesh, live.placements, run_check=False,
                                   shape=live.shape, stride=live.stride())
@@ -287,6 +292,10 @@ class ReplicaGroups:
     def check(self, module: torch.nn.Module, step: int) -> None:
         """The replica check across groups (trainer.check_replicas_every): each parameter's local
         shard the same in every live group (one all-reduce of checksums under MAX)."""
+        from torch.distributed.tensor import DTensor
+
+        from framework.parallel.replica_check import checksum
+
         names, sums = zip(*[(name, checksum(p.to_local() if isinstance(p, DTensor) else p))
                             for name, p in module.named_parameters()])
         local = torch.stack(sums)
