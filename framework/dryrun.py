@@ -19,9 +19,10 @@ Printed per rank:
   accumulation; under pipeline parallelism as many micro-batches' as the schedule keeps alive on
   this rank's stages, all of them under GPipe); and their sum as the estimated peak.
   Temporaries inside an op, DataParallel's flat buckets, the allocator's caching and the
-  CUDA/NCCL context are not counted. On meta, scaled_dot_product_attention takes its math
-  path, which saves the attention weights (batch x heads x seq x seq) that fused kernels
-  recompute, so for attention the estimate errs high. With `dryrun.device_memory_gb` a rank
+  CUDA/NCCL context are not counted. Causal attention counts what the fused kernels save
+  (framework.models.documents.attend); masked attention (document masking, context
+  parallelism) takes SDPA's math path on meta, which saves the attention weights (batch x heads
+  x seq x seq) that fused kernels recompute, so there the estimate errs high. With `dryrun.device_memory_gb` a rank
   whose peak exceeds the device's memory is refused (exit 1);
 - the step's collectives per type and mesh dim: count and bytes, the bytes being those of the
   tensors the collective takes in on this rank (every tensor argument but its output buffers; a
