@@ -192,6 +192,7 @@ def test_each_ep_rank_holds_its_share_of_every_blocks_experts(overrides, tmp_pat
                                for w, shape in (("w1", [1, 32, 32]), ("w2", [1, 32, 32]), ("w3", [1, 32, 32]))}
 
 
+@pytest.mark.integration  # (15 s; make test keeps the experts' parity and their shards per rank)
 @pytest.mark.timeout(300)
 def test_a_checkpoint_saved_with_experts_over_2_ranks_resumes_over_4_on_one_and_fsdp_sharded(tmp_path):
     reference = reference_training(compose_config([*MOE, "mesh=1x1"]))

@@ -92,6 +92,7 @@ def test_a_world_no_layout_fits_is_refused_with_the_smallest_need(tmp_path):
                            "(planner.device_memory_gb); the smallest layout needs "), last
 
 
+@pytest.mark.integration  # (30 s of real runs; make test keeps mesh=auto's real run of the planner's choice)
 @pytest.mark.timeout(240)
 def test_confirm_runs_the_top_layout_and_the_last_two_and_compares(tmp_path):
     """Calibrated here (a file of this host's figures), then 3 real 2-rank runs beside the predictions."""

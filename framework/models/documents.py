@@ -84,7 +84,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torc
     gqa = k.shape[1] != q.shape[1]
     if mask is not None and not isinstance(mask, torch.Tensor):
         return flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=gqa)
-    if q.is_meta and mask is None and not gqa and type(q) is torch.Tensor:
+    if type(q) is torch.Tensor and q.is_meta and mask is None and not gqa:  # (a torch.fx Proxy: not here)
         # framework.dryrun: on meta SDPA takes its math path, which saves the attention weights
         # (batch x heads x seq x seq) for backward; the fused kernels real runs take (CPU flash,
         # CUDA flash / memory-efficient) save q, k, v, the output and the log-sum-exp, as the CPU
