@@ -146,11 +146,14 @@ class KillAtForward(SeedMLP):
 class TransformerKilledInReplicaGroup(Transformer):
     """The LM, except that on the first attempt of replica group `group` (launcher.fault_tolerance)
     its rank 0 dies by SIGKILL in its forward number `at` (during that step); each forward takes
-    at least `step_s`."""
+    at least `step_s`; restarted, the group is built `down_s` later."""
 
-    def __init__(self, group: int = 1, at: int = 10, step_s: float = 0.0, **sizes):
+    def __init__(self, group: int = 1, at: int = 10, step_s: float = 0.0, down_s: float = 0.0, **sizes):
         super().__init__(**sizes)
         self.kill_group, self.at, self.calls, self.step_s = group, at, 0, step_s
+        if os.environ.get("FRAMEWORK_REPLICA_GROUP", "").startswith(f"{group}/") \
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            time.sleep(down_s)  # the restarted group stays away at least this long (past the detection time)
 
     def forward(self, *args, **kwargs):
         self.calls += 1
