@@ -5,8 +5,9 @@ launcher's whole validation for the mesh's world size. Then, for each rank of `d
 it joins torch's fake process group as that rank (collectives return at once and move
 nothing), runs the builder's own stages up to the optimizer with the model built on the meta
 device (shapes, no storage), and one training step on meta tensors: forward, backward with
-DataParallel's gradient finalization, trainer.grad_clip's global norm, optimizer step: the
-Trainer's own train_step, as `framework.inspect comm` counts it.
+DataParallel's gradient finalization (or FSDP2's all-gathers and reduce-scatters under fsdp and
+hsdp: FSDP2 made to run on meta, `fsdp_on_meta`), trainer.grad_clip's global norm, optimizer
+step: the Trainer's own train_step, as `framework.inspect comm` counts it.
 
 Printed per rank:
 - every parameter's local shape and placement (DTensor placements per mesh dim, or a plain
@@ -18,8 +19,9 @@ Printed per rank:
   the step, counted once per storage, parameters excluded: one micro-batch's under gradient
   accumulation; under pipeline parallelism as many micro-batches' as the schedule keeps alive on
   this rank's stages, all of them under GPipe); and their sum as the estimated peak.
-  Temporaries inside an op, DataParallel's flat buckets, the allocator's caching and the
-  CUDA/NCCL context are not counted. Causal attention counts what the fused kernels save
+  Temporaries inside an op, DataParallel's flat buckets, FSDP's all-gathered parameters (a
+  unit's, freed after its forward and backward), the allocator's caching and the CUDA/NCCL
+  context are not counted. Causal attention counts what the fused kernels save
   (framework.models.documents.attend); masked attention (document masking, context
   parallelism) takes SDPA's math path on meta, which saves the attention weights (batch x heads
   x seq x seq) that fused kernels recompute, so there the estimate errs high. With `dryrun.device_memory_gb` a rank
@@ -37,14 +39,16 @@ counted: the second is, as `framework.inspect comm` does.
 """
 import math
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from framework.data.batch import Batch
 from framework.config.errors import ConfigError
@@ -62,6 +66,7 @@ from framework.training.run import Run
 
 # torch internals, all here (DESIGN.md: fail clearly if a future torch moves them).
 try:
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -79,6 +84,43 @@ try:
 except ImportError as error:
     FakeStore = None
     MISSING_INTERNALS = str(error)
+
+
+@contextmanager
+def fsdp_on_meta() -> Iterator[None]:
+    """FSDP2 on meta parameters: its check that parameters were materialized (before its first
+    all-gather) set aside, and every tensor it allocates on the mesh's device (the all-gather's
+    output, the reduce-scatter's input) made on meta instead: shapes, no storage."""
+    check = FSDPParamGroup._validate_no_meta_params
+    FSDPParamGroup._validate_no_meta_params = lambda self: None
+    try:
+        with _OnMeta():
+            yield
+    finally:
+        FSDPParamGroup._validate_no_meta_params = check
+
+
+class _OnMeta(TorchDispatchMode):
+    """FSDP's ops, and any op asked for an uninitialized tensor (`empty*`, which nothing can
+    read), on the CPU make it on meta. (Tensors made with values stay: a pipeline's warm-up vote
+    is read.)"""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "fsdp" and "empty" not in func.__name__:
+            return func(*args, **(kwargs or {}))
+        args, kwargs = list(args), dict(kwargs or {})
+        for i, argument in enumerate(func._schema.arguments):
+            if "Device" not in str(argument.type):
+                continue
+            if argument.kwarg_only or i >= len(args):
+                if kwargs.get(argument.name) == CPU:
+                    kwargs[argument.name] = META
+            elif args[i] == CPU:
+                args[i] = META
+        return func(*args, **kwargs)
+
+
+CPU, META = torch.device("cpu"), torch.device("meta")
 
 GIB = 2**30
 
@@ -113,11 +155,6 @@ def check_dryrun(cfg: DictConfig) -> None:
     memory = cfg.dryrun.device_memory_gb
     if memory is not None and memory <= 0:
         raise ConfigError("dryrun.device_memory_gb", memory, "must be > 0 (GiB), or null for no memory check")
-    if cfg.parallel.dp_strategy != "replicate":
-        raise ConfigError("parallel.dp_strategy", cfg.parallel.dp_strategy,
-                          "the dry run steps on meta tensors, and FSDP2 refuses parameters on meta before it "
-                          "all-gathers; dry-run the mesh with dp_strategy=replicate (same TP shards and "
-                          "collectives; FSDP then divides parameters, gradients and optimizer state by the DP size)")
     if "optimizer" not in cfg.pipeline:
         raise ConfigError("pipeline", list(cfg.pipeline),
                           "the dry run rehearses a training step, which needs the stages up to optimizer; "
@@ -193,12 +230,13 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
         run = build_and_run(cfg, "", through="optimizer", replace={"model": stage_model_on_meta})
         batch = Batch.of(next(iter(run.dataloader)), "meta")
         params = list(run.module.named_parameters())
-        trainer = rehearsal_trainer(run, batch)
         activations = SavedActivations([p for _, p in params])
         totals: Dict[Tuple[str, str], List[int]] = {}
         collectives = CollectiveRecorder(counted(totals, lambda op, dim: (op, dim)), run.group_labels(), "other")
-        with collectives, activations.hooks():
-            trainer.train_step(batch, measure_norm=False)  # the configured step, clipping included
+        with fsdp_on_meta():
+            trainer = rehearsal_trainer(run, batch)
+            with collectives, activations.hooks():
+                trainer.train_step(batch, measure_norm=False)  # the configured step, clipping included
         sizes = state_bytes(run.module, run.optimizer)
         return RankReport(
             rank=rank,

@@ -6,7 +6,7 @@ import pytest
 from framework.dryrun import compose_config, dry_run, main
 from framework.inspect import collectives_of_one_step, on_ranks
 from tests.conftest import run_cli
-from tests.test_comm_audit import TINY
+from tests.test_comm_audit import FSDP_UNITS, TINY
 
 
 def counts_per_op(report) -> dict:
@@ -79,11 +79,33 @@ def test_a_rank_outside_the_mesh_is_refused(capsys):
 
 
 @pytest.mark.timeout(60)
-def test_a_sharded_strategy_is_refused_with_the_way_to_dry_run_its_mesh(capsys):
-    assert main(["mesh=4x1", "parallel.dp_strategy=fsdp"]) == 2
-    assert capsys.readouterr().err.startswith(
-        "config error: parallel.dp_strategy='fsdp': the dry run steps on meta tensors, and FSDP2 refuses parameters "
-        "on meta before it all-gathers; dry-run the mesh with dp_strategy=replicate")
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_fsdp_is_dry_run_as_it_runs_its_collectives_those_real_ranks_count(micro_batches):
+    """FSDP2 stepped on meta: the per-unit all-gathers, re-gathers and reduce-scatters that
+    test_comm_audit counts on 4 real gloo ranks for the same config, and the state sharded over
+    DP: half of replicate's on dp 2 (lm_tiny's dims and vocab divide by 2: no padding)."""
+    overrides = [*TINY, "mesh=2x2", "plan=lm_tp", "data.micro_batch_size=" + str(4 // micro_batches)]
+    fsdp, = dry_run(compose_config([*overrides, "parallel.dp_strategy=fsdp"]))
+    replicate, = dry_run(compose_config([*overrides, "parallel.dp_strategy=replicate"]))
+    counts = counts_per_op(fsdp)
+    assert {op: counts[op] for op in FSDP_UNITS} == {"c10d._allgather_base_": micro_batches * FSDP_UNITS[
+        "c10d._allgather_base_"], "c10d._reduce_scatter_base_": FSDP_UNITS["c10d._reduce_scatter_base_"]}
+    assert counts["c10d.allreduce_"] == 3  # gradient clipping's sums of squares (test_comm_audit says which)
+    for state in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
+        assert 2 * getattr(fsdp, state) == getattr(replicate, state)
+    # all-gathered parameters are not activations (FSDP frees them after each unit)
+    assert fsdp.activation_bytes == replicate.activation_bytes
+
+
+@pytest.mark.timeout(60)
+def test_hsdp_shards_over_dp_and_all_reduces_the_shards_over_the_replicas():
+    report, = dry_run(compose_config([*TINY, "mesh.shape=[2,2,1]", "mesh.dim_names=[dp_replicate,dp,tp]",
+                                      "plan=none", "parallel.dp_strategy=hsdp"]))
+    replicate, = dry_run(compose_config([*TINY, "mesh=4x1", "plan=none"]))
+    assert 2 * report.parameter_bytes == replicate.parameter_bytes
+    reduce_scattered = report.collectives[("c10d._reduce_scatter_base_", "dp")]
+    # each unit's reduce-scattered gradient shard (1 / dp of its input) all-reduced over dp_replicate
+    assert report.collectives[("c10d.allreduce_", "dp_replicate")] == [reduce_scattered[0], reduce_scattered[1] // 2]
 
 
 @pytest.mark.timeout(60)

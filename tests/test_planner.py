@@ -40,12 +40,13 @@ def test_every_layout_of_4_ranks_is_weighed_and_the_refused_keep_the_validations
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", ["pp1 dp2 tp2", "pp2 dp2 tp1"])
-def test_predicted_parameter_gradient_and_optimizer_bytes_are_the_real_runs(layout, tmp_path):
-    """The planner's memory of a replicate layout less its activations is the dry run's state
-    bytes, which equal the largest rank's in the real run's summary.json."""
+@pytest.mark.parametrize("layout,strategy", [("pp1 dp2 tp2", "replicate"), ("pp2 dp2 tp1", "replicate"),
+                                             ("pp1 dp2 tp2", "fsdp")])
+def test_predicted_parameter_gradient_and_optimizer_bytes_are_the_real_runs(layout, strategy, tmp_path):
+    """The planner's memory of a layout less its activations is the dry run's state bytes, which
+    equal the largest rank's in the real run's summary.json (fsdp: FSDP2 dry-run on meta)."""
     candidate = next(c for c in candidates([*TINY, "optim=adamw"], 4)
-                     if c.labels == {"mesh": layout, "strategy": "replicate", "AC": "none",
+                     if c.labels == {"mesh": layout, "strategy": strategy, "AC": "none",
                                      "micro": c.labels["micro"]})
     device = {"cores": 2, "matmul_gflops": {1: 100.0, 2: 200.0},
               "collectives": {2: {"latency_us": 100.0, "busy_latency_us": 200.0, "gbps": 1.0},

@@ -2,9 +2,7 @@
 
 Memory: the dry run's parameter, gradient and optimizer bytes (exact: the local shards the run
 holds) plus the activations it saw saved for backward (one micro-batch's, or what the pipeline
-schedule keeps alive). fsdp is dry-run as replicate (FSDP2 refuses meta parameters) and its
-parameter, gradient and optimizer bytes divided by the DP size, its DP all-reduce counted as
-FSDP's all-gather, re-gather and reduce-scatter (1.5 x the bytes).
+schedule keeps alive), under every DP strategy: fsdp and hsdp are dry-run as they run.
 
 Time = compute + communication + the pipeline's bubble, nothing overlapped:
 - compute: the step's FLOPs on this rank (the model's flops_per_token x the tokens a rank
@@ -12,16 +10,14 @@ Time = compute + communication + the pipeline's bubble, nothing overlapped:
   matmul rate at the rank's thread count; ranks beyond the cores share them (oversubscription);
 - communication: each collective the dry run recorded, latency + bytes moved / bandwidth (ring
   algorithms: an all-reduce moves 2 (n-1)/n of its buffer, an all-gather (n-1) x its input, a
-  reduce-scatter or all-to-all (n-1)/n), inside a host or across hosts by the group's ranks;
-  fsdp adds the latency of an all-gather, a re-gather and a reduce-scatter per FSDP unit (each
-  block and the root) in place of the replicate dry run's bucketed all-reduce. On the CPU the
+  reduce-scatter or all-to-all (n-1)/n), inside a host or across hosts by the group's ranks
+  (FSDP's per-unit all-gathers, re-gathers and reduce-scatters as the dry run saw them). On the CPU the
   latency and bandwidth are those measured with as many ranks as the run has (the nearest world
   measured), its latency the larger of an idle all-reduce's and one's between bursts of compute
   (with more ranks than cores it waits for peers the scheduler set aside);
 - bubble: compute x (pp - 1) / micro-batches under 1f1b and gpipe; none with more ranks than
   cores, where a stage that waits leaves its core to another rank.
 """
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
@@ -49,7 +45,7 @@ class Prediction:
 
 
 def moved_fraction(op: str, n: int) -> float:
-    name = op.split(".", 1)[1]
+    name = op.split(".", 1)[1].lstrip("_")  # (c10d._allgather_base_)
     return next((f(n) for key, f in MOVED.items() if name.startswith(key)), 1.0)  # send / recv / broadcast: 1
 
 
@@ -89,30 +85,22 @@ def link(device: Dict, world: int, inside: bool) -> Tuple[float, float]:
     return device[f"{where}_latency_us"] * 1e-6, device[f"{where}_gbps"] * 1e9
 
 
-def comm_seconds(collectives: Dict, roles: MeshRoles, strategy: str, device: Dict, fsdp_units: int) -> float:
+def comm_seconds(collectives: Dict, roles: MeshRoles, device: Dict) -> float:
     per_host = device.get("ranks_per_host") or roles.world
     total = 0.0
     for (op, dim), (count, nbytes) in collectives.items():
         ranks = group_ranks(roles, dim)
         latency, bandwidth = link(device, roles.world, len({r // per_host for r in ranks}) == 1)
-        moved = nbytes * moved_fraction(op, len(ranks))
-        if strategy == "fsdp" and dim in roles.dp_dims and "allreduce" in op:
-            moved *= 1.5  # all-gather + re-gather + reduce-scatter in place of one all-reduce
-            count += 3 * fsdp_units
-        total += count * latency + moved / bandwidth
+        total += count * latency + nbytes * moved_fraction(op, len(ranks)) / bandwidth
     return total
 
 
 def predict(cfg: DictConfig, reports: List, device: Dict) -> Prediction:
-    """From the candidate's config and the dry-run reports of its ranks (replicate in place of fsdp)."""
+    """From the candidate's config and the dry-run reports of its ranks."""
     roles = MeshRoles.from_config(cfg)
-    strategy = getattr(cfg.parallel.dp_strategy, "value", cfg.parallel.dp_strategy)
-    shard = roles.dp_size if strategy == "fsdp" else 1
-    memory = max(math.ceil((r.parameter_bytes + r.gradient_bytes + r.optimizer_bytes) / shard) + r.activation_bytes
-                 for r in reports)
+    memory = max(r.peak_bytes for r in reports)
     compute = compute_seconds(flops_per_rank(cfg, roles), roles.world, device)
-    units = (cfg.model.get("n_layers") or 0) // roles.pp_size + 1  # each block of a stage, and the root
-    comm = max(comm_seconds(r.collectives, roles, strategy, device, units) for r in reports)
+    comm = max(comm_seconds(r.collectives, roles, device) for r in reports)
     bubble = 0.0
     if roles.pp_size > 1 and roles.world <= device.get("cores", roles.world):  # (else idle stages yield their cores)
         bubble = compute * (roles.pp_size - 1) / (cfg.parallel.pp_microbatches or roles.pp_size)

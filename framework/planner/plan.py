@@ -44,9 +44,8 @@ def simulated_ranks(cfg) -> List[int]:
 
 
 def rehearse(candidate: Candidate, device: dict) -> Tuple[Prediction, List[RankReport]]:
-    """The candidate's prediction, and the dry-run reports it comes from (fsdp dry-run as replicate)."""
-    cfg = OmegaConf.merge(candidate.cfg, {"parallel": {"dp_strategy": "replicate"},
-                                          "dryrun": {"ranks": simulated_ranks(candidate.cfg), "device_memory_gb": None}})
+    """The candidate's prediction, and the dry-run reports it comes from."""
+    cfg = OmegaConf.merge(candidate.cfg, {"dryrun": {"ranks": simulated_ranks(candidate.cfg), "device_memory_gb": None}})
     reports = dry_run(cfg)
     return predict(candidate.cfg, reports, device), reports
 

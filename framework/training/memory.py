@@ -49,7 +49,7 @@ class SavedActivations:
     def pack(self, tensor: torch.Tensor):
         storage = local_tensor(tensor).untyped_storage()
         key = storage._cdata
-        if key in self.parameters:
+        if key in self.parameters or _of_a_parameter(tensor):
             return tensor
         if key not in self.holders:
             self.bytes += storage.nbytes()
@@ -69,6 +69,12 @@ class SavedActivations:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _of_a_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one, whatever its storage: FSDP's all-gathered parameters, which
+    FSDP frees after their unit's forward (and gathers again for backward)."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
 class _Saved:
