@@ -39,7 +39,7 @@ counted: the second is, as `framework.inspect comm` does.
 """
 import math
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Tuple
 
@@ -233,7 +233,7 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
         activations = SavedActivations([p for _, p in params])
         totals: Dict[Tuple[str, str], List[int]] = {}
         collectives = CollectiveRecorder(counted(totals, lambda op, dim: (op, dim)), run.group_labels(), "other")
-        with fsdp_on_meta():
+        with fsdp_on_meta() if cfg.parallel.dp_strategy != "replicate" else nullcontext():
             trainer = rehearsal_trainer(run, batch)
             with collectives, activations.hooks():
                 trainer.train_step(batch, measure_norm=False)  # the configured step, clipping included

@@ -30,13 +30,41 @@ def test_every_layout_of_4_ranks_is_weighed_and_the_refused_keep_the_validations
     ranks; pp=4 refused by the validation (2 layers do not split into 4 stages), in its words."""
     found = candidates(TINY, 4)
     meshes = {c.labels["mesh"] for c in found}
-    assert meshes == {"pp1 dp1 tp4", "pp1 dp2 tp2", "pp1 dp4 tp1", "pp2 dp1 tp2", "pp2 dp2 tp1", "pp4 dp1 tp1"}
+    assert meshes == {"pp1 dp1 tp4", "pp1 dp2 tp2", "pp1 dp4 tp1", "pp1 dp2x2 tp1", "pp2 dp1 tp2", "pp2 dp2 tp1",
+                      "pp4 dp1 tp1"}
     assert {c.labels["strategy"] for c in found if c.labels["mesh"] == "pp1 dp1 tp4"} == {"replicate"}
-    assert len(found) == 2 * (1 + 2 + 2 + 1 + 2 + 1)  # AC on and off x the strategies of each mesh (tp4 first)
+    assert {c.labels["strategy"] for c in found if c.labels["mesh"] == "pp1 dp2x2 tp1"} == {"hsdp"}
+    hsdp = next(c for c in found if c.labels["strategy"] == "hsdp")
+    assert list(hsdp.cfg.mesh.dim_names) == ["dp_replicate", "dp", "tp"] and list(hsdp.cfg.mesh.shape) == [2, 2, 1]
+    # AC on and off x the strategies of each mesh (tp4 first); 2 layers: no interleaved schedule for pp2
+    assert len(found) == 2 * (1 + 2 + 3 + 1 + 2 + 1)
+    assert {c.labels["schedule"] for c in found if c.labels["mesh"].startswith("pp2")} == {"1f1b"}
     refused = [c for c in found if c.refusal]
     assert {c.labels["mesh"] for c in refused} == {"pp4 dp1 tp1"}
     assert all("parallel.pp_layers_per_stage=None: the model's 2 layers cannot fill 4 stages (pp x "
                "pp_stages_per_rank), each of which needs at least one; use at most 2 stages" in c.refusal for c in refused)
+
+
+@pytest.mark.timeout(60)
+def test_interleaved_schedules_and_cp_are_weighed_where_the_model_has_them():
+    """lm_small (4 layers, seq 128) on 4 ranks over pp, dp, cp, tp: pp2 gets interleaved 1F1B with
+    2 stages per rank (4 blocks fill 2 x 2 stages), pp4 only 1F1B; cp meshes put cp inside dp."""
+    found = candidates(["recipe=lm_2d", "model=lm_small"], 4, dims=["pp", "dp", "cp", "tp"])
+    pp2 = {c.labels["schedule"] for c in found if c.labels["mesh"].startswith("pp2")}
+    assert pp2 == {"1f1b", "interleaved"}
+    assert {c.labels["schedule"] for c in found if c.labels["mesh"].startswith("pp4")} == {"1f1b"}
+    interleaved = next(c for c in found if c.labels["schedule"] == "interleaved" and c.refusal is None)
+    assert interleaved.cfg.parallel.pp_stages_per_rank == 2
+    cp = next(c for c in found if c.labels["mesh"] == "pp1 dp2 cp2 tp1" and c.labels["strategy"] == "replicate")
+    assert cp.refusal is None and list(cp.cfg.mesh.dim_names) == ["dp", "cp", "tp"]
+
+
+def test_planner_dims_outside_the_searchable_are_refused(tmp_path):
+    result = run_cli(["recipe=lm_2d", "planner.world=4", "planner.dims=[pp,dp,xp]",
+                      f"planner.calibration={tmp_path}/none.json"], module="framework.planner", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "config error: planner.dims=['pp', 'dp', 'xp']: names 'xp'; the planner factorizes dp and any of pp, cp, tp")
 
 
 @pytest.mark.timeout(240)
@@ -46,8 +74,8 @@ def test_predicted_parameter_gradient_and_optimizer_bytes_are_the_real_runs(layo
     """The planner's memory of a layout less its activations is the dry run's state bytes, which
     equal the largest rank's in the real run's summary.json (fsdp: FSDP2 dry-run on meta)."""
     candidate = next(c for c in candidates([*TINY, "optim=adamw"], 4)
-                     if c.labels == {"mesh": layout, "strategy": strategy, "AC": "none",
-                                     "micro": c.labels["micro"]})
+                     if (c.labels["mesh"], c.labels["strategy"], c.labels["AC"], c.labels["schedule"]) ==
+                     (layout, strategy, "none", "1f1b" if layout.startswith("pp2") else "-"))
     device = {"cores": 2, "matmul_gflops": {1: 100.0, 2: 200.0},
               "collectives": {2: {"latency_us": 100.0, "busy_latency_us": 200.0, "gbps": 1.0},
                               4: {"latency_us": 300.0, "busy_latency_us": 900.0, "gbps": 0.5}}}

@@ -183,6 +183,7 @@ class PlannerConfig:
     device: str = "cpu"
     device_memory_gb: Optional[float] = None
     calibration: Optional[str] = None
+    dims: List[str] = field(default_factory=lambda: ["pp", "dp", "tp"])
 
 
 @dataclass

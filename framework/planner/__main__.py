@@ -10,7 +10,7 @@ from framework.cli import command_status, compose_config
 from framework.config.errors import ConfigError
 from framework.dryrun import human
 from framework.planner.confirm import confirm, report
-from framework.planner.plan import Plan, device_profile, plan
+from framework.planner.plan import Plan, check_planner, device_profile, plan
 
 USAGE = ("usage: python -m framework.planner [hydra overrides, e.g. recipe=lm_2d model=lm_small] planner.world=N "
          "[planner.device=cpu|h100|h200|a100] [planner.device_memory_gb=M] [--calibrate] [--confirm K]\n"
@@ -38,6 +38,7 @@ def run_planner(argv: List[str]) -> int:
     if top and planner.device != "cpu":
         raise ConfigError("planner.device", planner.device, "--confirm runs the layouts here, on this host's CPU; "
                                                             "plan for planner.device=cpu to confirm")
+    check_planner(planner)
     device = device_profile(planner, recalibrate="--calibrate" in argv)
     user = [o for o in overrides if not o.startswith("planner.")]
     start = time.perf_counter()

@@ -1,12 +1,14 @@
-"""Every layout the planner weighs for `world` ranks: mesh factorizations over pp, dp and tp (and,
-for a mixture of experts, experts over dp), each DP strategy, activation checkpointing on and off,
-and the pipeline's micro-batches; each as the overrides framework.train would take, and each
-checked by the launcher's own validation (a refusal keeps its one line)."""
+"""Every layout the planner weighs for `world` ranks: mesh factorizations over pp, dp and tp
+(and cp when planner.dims has it; for a mixture of experts, experts over dp), each DP strategy
+(replicate, fsdp, hsdp over each split of dp into replicas x shards), activation checkpointing on
+and off, the pipeline's schedules (1F1B; interleaved 1F1B, 2 stages per rank) and micro-batches;
+each as the overrides framework.train would take, and each checked by the launcher's own
+validation (a refusal keeps its one line)."""
 import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from framework.cli import compose_config
 from framework.config.errors import ConfigError
@@ -28,51 +30,84 @@ def factorizations(world: int, parts: int) -> List[Tuple[int, ...]]:
     return [(d, *rest) for d in range(1, world + 1) if world % d == 0 for rest in factorizations(world // d, parts - 1)]
 
 
-def layouts(cfg: DictConfig, world: int) -> List[Tuple[List[str], dict]]:
-    """(overrides, labels) of each layout, before validation."""
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def dp_layouts(dp: int) -> List[Tuple[str, List[str], List[int], str]]:
+    """(strategy, DP dim names, DP shape, label) of `dp` DP ranks: replicate; fsdp over all;
+    hsdp, replicas x shards, for each split into two dims of 2 or more."""
+    if dp == 1:
+        return [("replicate", ["dp"], [1], "dp1")]
+    found = [("replicate", ["dp"], [dp], f"dp{dp}"), ("fsdp", ["dp"], [dp], f"dp{dp}")]
+    return found + [("hsdp", ["dp_replicate", "dp"], [r, dp // r], f"dp{r}x{dp // r}")
+                    for r in divisors(dp) if 1 < r < dp]
+
+
+def schedules(pp: int, per_replica: int, n_layers: int) -> List[Tuple[List[str], str, str]]:
+    """(overrides, schedule label, micro-batches label) of a pipeline of `pp` stages: 1F1B with
+    2 x pp micro-batches where they divide the replica's batch (else pp), and interleaved 1F1B
+    with 2 stages per rank where the model has the blocks."""
+    if pp == 1:
+        return [([], "-", "-")]
+    micro = 2 * pp if per_replica % (2 * pp) == 0 else pp
+    found = [(["parallel.pp_schedule=1f1b", f"parallel.pp_microbatches={micro}"], "1f1b", str(micro))]
+    if n_layers >= 2 * pp:
+        found.append((["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
+                       f"parallel.pp_microbatches={micro}"], "interleaved", str(micro)))
+    return found
+
+
+def layouts(cfg: DictConfig, world: int, dims: Sequence[str]) -> List[Tuple[List[str], dict]]:
+    """(overrides, labels) of each layout, before validation: the mesh over `dims` (pp, dp, tp,
+    and cp when asked; dp then split for hsdp), outermost first."""
     has_plan = bool(cfg.plan)
     recomputes = ("none", "full") if "activation_checkpointing" in cfg.model else (None,)
     moe = cfg.model.get("moe") or None
-    per_replica_batches = cfg.data.global_batch_size
+    n_layers = cfg.model.get("n_layers") or 0
+    searched = [d for d in ("pp", "dp", "cp", "tp") if d in dims]
     found = []
-    for pp, dp, tp in factorizations(world, 3):
+    for sizes in factorizations(world, len(searched)):
+        size = dict(zip(searched, sizes))
+        pp, dp, cp, tp = (size.get(d, 1) for d in ("pp", "dp", "cp", "tp"))
         if tp > 1 and not has_plan:
             continue  # TP ranks without a plan would only repeat each other's work
-        names = ["pp", "dp", "tp"] if pp > 1 else ["dp", "tp"]
-        shape = [pp, dp, tp] if pp > 1 else [dp, tp]
-        mesh = [f"mesh.shape=[{','.join(map(str, shape))}]", f"mesh.dim_names=[{','.join(names)}]"]
-        mesh += [] if tp > 1 else ["plan=none"]
-        pipeline = [[]]
-        if pp > 1:
-            local = per_replica_batches // dp
-            micro = 2 * pp if local % (2 * pp) == 0 else pp
-            pipeline = [["parallel.pp_schedule=1f1b", f"parallel.pp_microbatches={micro}"]]
-        experts = [[]]
-        if moe and dp > 1 and moe.n_experts % dp == 0:
-            experts = [["parallel.ep_dims=null"], ["parallel.ep_dims=[dp]"]]
-        elif moe:
-            experts = [["parallel.ep_dims=null"]]
-        for strategy in ["replicate", "fsdp"] if dp > 1 else ["replicate"]:
+        for strategy, dp_names, dp_shape, dp_label in dp_layouts(dp):
+            names = [*(["pp"] if pp > 1 else []), *dp_names, *(["cp"] if cp > 1 else []), "tp"]
+            shape = [*([pp] if pp > 1 else []), *dp_shape, *([cp] if cp > 1 else []), tp]
+            mesh = [f"mesh.shape=[{','.join(map(str, shape))}]", f"mesh.dim_names=[{','.join(names)}]"]
+            mesh += [] if tp > 1 else ["plan=none"]
+            experts = [[]]
+            if moe and dp > 1 and moe.n_experts % dp == 0:
+                spread = "[dp_replicate,dp]" if strategy == "hsdp" else "[dp]"
+                experts = [["parallel.ep_dims=null"], [f"parallel.ep_dims={spread}"]]
+            elif moe:
+                experts = [["parallel.ep_dims=null"]]
             for recompute in recomputes:
-                for stages in pipeline:
+                for stages, schedule, micro in schedules(pp, cfg.data.global_batch_size // dp, n_layers):
                     for spread in experts:
                         overrides = [*mesh, f"parallel.dp_strategy={strategy}", *stages, *spread]
                         overrides += [f"model.activation_checkpointing={recompute}"] if recompute else []
-                        labels = {"mesh": f"pp{pp} dp{dp} tp{tp}", "strategy": strategy, "AC": recompute or "-",
-                                  "micro": stages[-1].split("=")[1] if stages else "-",
-                                  **({"experts": "dp" if spread == ["parallel.ep_dims=[dp]"] else "all"} if moe else {})}
+                        labels = {"mesh": f"pp{pp} {dp_label}{f' cp{cp}' if 'cp' in searched else ''} tp{tp}",
+                                  "strategy": strategy, "AC": recompute or "-", "schedule": schedule, "micro": micro,
+                                  **({"experts": "all" if spread == ["parallel.ep_dims=null"] else "dp"} if moe else {})}
                         found.append((overrides, labels))
     return found
 
 
-def candidates(user_overrides: Sequence[str], world: int) -> List[Candidate]:
+def candidates(user_overrides: Sequence[str], world: int, dims: Sequence[str] = ("pp", "dp", "tp")) -> List[Candidate]:
     """Each layout composed over the user's overrides and validated for `world` ranks."""
     base = compose_config(user_overrides)
+    composed = {}  # the user's config under each group choice the layouts make (plan=none): Hydra composes each once
     result = []
-    for overrides, labels in layouts(base, world):
+    for overrides, labels in layouts(base, world, dims):
         candidate = Candidate(overrides, labels=labels)
+        groups = tuple(o for o in overrides if "." not in o.split("=")[0])
         try:
-            candidate.cfg = compose_config([*user_overrides, *overrides])
+            if groups not in composed:
+                composed[groups] = compose_config([*user_overrides, *groups])
+            candidate.cfg = OmegaConf.merge(composed[groups],
+                                            OmegaConf.from_dotlist([o for o in overrides if o not in groups]))
             validate(candidate.cfg, world_size=math.prod(candidate.cfg.mesh.shape))
         except ConfigError as error:
             candidate.cfg, candidate.refusal = None, str(error)

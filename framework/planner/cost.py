@@ -15,8 +15,9 @@ Time = compute + communication + the pipeline's bubble, nothing overlapped:
   latency and bandwidth are those measured with as many ranks as the run has (the nearest world
   measured), its latency the larger of an idle all-reduce's and one's between bursts of compute
   (with more ranks than cores it waits for peers the scheduler set aside);
-- bubble: compute x (pp - 1) / micro-batches under 1f1b and gpipe; none with more ranks than
-  cores, where a stage that waits leaves its core to another rank.
+- bubble: compute x (pp - 1) / (micro-batches x stages per rank): 1f1b and gpipe, and
+  interleaved 1F1B's smaller one (Narayanan et al. 2021); none with more ranks than cores, where
+  a stage that waits leaves its core to another rank.
 """
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
@@ -103,7 +104,8 @@ def predict(cfg: DictConfig, reports: List, device: Dict) -> Prediction:
     comm = max(comm_seconds(r.collectives, roles, device) for r in reports)
     bubble = 0.0
     if roles.pp_size > 1 and roles.world <= device.get("cores", roles.world):  # (else idle stages yield their cores)
-        bubble = compute * (roles.pp_size - 1) / (cfg.parallel.pp_microbatches or roles.pp_size)
+        looped = cfg.parallel.pp_stages_per_rank  # interleaved: each rank's share of the bubble is 1 / its stages
+        bubble = compute * (roles.pp_size - 1) / ((cfg.parallel.pp_microbatches or roles.pp_size) * looped)
     step = compute + comm + bubble
     tokens = cfg.data.global_batch_size * (cfg.data.dataset.get("seq_len") or 1)
     return Prediction(step, compute, comm, bubble, memory, tokens / step)

@@ -1,6 +1,8 @@
 """The planner's ranking, shared by its command (framework.planner) and mesh=auto
 (framework.planner.auto): every candidate validated, dry-run, predicted, and ranked by step time."""
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -9,11 +11,13 @@ from omegaconf import OmegaConf
 
 from framework.config.errors import ConfigError
 from framework.dryrun import GIB, RankReport, dry_run, human
+from framework.launch.threads import available_cores
 from framework.parallel.roles import MeshRoles
 from framework.planner.calibrate import cpu_profile, default_path
 from framework.planner.candidates import Candidate, candidates
 from framework.planner.cost import Prediction, predict
 
+SEARCHABLE = ("pp", "dp", "cp", "tp")  # the mesh dims a layout factorizes (hsdp splits dp)
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles.yaml")
 
 
@@ -50,16 +54,48 @@ def rehearse(candidate: Candidate, device: dict) -> Tuple[Prediction, List[RankR
     return predict(candidate.cfg, reports, device), reports
 
 
-def plan(user_overrides: List[str], planner, device: dict) -> Plan:
-    """Every layout for planner.world ranks; refused (ConfigError) when none fits the memory."""
+def predicted(candidate: Candidate, device: dict) -> Prediction:
+    return rehearse(candidate, device)[0]
+
+
+def predictions(valid: List[Candidate], device: dict) -> List[Prediction]:
+    """Each candidate's prediction, dry-run in a process per core (each dry run is one CPU
+    thread of Python dispatch, and the candidates are independent)."""
+    workers = min(available_cores(), len(valid) // 4)
+    if workers < 2:
+        return [predicted(candidate, device) for candidate in valid]
+    quiet = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # the workers' fake process groups warn once per rank
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return list(pool.map(predicted, valid, [device] * len(valid)))
+    finally:
+        if quiet is None:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = quiet
+
+
+def check_planner(planner) -> None:
+    """planner.world and planner.dims, before anything is measured or dry-run."""
     if planner.world is None or planner.world < 1:
         raise ConfigError("planner.world", planner.world, "give the number of ranks to plan for, e.g. planner.world=8")
+    unknown = [d for d in planner.dims if d not in SEARCHABLE]
+    if unknown or "dp" not in planner.dims:
+        raise ConfigError("planner.dims", list(planner.dims), f"{'names ' + repr(unknown[0]) if unknown else 'lacks dp'}"
+                                                              f"; the planner factorizes dp and any of "
+                                                              f"{', '.join(d for d in SEARCHABLE if d != 'dp')}, "
+                                                              f"e.g. planner.dims=[pp,dp,cp,tp]")
+
+
+def plan(user_overrides: List[str], planner, device: dict) -> Plan:
+    """Every layout for planner.world ranks; refused (ConfigError) when none fits the memory."""
+    check_planner(planner)
     result = Plan(memory_gb=planner.device_memory_gb or device.get("memory_gb"))
-    for candidate in candidates(user_overrides, planner.world):
-        if candidate.refusal is not None:
-            result.refused.append(candidate)
-            continue
-        prediction, _ = rehearse(candidate, device)
+    found = candidates(user_overrides, planner.world, list(planner.dims))
+    result.refused = [c for c in found if c.refusal is not None]
+    valid = [c for c in found if c.refusal is None]
+    for candidate, prediction in zip(valid, predictions(valid, device)):
         fits = result.memory_gb is None or prediction.memory_bytes <= result.memory_gb * GIB
         (result.ranked if fits else result.over).append((candidate, prediction))
     result.ranked.sort(key=lambda pair: pair[1].step_s)
