@@ -51,7 +51,7 @@ def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
         # the ranks' machinery (DTensor and the rest), which keeps its start-up short.
         from framework.launch.torchrun import launch_in_torchrun_world
 
-        return launch_in_torchrun_world(cfg, out_dir)
+        return launch_in_torchrun_world(cfg, out_dir, list(HydraConfig.get().overrides.task))
     if cfg.mesh.auto:
         from framework.planner.auto import choose_layout  # (the planner: only when asked for)
 

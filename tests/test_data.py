@@ -344,3 +344,15 @@ def test_the_prepare_command_runs_as_a_module(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == (
         f"prepared 1 documents, 6 tokens (packed, uint16) into {tmp_path / 'out'}")
     assert sorted(os.listdir(tmp_path / "out")) == ["doc_offsets.npy", "meta.json", "tokens.bin"]
+
+
+def test_random_tokens_are_made_per_window_from_the_seed_within_the_vocabulary():
+    from framework.data import RandomTokens
+
+    train, again = RandomTokens(vocab_size=1000, seq_len=16, num_samples=10**9), RandomTokens(1000, 16, 10**9)
+    inputs, targets = train[123_456_789]
+    assert inputs.shape == targets.shape == (16,) and len(train) == 10**9
+    assert torch.equal(inputs[1:], targets[:-1])  # next-token targets
+    assert torch.equal(inputs, again[123_456_789][0]) and not torch.equal(inputs, train[0][0])
+    assert 0 <= int(inputs.min()) and int(inputs.max()) < 1000
+    assert not torch.equal(inputs, RandomTokens(1000, 16, 10**9, split="val")[123_456_789][0])

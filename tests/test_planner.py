@@ -14,7 +14,7 @@ from framework.planner.plan import device_profile, rehearse
 from framework.planner.calibrate import load
 from framework.planner.candidates import candidates, factorizations
 from framework.planner.confirm import kendall_tau, mape
-from tests.conftest import TINY_LM, compose_config, run_cli
+from tests.conftest import TINY_LM, TORCHRUN, compose_config, run_cli
 
 TINY = [*TINY_LM, "trainer.eval_every=null", "logger.tensorboard=false", "trainer.max_steps=3"]
 
@@ -180,6 +180,26 @@ def test_mesh_auto_trains_on_the_planners_first_choice_and_says_so(tmp_path):
     assert "runner-up " in said
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert len(summary["losses"]) == 2
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_mesh_auto_under_torchrun_plans_on_rank0_for_torchruns_world(tmp_path):
+    """Rank 0 plans for torchrun's 2 ranks (no planner.world) and hands its config to rank 1,
+    which trains the same layout; a planner.world other than torchrun's is refused on both."""
+    common = [*TINY, f"planner.calibration={tmp_path / 'calibration.json'}", "trainer.max_steps=2"]
+    torchrun = [TORCHRUN, "--standalone", "--nproc-per-node", "2"]
+    result = run_cli([*common, "mesh=auto", f"hydra.run.dir={tmp_path / 'run'}"], prefix=torchrun, timeout=280)
+    assert result.returncode == 0, result.stderr
+    assert "mesh=auto: mesh.shape=" in result.stderr + result.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert len(summary["losses"]) == 2 and summary["mesh_shape"][0] * summary["mesh_shape"][1] == 2
+    assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    refused = run_cli([*common, "mesh=auto", "planner.world=4", f"hydra.run.dir={tmp_path / 'no'}"], prefix=torchrun,
+                      timeout=120)
+    assert refused.returncode != 0
+    assert ("config error: planner.world=4: torchrun started 2 ranks; drop planner.world (mesh=auto plans for "
+            "torchrun's world) or match it") in refused.stderr
 
 
 @pytest.mark.parametrize("overrides,message", [

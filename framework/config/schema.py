@@ -184,6 +184,7 @@ class PlannerConfig:
     device_memory_gb: Optional[float] = None
     calibration: Optional[str] = None
     dims: List[str] = field(default_factory=lambda: ["pp", "dp", "tp"])
+    strategies: List[str] = field(default_factory=lambda: ["replicate", "fsdp", "hsdp"])
 
 
 @dataclass

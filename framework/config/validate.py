@@ -44,9 +44,9 @@ def check_mesh(cfg: DictConfig) -> None:
     """The mesh's dims and roles (framework.parallel.roles), its host and backend settings, and
     what the DP strategy needs of the roles."""
     if cfg.mesh.get("auto"):
-        raise ConfigError("mesh", "auto", "is chosen by a self-launched framework.train (the planner's first choice); "
-                                          "give this command a mesh (python -m framework.planner planner.world=N "
-                                          "ranks them)")
+        raise ConfigError("mesh", "auto", "is chosen by framework.train, self-launched or under torchrun (the "
+                                          "planner's first choice); give this command a mesh (python -m "
+                                          "framework.planner planner.world=N ranks them)")
     roles = MeshRoles.from_config(cfg)
     roles.check()
     if cfg.mesh.ranks_per_host is not None and cfg.mesh.ranks_per_host < 1:

@@ -1,10 +1,11 @@
-"""mesh=auto (framework.train): the planner's first choice for planner.world ranks, said with the
+"""mesh=auto (framework.train): the planner's first choice for planner.world ranks (under
+torchrun: for its world, planned by rank 0, whose config the other ranks take), said with the
 runner-up, as the config the run launches with."""
 import logging
 from contextlib import contextmanager
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from framework.cli import compose_config
 from framework.config.errors import ConfigError
@@ -16,17 +17,22 @@ log = logging.getLogger("framework")
 CHOSEN = ("mesh.shape", "mesh.dim_names")  # what the planner chooses, which mesh=auto must not be given
 
 
-def choose_layout(cfg: DictConfig, overrides: List[str]) -> DictConfig:
-    """The config of `overrides` with the planner's best layout for planner.world ranks."""
+def choose_layout(cfg: DictConfig, overrides: List[str], world: Optional[int] = None) -> DictConfig:
+    """The config of `overrides` with the planner's best layout for planner.world ranks, or for
+    the `world` torchrun started (rank 0 plans; the other ranks take its config)."""
     given = [o for o in overrides if o.lstrip("+~").split("=")[0] in CHOSEN]
     if given:
         raise ConfigError("mesh", "auto", f"lets the planner choose the mesh, and {given[0]} gives one too; "
                                           f"drop one of them")
-    if cfg.planner.world is None:
+    if world is not None and cfg.planner.world not in (None, world):
+        raise ConfigError("planner.world", cfg.planner.world, f"torchrun started {world} ranks; drop planner.world "
+                                                              f"(mesh=auto plans for torchrun's world) or match it")
+    if world is None and cfg.planner.world is None:
         raise ConfigError("planner.world", None, "mesh=auto plans for this many ranks: give planner.world=N")
+    planner = OmegaConf.merge(cfg.planner, {"world": world or cfg.planner.world})
     user = [*(o for o in overrides if not o.startswith("planner.")), "mesh.auto=false"]
     with beside_running_hydra():
-        result = plan(user, cfg.planner, device_profile(cfg.planner))
+        result = plan(user, planner, device_profile(planner))
         chosen = compose_config([*overrides, "mesh.auto=false", *result.ranked[0][0].overrides])
     (best, predicted), *rest = result.ranked
     runner_up = f"; runner-up {' '.join(rest[0][0].overrides)} at {1000 * rest[0][1].step_s:.1f} ms" if rest else ""

@@ -68,6 +68,9 @@ def _collective_rank(rank: int, world: int, port: int, out: str) -> None:
     """One of `world` ranks: all-reduces of 4 B (latency, alone and between compute) and of 8 MiB
     (bandwidth), timed."""
     torch.set_num_threads(1)
+    # Under torchrun (mesh=auto: rank 0 plans) this variable makes c10d take a store torchrun's
+    # agent hosts, not the one this measurement starts: none listens on its port.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         figures = {"between_compute": _between_compute(world)}

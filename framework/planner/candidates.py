@@ -58,11 +58,16 @@ def schedules(pp: int, per_replica: int, n_layers: int) -> List[Tuple[List[str],
     return found
 
 
-def layouts(cfg: DictConfig, world: int, dims: Sequence[str]) -> List[Tuple[List[str], dict]]:
+def layouts(cfg: DictConfig, world: int, dims: Sequence[str], strategies: Sequence[str] = ("replicate", "fsdp", "hsdp"),
+            fixed_recompute: bool = False) -> List[Tuple[List[str], dict]]:
     """(overrides, labels) of each layout, before validation: the mesh over `dims` (pp, dp, tp,
-    and cp when asked; dp then split for hsdp), outermost first."""
+    and cp when asked; dp then split for hsdp), outermost first. Activation checkpointing on and
+    off unless the user fixed it; no TP group across hosts (mesh.ranks_per_host) unless allowed."""
     has_plan = bool(cfg.plan)
     recomputes = ("none", "full") if "activation_checkpointing" in cfg.model else (None,)
+    if fixed_recompute:
+        recomputes = (cfg.model.activation_checkpointing,)
+    per_host = None if cfg.parallel.allow_tp_across_hosts else cfg.mesh.ranks_per_host
     moe = cfg.model.get("moe") or None
     n_layers = cfg.model.get("n_layers") or 0
     searched = [d for d in ("pp", "dp", "cp", "tp") if d in dims]
@@ -72,7 +77,11 @@ def layouts(cfg: DictConfig, world: int, dims: Sequence[str]) -> List[Tuple[List
         pp, dp, cp, tp = (size.get(d, 1) for d in ("pp", "dp", "cp", "tp"))
         if tp > 1 and not has_plan:
             continue  # TP ranks without a plan would only repeat each other's work
+        if per_host and per_host % tp:
+            continue  # a TP group across hosts, which the validation refuses (allow_tp_across_hosts)
         for strategy, dp_names, dp_shape, dp_label in dp_layouts(dp):
+            if strategy not in strategies and dp > 1:
+                continue
             names = [*(["pp"] if pp > 1 else []), *dp_names, *(["cp"] if cp > 1 else []), "tp"]
             shape = [*([pp] if pp > 1 else []), *dp_shape, *([cp] if cp > 1 else []), tp]
             mesh = [f"mesh.shape=[{','.join(map(str, shape))}]", f"mesh.dim_names=[{','.join(names)}]"]
@@ -95,12 +104,14 @@ def layouts(cfg: DictConfig, world: int, dims: Sequence[str]) -> List[Tuple[List
     return found
 
 
-def candidates(user_overrides: Sequence[str], world: int, dims: Sequence[str] = ("pp", "dp", "tp")) -> List[Candidate]:
+def candidates(user_overrides: Sequence[str], world: int, dims: Sequence[str] = ("pp", "dp", "tp"),
+               strategies: Sequence[str] = ("replicate", "fsdp", "hsdp")) -> List[Candidate]:
     """Each layout composed over the user's overrides and validated for `world` ranks."""
     base = compose_config(user_overrides)
     composed = {}  # the user's config under each group choice the layouts make (plan=none): Hydra composes each once
     result = []
-    for overrides, labels in layouts(base, world, dims):
+    fixed_recompute = any(o.startswith("model.activation_checkpointing=") for o in user_overrides)
+    for overrides, labels in layouts(base, world, dims, strategies, fixed_recompute):
         candidate = Candidate(overrides, labels=labels)
         groups = tuple(o for o in overrides if "." not in o.split("=")[0])
         try:

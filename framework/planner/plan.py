@@ -17,7 +17,8 @@ from framework.planner.calibrate import cpu_profile, default_path
 from framework.planner.candidates import Candidate, candidates
 from framework.planner.cost import Prediction, predict
 
-SEARCHABLE = ("pp", "dp", "cp", "tp")  # the mesh dims a layout factorizes (hsdp splits dp)
+SEARCHABLE = ("pp", "dp", "cp", "tp")
+STRATEGIES = ("replicate", "fsdp", "hsdp")  # the mesh dims a layout factorizes (hsdp splits dp)
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles.yaml")
 
 
@@ -80,6 +81,10 @@ def check_planner(planner) -> None:
     """planner.world and planner.dims, before anything is measured or dry-run."""
     if planner.world is None or planner.world < 1:
         raise ConfigError("planner.world", planner.world, "give the number of ranks to plan for, e.g. planner.world=8")
+    strange = [s for s in planner.strategies if s not in STRATEGIES]
+    if strange or not planner.strategies:
+        raise ConfigError("planner.strategies", list(planner.strategies), f"weighs any of {', '.join(STRATEGIES)}, "
+                                                                          f"e.g. planner.strategies=[fsdp,hsdp]")
     unknown = [d for d in planner.dims if d not in SEARCHABLE]
     if unknown or "dp" not in planner.dims:
         raise ConfigError("planner.dims", list(planner.dims), f"{'names ' + repr(unknown[0]) if unknown else 'lacks dp'}"
@@ -92,7 +97,10 @@ def plan(user_overrides: List[str], planner, device: dict) -> Plan:
     """Every layout for planner.world ranks; refused (ConfigError) when none fits the memory."""
     check_planner(planner)
     result = Plan(memory_gb=planner.device_memory_gb or device.get("memory_gb"))
-    found = candidates(user_overrides, planner.world, list(planner.dims))
+    per_host = device.get("ranks_per_host")  # (a GPU profile's: TP across hosts is then refused)
+    if per_host and not any(o.startswith("mesh.ranks_per_host=") for o in user_overrides):
+        user_overrides = [*user_overrides, f"mesh.ranks_per_host={per_host}"]
+    found = candidates(user_overrides, planner.world, list(planner.dims), list(planner.strategies))
     result.refused = [c for c in found if c.refusal is not None]
     valid = [c for c in found if c.refusal is None]
     for candidate, prediction in zip(valid, predictions(valid, device)):
