@@ -21,10 +21,9 @@ Printed per rank:
   this rank's stages, all of them under GPipe); and their sum as the estimated peak.
   Temporaries inside an op, DataParallel's flat buckets, FSDP's all-gathered parameters (a
   unit's, freed after its forward and backward), the allocator's caching and the CUDA/NCCL
-  context are not counted. Causal attention counts what the fused kernels save
-  (framework.models.documents.attend); masked attention (document masking, context
-  parallelism) takes SDPA's math path on meta, which saves the attention weights (batch x heads
-  x seq x seq) that fused kernels recompute, so there the estimate errs high. With `dryrun.device_memory_gb` a rank
+  context are not counted. Attention, causal or masked (document masking, context
+  parallelism), counts what the fused kernels save (framework.models.documents.attend), not the
+  attention weights SDPA's math path on meta would save. With `dryrun.device_memory_gb` a rank
   whose peak exceeds the device's memory is refused (exit 1);
 - the step's collectives per type and mesh dim: count and bytes, the bytes being those of the
   tensors the collective takes in on this rank (every tensor argument but its output buffers; a

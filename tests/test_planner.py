@@ -249,3 +249,18 @@ def test_the_dry_runs_activations_are_a_count_by_hand(mesh, plan, tp, sp):
     print(f"lm_small {mesh} {plan}: dry run {counted / 2**20:.1f} MiB, by hand {hand / 2**20:.1f} MiB "
           f"({counted / hand - 1:+.1%})")
     assert abs(counted / hand - 1) < 0.10
+
+
+def test_masked_attentions_activations_are_what_fused_kernels_save():
+    """Context parallelism (cp 2: each rank half of every sequence, attention masked over the
+    gathered keys): the count by hand for half the tokens, plus, per layer, the keys and values of
+    the whole sequence in place of the local ones, plus the additive mask (one per forward). On
+    meta SDPA's math path would save the attention weights too (64.6 MiB counted with them)."""
+    cfg = compose_config(["recipe=lm_2d", "data.dataset.seq_len=128", "mesh=1x2x1cp", "plan=none"])
+    m, batch, seq = cfg.model, cfg.data.global_batch_size, cfg.data.dataset.seq_len
+    local = batch * seq // 2
+    hand = activations_by_hand(local, m.dim, m.hidden_dim, m.n_heads, m.vocab_size, m.n_layers, 1, False)
+    hand += 4 * (m.n_layers * 2 * local * m.dim + batch * (seq // 2) * seq)
+    counted = dry_run(cfg)[0].activation_bytes
+    print(f"lm_small cp2: dry run {counted / 2**20:.1f} MiB, by hand {hand / 2**20:.1f} MiB ({counted / hand - 1:+.1%})")
+    assert abs(counted / hand - 1) < 0.10
