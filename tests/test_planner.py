@@ -163,6 +163,13 @@ def test_the_cost_model_by_hand():
     assert prediction.comm_s == pytest.approx(200e-6 + 2 * (1 / 2) * 1_000_000 / 1e9)
     assert prediction.bubble_s == 0.0 and prediction.memory_bytes == 450
     assert prediction.tokens_per_s == pytest.approx(8 * 32 / prediction.step_s)
+    # a device whose DP collectives overlap compute (GPUs): the all-reduce hides behind all but
+    # what exceeds the compute; a TP collective never does
+    overlapping = {**device, "dp_overlap": 1.0, "matmul_gflops": {1: 1e6, 2: 2e6}}
+    report.collectives[("c10d_functional.all_gather_into_tensor", "tp")] = [1, 1000]
+    hidden = predict(cfg, [report], overlapping)
+    exposed = 200e-6 + 1_000_000 / 1e9 - hidden.compute_s
+    assert hidden.comm_s == pytest.approx(exposed + 200e-6)  # (its latency: 2x1's TP group of 1 moves nothing)
 
 
 @pytest.mark.timeout(240)

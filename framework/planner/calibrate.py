@@ -136,4 +136,5 @@ def cpu_profile(path: str, recalibrate: bool) -> Dict:
     figures = calibrate(path) if recalibrate or not os.path.exists(path) else load(path)
     measured = {int(world): values for world, values in figures["collectives"].items()}
     return {"matmul_gflops": {int(t): rate for t, rate in figures["matmul_gflops"].items()}, "cores": figures["cores"],
-            "memory_gb": None, "ranks_per_host": None, "collectives": measured, "calibration": path}
+            "memory_gb": None, "ranks_per_host": None, "collectives": measured, "calibration": path,
+            "dp_overlap": 0.0}  # gloo's collectives take the cores compute uses (bench/README.md "DP gradient sync")

@@ -4,7 +4,11 @@ Memory: the dry run's parameter, gradient and optimizer bytes (exact: the local 
 holds) plus the activations it saw saved for backward (one micro-batch's, or what the pipeline
 schedule keeps alive), under every DP strategy: fsdp and hsdp are dry-run as they run.
 
-Time = compute + communication + the pipeline's bubble, nothing overlapped:
+Time = compute + communication + the pipeline's bubble, where the DP strategy's communication
+(DataParallel's bucketed all-reduce, FSDP's prefetched all-gathers and reduce-scatters) hides
+behind up to `dp_overlap` x the compute (the device's: 1 for GPUs, whose collectives run on
+streams of their own; 0 for this CPU, where gloo's collectives take the cores compute uses:
+bench/README.md "DP gradient sync" measured overlap no faster here) and the rest adds:
 - compute: the step's FLOPs on this rank (the model's flops_per_token x the tokens a rank
   computes; x 4/3 with activation checkpointing, which repeats the forward) over the device's
   matmul rate at the rank's thread count; ranks beyond the cores share them (oversubscription);
@@ -86,14 +90,23 @@ def link(device: Dict, world: int, inside: bool) -> Tuple[float, float]:
     return device[f"{where}_latency_us"] * 1e-6, device[f"{where}_gbps"] * 1e9
 
 
-def comm_seconds(collectives: Dict, roles: MeshRoles, device: Dict) -> float:
+def data_parallel(op: str, dim: str, roles: MeshRoles) -> bool:
+    """A DP strategy's gradient or parameter collective (DataParallel's all-reduce, FSDP's
+    all-gathers and reduce-scatters) over DP ranks, flattened with cp or not: what can overlap
+    with compute. (Expert parallelism's all-to-alls on the same ranks cannot: the next layer waits.)"""
+    dp_groups = {*roles.dp_dims, "_".join(roles.dp_dims), "_".join([*roles.dp_dims, roles.cp_dim or ""])}
+    return dim in dp_groups and any(kind in op for kind in ("allreduce", "allgather", "reduce_scatter"))
+
+
+def comm_seconds(collectives: Dict, roles: MeshRoles, device: Dict) -> Tuple[float, float]:
+    """(the DP strategy's communication, the rest's), nothing overlapped."""
     per_host = device.get("ranks_per_host") or roles.world
-    total = 0.0
+    totals = [0.0, 0.0]
     for (op, dim), (count, nbytes) in collectives.items():
         ranks = group_ranks(roles, dim)
         latency, bandwidth = link(device, roles.world, len({r // per_host for r in ranks}) == 1)
-        total += count * latency + nbytes * moved_fraction(op, len(ranks)) / bandwidth
-    return total
+        totals[0 if data_parallel(op, dim, roles) else 1] += count * latency + nbytes * moved_fraction(op, len(ranks)) / bandwidth
+    return totals[0], totals[1]
 
 
 def predict(cfg: DictConfig, reports: List, device: Dict) -> Prediction:
@@ -101,7 +114,9 @@ def predict(cfg: DictConfig, reports: List, device: Dict) -> Prediction:
     roles = MeshRoles.from_config(cfg)
     memory = max(r.peak_bytes for r in reports)
     compute = compute_seconds(flops_per_rank(cfg, roles), roles.world, device)
-    comm = max(comm_seconds(r.collectives, roles, device) for r in reports)
+    # the DP strategy's communication beyond what hides behind compute (device dp_overlap)
+    comm = max(max(0.0, dp - device.get("dp_overlap", 0.0) * compute) + rest
+               for dp, rest in (comm_seconds(r.collectives, roles, device) for r in reports))
     bubble = 0.0
     if roles.pp_size > 1 and roles.world <= device.get("cores", roles.world):  # (else idle stages yield their cores)
         looped = cfg.parallel.pp_stages_per_rank  # interleaved: each rank's share of the bubble is 1 / its stages
