@@ -59,6 +59,15 @@ def test_interleaved_schedules_and_cp_are_weighed_where_the_model_has_them():
     assert cp.refusal is None and list(cp.cfg.mesh.dim_names) == ["dp", "cp", "tp"]
 
 
+def test_planner_strategies_outside_the_three_are_refused():
+    from framework.planner.plan import check_planner
+
+    planner = compose_config(["planner.world=4", "planner.strategies=[fsdp,zero3]"]).planner
+    with pytest.raises(ConfigError, match=re.escape("planner.strategies=['fsdp', 'zero3']: weighs any of replicate, "
+                                                    "fsdp, hsdp, e.g. planner.strategies=[fsdp,hsdp]")):
+        check_planner(planner)
+
+
 def test_planner_dims_outside_the_searchable_are_refused(tmp_path):
     result = run_cli(["recipe=lm_2d", "planner.world=4", "planner.dims=[pp,dp,xp]",
                       f"planner.calibration={tmp_path}/none.json"], module="framework.planner", timeout=60)

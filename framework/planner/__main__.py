@@ -13,7 +13,8 @@ from framework.planner.confirm import confirm, report
 from framework.planner.plan import Plan, check_planner, device_profile, plan
 
 USAGE = ("usage: python -m framework.planner [hydra overrides, e.g. recipe=lm_2d model=lm_small] planner.world=N "
-         "[planner.device=cpu|h100|h200|a100] [planner.device_memory_gb=M] [--calibrate] [--confirm K]\n"
+         "[planner.device=cpu|h100|h200|a100] [planner.device_memory_gb=M] [planner.dims=[pp,dp,cp,tp]] "
+         "[planner.strategies=[fsdp,hsdp]] [--calibrate] [--confirm K]\n"
          "--calibrate: measure this host's matmul rate and gloo latency / bandwidth again; --confirm K: run the top "
          "K layouts and the last two for real and compare\n"
          "exit 0: a ranked table; 2: a config error, or no layout fits")

@@ -106,7 +106,7 @@ def plan(user_overrides: List[str], planner, device: dict) -> Plan:
     for candidate, prediction in zip(valid, predictions(valid, device)):
         fits = result.memory_gb is None or prediction.memory_bytes <= result.memory_gb * GIB
         (result.ranked if fits else result.over).append((candidate, prediction))
-    result.ranked.sort(key=lambda pair: pair[1].step_s)
+    result.ranked.sort(key=lambda pair: (round(pair[1].step_s, 6), pair[1].memory_bytes))  # a tie: less memory first
     if not result.ranked and not result.over:
         first = result.refused[0]
         raise ConfigError("planner.world", planner.world, f"validation refuses every layout; the first, "
