@@ -6,6 +6,7 @@ modelled). Cached in a JSON file that names the host and backend it was measured
 import json
 import os
 import socket
+import statistics
 import tempfile
 import time
 from typing import Dict
@@ -45,23 +46,28 @@ def matmul_gflops(threads: int, size: int = 1024, repeats: int = 8) -> float:
 RANKS = (2, 4)  # the world sizes whose collectives are measured
 
 
-def _between_compute(world: int, repeats: int = 20) -> float:
+def _between_compute(world: int, repeats: int = 20, rounds: int = 5) -> float:
     """A 4-byte all-reduce's cost between bursts of compute, as a training step meets it: the
     time of (matmuls + all-reduce) x repeats less that of the matmuls alone, run alike on every
-    rank. With more ranks than cores it includes the wait for peers the scheduler set aside."""
+    rank; the median of `rounds` such pairs (one pair alone came out at 0 once, the matmuls
+    alone having drawn the slower scheduling). With more ranks than cores it includes the wait
+    for peers the scheduler set aside."""
     a, b, flag = torch.randn(384, 384), torch.randn(384, 384), torch.ones(1)
-    timings = []
-    for with_collective in (False, True):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            for _ in range(4):
-                a @ b
-            if with_collective:
-                dist.all_reduce(flag)
-        dist.barrier()
-        timings.append(time.perf_counter() - start)
-    return max(timings[1] - timings[0], 0.0) / repeats
+    differences = []
+    for _ in range(rounds):
+        timings = []
+        for with_collective in (False, True):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                for _ in range(4):
+                    a @ b
+                if with_collective:
+                    dist.all_reduce(flag)
+            dist.barrier()
+            timings.append(time.perf_counter() - start)
+        differences.append((timings[1] - timings[0]) / repeats)
+    return max(statistics.median(differences), 0.0)
 
 
 def _collective_rank(rank: int, world: int, port: int, out: str) -> None:
