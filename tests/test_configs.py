@@ -36,7 +36,10 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
           **{("mesh", name): ["recipe=lm_3d", f"mesh={name}"] for name in ("pp2x1x1", "pp2x2x1", "pp2x1x2", "pp2x2x2",
                                                                              "pp2x1x2x1cp")},
           **{("mesh", name): ["recipe=lm_2d", f"mesh={name}"] for name in ("1x2x1cp", "1x4x1cp", "1x2x2cp", "2x2x1cp")},
-          ("data", "tokens"): ["recipe=lm_files"], ("data", "instructions"): ["recipe=lm_files", "data=instructions"]}
+          ("data", "tokens"): ["recipe=lm_files"], ("data", "instructions"): ["recipe=lm_files", "data=instructions"],
+          ("data", "random_tokens"): ["recipe=lm_2d", "data=random_tokens"],
+          **{("model", name): ["recipe=lm_2d", f"model={name}", "data=random_tokens", "trainer.eval_every=null"]
+             for name in ("llama3_8b", "llama3_70b")}}
 # Configs that read prepared token data: which kind (the `prepared` fixture's).
 PREPARED = {("data", "tokens"): "packed", ("data", "instructions"): "instruction", ("recipe", "lm_files"): "packed",
             ("data", "preferences"): "preference", ("objective", "dpo"): "preference"}

@@ -96,7 +96,8 @@ def layouts(cfg: DictConfig, world: int, dims: Sequence[str], strategies: Sequen
                 for stages, schedule, micro in schedules(pp, cfg.data.global_batch_size // dp, n_layers):
                     for spread in experts:
                         overrides = [*mesh, f"parallel.dp_strategy={strategy}", *stages, *spread]
-                        overrides += [f"model.activation_checkpointing={recompute}"] if recompute else []
+                        if recompute and not fixed_recompute:
+                            overrides.append(f"model.activation_checkpointing={recompute}")
                         labels = {"mesh": f"pp{pp} {dp_label}{f' cp{cp}' if 'cp' in searched else ''} tp{tp}",
                                   "strategy": strategy, "AC": recompute or "-", "schedule": schedule, "micro": micro,
                                   **({"experts": "all" if spread == ["parallel.ep_dims=null"] else "dp"} if moe else {})}

@@ -105,7 +105,8 @@ def comm_seconds(collectives: Dict, roles: MeshRoles, device: Dict) -> Tuple[flo
     for (op, dim), (count, nbytes) in collectives.items():
         ranks = group_ranks(roles, dim)
         latency, bandwidth = link(device, roles.world, len({r // per_host for r in ranks}) == 1)
-        totals[0 if data_parallel(op, dim, roles) else 1] += count * latency + nbytes * moved_fraction(op, len(ranks)) / bandwidth
+        seconds = count * latency + nbytes * moved_fraction(op, len(ranks)) / bandwidth
+        totals[0 if data_parallel(op, dim, roles) else 1] += seconds
     return totals[0], totals[1]
 
 

@@ -17,8 +17,8 @@ from framework.planner.calibrate import cpu_profile, default_path
 from framework.planner.candidates import Candidate, candidates
 from framework.planner.cost import Prediction, predict
 
-SEARCHABLE = ("pp", "dp", "cp", "tp")
-STRATEGIES = ("replicate", "fsdp", "hsdp")  # the mesh dims a layout factorizes (hsdp splits dp)
+SEARCHABLE = ("pp", "dp", "cp", "tp")  # the mesh dims a layout factorizes (hsdp splits dp)
+STRATEGIES = ("replicate", "fsdp", "hsdp")
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles.yaml")
 
 
@@ -78,7 +78,7 @@ def predictions(valid: List[Candidate], device: dict) -> List[Prediction]:
 
 
 def check_planner(planner) -> None:
-    """planner.world and planner.dims, before anything is measured or dry-run."""
+    """planner.world, planner.strategies and planner.dims, before anything is measured or dry-run."""
     if planner.world is None or planner.world < 1:
         raise ConfigError("planner.world", planner.world, "give the number of ranks to plan for, e.g. planner.world=8")
     strange = [s for s in planner.strategies if s not in STRATEGIES]
