@@ -10,6 +10,9 @@ How tests compare numbers (the rule for every new test):
   CPU's kernels: rtol 1e-5 / atol 1e-6 (max_relative_error < 1e-5), or looser with the reason
   in a comment (losses over many steps of a model whose loss amplifies: 1e-4; bf16: 2e-2).
   Never tighter: 1e-6 / 1e-7 passed on one CPU and failed by one ulp on another.
+- Where the sides are computed differently, the bound is at least 10x the error measured here,
+  with the measurement in a comment: `TOLERANCE_LOG=errors.jsonl make test` records every
+  comparison's error (tests/errors.py).
 - No wall-clock assertions: timings belong in bench/. A hang is caught by the test's timeout.
 """
 import json
@@ -25,6 +28,7 @@ import pytest
 from omegaconf import DictConfig
 
 import framework.cli
+from tests.errors import recording_assert_close
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -36,6 +40,12 @@ TEST_MODELS = "allowed_targets=[framework,torch.nn,torch.optim,tests]"  # models
 # The tiny LM on a 64 KB slice of the byte corpus, 8 sequences of 32 bytes per step.
 TINY_LM = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "data.dataset.seq_len=32",
            "data.global_batch_size=8", "trainer.progress_bar=false"]
+
+
+def pytest_configure(config):
+    if os.environ.get("TOLERANCE_LOG"):
+        import torch.testing
+        torch.testing.assert_close = recording_assert_close(torch.testing.assert_close)
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +74,6 @@ def prepared(tmp_path_factory) -> Dict[str, str]:
 def hf_dirs(tmp_path_factory, prepared) -> Dict[str, str]:
     """A tiny random Hugging Face model directory per supported architecture (tests/hf_models.py),
     and "tokens": the packed text prepared with their (byte-level) tokenizer.json."""
-    pytest.importorskip("transformers")
     from framework.prepare import main as prepare
     from tests.hf_models import ARCHITECTURES, make_hf_model
 

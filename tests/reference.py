@@ -44,7 +44,3 @@ def reference_training(cfg: DictConfig) -> Dict[str, List[float]]:
     return {"losses": losses, "grad_norms": grad_norms, "param_names": [n for n, _ in model.named_parameters()],
             "numel": sum(p.numel() for p in model.parameters()), "state_dict_keys": sorted(model.state_dict())}
 
-
-def max_relative_error(values: List[float], reference: List[float]) -> float:
-    assert len(values) == len(reference)
-    return max(abs(v - r) / abs(r) for v, r in zip(values, reference))

@@ -20,7 +20,8 @@ from framework.launch.handoff import rank_config
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models import SeedMLP
 from tests.conftest import QUIET, TEST_MODELS, TORCHRUN, compose_config, processes_with_marker, run_cli
-from tests.reference import max_relative_error, reference_training
+from tests.errors import max_relative_error
+from tests.reference import reference_training
 from tests.workers import output_after_loading
 
 # The seed MLP with AdamW (optimizer state to save and reshard), 20 steps, a checkpoint every 5.

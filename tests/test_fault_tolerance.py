@@ -14,7 +14,7 @@ from framework.config.validate import validate
 from tests.conftest import TEST_MODELS, TINY_LM, compose_config, run_cli
 from tests.reference import reference_training
 
-pytest.importorskip("torchft")
+import torchft  # noqa: F401  (make test installs the ft extra: a broken install fails, never skips)
 
 FT = [*TINY_LM, "mesh=2x1", "launcher.fault_tolerance=torchft"]
 

@@ -11,7 +11,8 @@ from framework.models.transformer import Transformer
 from framework.config.validate import validate
 from tests.conftest import TINY_LM, compose_config
 from tests.test_dryrun import tiny_lm_elements_per_rank_under_tp2
-from tests.reference import max_relative_error, reference_training
+from tests.errors import max_relative_error
+from tests.reference import reference_training
 from tests.workers import train_and_report
 
 # The tiny LM on a 64 KB slice of the corpus; SGD so any gradient error shows in the loss.

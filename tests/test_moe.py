@@ -16,7 +16,8 @@ from framework.models.moe import MoE, load_balance_loss, moe_blocks
 from framework.models.transformer import FeedForward, Transformer
 from framework.verify import verify
 from tests.conftest import TEST_MODELS, TINY_LM, compose_config, run_cli
-from tests.reference import max_relative_error, reference_training
+from tests.errors import max_relative_error
+from tests.reference import reference_training
 from tests.test_cli import read_events
 from tests.test_dryrun import counts_per_op
 from tests.workers import expert_biases, expert_shapes

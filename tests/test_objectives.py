@@ -12,7 +12,7 @@ from framework.config.errors import ConfigError
 from framework.config.validate import validate
 from framework.training.objectives import MeanSquaredError, NextTokenCrossEntropy
 from tests.conftest import QUIET, TEST_MODELS, TINY_LM, compose_config, run_cli
-from tests.reference import max_relative_error
+from tests.errors import max_relative_error
 from tests.test_cli import read_events
 
 

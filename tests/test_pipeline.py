@@ -14,7 +14,8 @@ from framework.inspect import count_collectives, first_difference, on_ranks, tra
 from framework.launch.local import launch_local
 from framework.verify import verify
 from tests.conftest import TEST_MODELS, compose_config, run_cli
-from tests.reference import max_relative_error, reference_training
+from tests.errors import max_relative_error
+from tests.reference import reference_training
 from tests.test_lm import TINY
 
 # The tiny LM with 4 blocks (2 stages of 2, or 4 of 1 with 2 stages per rank), SGD, 10 steps.

@@ -9,7 +9,8 @@ from hydra.errors import ConfigCompositionException
 from framework.launch.local import launch_local
 from framework.models.transformer import Transformer
 from tests.conftest import QUIET, compose_config
-from tests.reference import max_relative_error, reference_training
+from tests.errors import max_relative_error
+from tests.reference import reference_training
 from tests.test_lm import TINY, shape_under_tp2
 
 STEPS = 20

@@ -8,7 +8,8 @@ from framework.launch.handoff import rank_config
 from framework.launch.local import RankFailed, launch_local, spawn_ranks
 from framework.data import SyntheticRegression
 from tests.conftest import QUIET, TEST_MODELS, compose_config
-from tests.reference import max_relative_error, reference_training
+from tests.errors import max_relative_error
+from tests.reference import reference_training
 from tests.workers import data_parallel_gradients, seed_literal_ddp_then_tp, train_and_report
 
 PARITY_STEPS = 20
