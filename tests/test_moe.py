@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import open_dict
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
@@ -12,12 +13,12 @@ from framework.launch.handoff import rank_config
 from framework.dryrun import dry_run
 from framework.inspect import collectives_of_one_step, count_collectives, on_ranks
 from framework.launch.local import launch_local, spawn_ranks
-from framework.models.moe import MoE, load_balance_loss, moe_blocks
+from framework.models.moe import MoE, load_balance_loss, moe_blocks, update_expert_biases
 from framework.models.transformer import FeedForward, Transformer
 from framework.verify import verify
 from tests.conftest import TEST_MODELS, TINY_LM, compose_config, run_cli
 from tests.errors import max_relative_error
-from tests.reference import reference_training
+from tests.reference import reference_training, swiglu
 from tests.test_cli import read_events
 from tests.test_dryrun import counts_per_op
 from tests.workers import expert_biases, expert_shapes
@@ -29,8 +30,12 @@ MOE = [*TINY_LM, "model=lm_moe_tiny", "plan=none", "model.moe.aux_loss_coef=0.1"
        "optim=sgd", "~optim.betas", "optim.lr=0.5", "trainer.max_steps=8", "trainer.log_every=4"]
 
 
-def swiglu(x, w1, w2, w3):
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+def load_max_over_mean(routing, layer: int, every: int) -> torch.Tensor:
+    """TensorBoard's moe/layer{N}_load_max_over_mean by hand: the busiest expert's token slots
+    over the mean, counted over each logging window's steps."""
+    loads = [sum(step[layer] for step in routing.loads[start:start + every])
+             for start in range(0, len(routing.loads), every)]
+    return torch.tensor([float(load.max() / load.mean()) for load in loads])
 
 
 def test_a_moe_block_sends_each_token_to_its_top_k_experts_as_a_loop_by_hand():
@@ -49,6 +54,36 @@ def test_a_moe_block_sends_each_token_to_its_top_k_experts_as_a_loop_by_hand():
                 out = out + torch.sigmoid(block.shared_expert_gate(token)) * shared(token)
             expected.append(out)
         torch.testing.assert_close(block(x), torch.stack(expected).view(3, 7, 8), rtol=1e-5, atol=1e-6)
+
+
+def test_a_biased_block_chooses_by_the_biased_scores_and_weighs_by_the_probabilities_as_a_loop_by_hand():
+    """DeepSeek-V3's aux-loss-free routing: the bias decides which experts a token goes to, the
+    router's own probabilities (renormalized over the chosen) how much each counts."""
+    torch.manual_seed(0)
+    block = MoE(8, 5, n_experts=4, top_k=2, bias_update_rate=0.01)
+    block.expert_bias.copy_(torch.tensor([0.2, 0.0, -0.2, 0.05]))
+    x = torch.randn(3, 7, 8)
+    expected, moved = [], 0
+    for token in x.reshape(-1, 8):
+        probabilities = F.softmax(block.gate(token), dim=-1)
+        chosen = (probabilities + block.expert_bias).topk(2).indices
+        moved += set(chosen.tolist()) != set(probabilities.topk(2).indices.tolist())
+        weights = probabilities[chosen] / probabilities[chosen].sum()
+        expected.append(sum(w * swiglu(token, *(getattr(block.experts, n)[e] for n in ("w1", "w2", "w3")))
+                            for w, e in zip(weights, chosen.tolist())))
+    assert moved > 0  # the bias changed some tokens' experts: an unbiased choice would fail below
+    # one token's few matmuls in another order (measured 1.2e-7 of the tolerance's 1e-5)
+    torch.testing.assert_close(block(x), torch.stack(expected).view(3, 7, 8), rtol=1e-5, atol=1e-6)
+
+
+def test_the_expert_bias_moves_up_for_an_underloaded_expert_down_for_an_overloaded_one_by_the_rate():
+    """After a step, by hand: bias_e += rate x sign(mean load - load_e); the step's load starts again."""
+    block = MoE(8, 5, n_experts=4, top_k=2, bias_update_rate=0.25)
+    block.expert_bias.copy_(torch.tensor([0.5, 0.0, -0.5, 1.0]))
+    block.step_load.copy_(torch.tensor([7.0, 1.0, 4.0, 4.0]))  # mean 4: expert 0 over it, 1 under, 2 and 3 at it
+    update_expert_biases([block])
+    assert torch.equal(block.expert_bias, torch.tensor([0.25, 0.25, -0.5, 1.0]))
+    assert torch.equal(block.step_load, torch.zeros(4))
 
 
 def test_the_grouped_gemm_computes_what_the_per_expert_loop_does_forward_and_backward():
@@ -141,17 +176,17 @@ def test_under_pipeline_parallelism_the_expert_biased_moe_trains_the_one_process
     TensorBoard shows both stages' layers' load, as one process does."""
     biased = [*MOE, "model.moe.aux_loss_coef=0.0", "model.moe.bias_update_rate=0.01", "parallel.pp_microbatches=4",
               "logger.tensorboard=true"]
-    reference = launch_local(compose_config([*biased, "mesh=1x1"]), str(tmp_path / "1x1"))
+    reference = reference_training(compose_config([*biased, "mesh=1x1"]))  # routed and biased by hand
     summary = launch_local(compose_config([*biased, *overrides]), str(tmp_path / "pp"))
     error = max_relative_error(summary["losses"], reference["losses"])
     print(f"MoE {' '.join(overrides)}: max relative loss error vs one process {error:.2e}")
     assert error < 1e-5
-    events = {run: read_events(tmp_path / run / "tb") for run in ("1x1", "pp")}
+    events = read_events(tmp_path / "pp" / "tb")
     for layer in (0, 1):
-        loads = [torch.tensor([e.value for e in events[run].Scalars(f"moe/layer{layer}_load_max_over_mean")])
-                 for run in ("1x1", "pp")]
-        assert len(loads[0]) == 2
-        torch.testing.assert_close(loads[1], loads[0], rtol=1e-5, atol=1e-6)
+        logged = [e.value for e in events.Scalars(f"moe/layer{layer}_load_max_over_mean")]
+        assert len(logged) == 2
+        torch.testing.assert_close(torch.tensor(logged), load_max_over_mean(reference["routing"], layer, every=4),
+                                   rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(240)
@@ -270,13 +305,38 @@ def test_the_aux_loss_free_expert_bias_moves_toward_balance_alike_on_every_layou
         runs[mesh] = spawn_ranks(ranks, expert_biases, rank_config(compose_config([*biased, *mesh])),
                                  str(tmp_path / str(ranks)))
     one, spread = runs[("mesh=1x1",)][0], runs[("mesh=2x1", "parallel.ep_dims=[dp]")]
-    for name, bias in one["biases"].items():
+    by_hand = reference_training(compose_config([*biased, "mesh=1x1"]))["routing"].biases  # tests/reference.py
+    assert len(one["biases"]) == len(by_hand) == 2
+    for i, bias in enumerate(by_hand):
+        name = f"layers.{i}.feed_forward.expert_bias"
         steps = bias / 0.01
         torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-4)  # whole steps of the rate
         assert bias.abs().sum() > 0 and bias.max() > bias.min(), name
+        # sums of +-0.01 in the same order: equal unless a near-tie routed a token elsewhere (measured equal)
+        torch.testing.assert_close(one["biases"][name], bias, rtol=1e-5, atol=1e-6, msg=name)
         for rank in (0, 1):
             torch.testing.assert_close(spread[rank]["biases"][name], bias, rtol=1e-5, atol=1e-6, msg=(name, rank))
     assert max_relative_error(spread[0]["losses"], one["losses"]) < 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_a_run_with_the_expert_bias_saved_with_experts_over_2_ranks_resumes_on_one_process_with_its_bias(tmp_path):
+    """The bias is model state: the step-4 checkpoint holds each block's bias as the reference
+    moved it in 4 steps, and the run resumed without EP goes on along the uninterrupted curve."""
+    biased = [*MOE, "model.moe.aux_loss_coef=0.0", "model.moe.bias_update_rate=0.01"]
+    reference = reference_training(compose_config([*biased, "mesh=1x1"]))
+    saved = tmp_path / "ep2"
+    launch_local(compose_config([*biased, "mesh=2x1", "parallel.ep_dims=[dp]", "trainer.max_steps=4",
+                                 "checkpoint.every=4"]), str(saved))
+    step_4 = saved / "checkpoints" / "step_4"
+    dcp_to_torch_save(step_4, tmp_path / "step_4.pt")
+    model = torch.load(tmp_path / "step_4.pt", weights_only=False)["model"]
+    for i, bias in enumerate(reference["routing"].bias_history[3]):
+        assert bias.abs().sum() > 0
+        torch.testing.assert_close(model[f"layers.{i}.feed_forward.expert_bias"], bias, rtol=1e-5, atol=1e-6)
+    resumed = launch_local(compose_config([*biased, "mesh=1x1", f"checkpoint.resume={step_4}"]), str(tmp_path / "1x1"))
+    assert resumed["resumed_from"] and len(resumed["losses"]) == 8
+    assert max_relative_error(resumed["losses"], reference["losses"]) < 1e-5
 
 
 @pytest.mark.integration
@@ -346,13 +406,17 @@ def test_tensorboard_shows_each_layers_expert_load_and_bias_spread_alike_on_ever
     last logging step (over the global batches: the same with experts over 2 ranks as on one
     process, >= 1), and the spread of the expert bias (> 0 where it moved; it can move back)."""
     logged = [*MOE, "logger.tensorboard=true", "model.moe.bias_update_rate=0.01", "trainer.log_every=2"]
+    routing = reference_training(compose_config([*logged, "mesh=1x1"]))["routing"]  # tests/reference.py's counts
     events = {}
     for mesh in (["mesh=1x1"], ["mesh=2x1", "parallel.ep_dims=[dp]"]):
         launch_local(compose_config([*logged, *mesh]), str(tmp_path / mesh[0]))
         events[mesh[0]] = read_events(tmp_path / mesh[0] / "tb")
     for layer in (0, 1):
-        loads = {mesh: [e.value for e in ev.Scalars(f"moe/layer{layer}_load_max_over_mean")] for mesh, ev in events.items()}
-        assert len(loads["mesh=1x1"]) == 4 and all(value >= 1.0 for value in loads["mesh=1x1"])
-        torch.testing.assert_close(torch.tensor(loads["mesh=2x1"]), torch.tensor(loads["mesh=1x1"]),
-                                   rtol=1e-5, atol=1e-6)  # the global batches' counts, pooled the same
-        assert max(e.value for e in events["mesh=1x1"].Scalars(f"moe/layer{layer}_bias_spread")) > 0
+        by_hand = load_max_over_mean(routing, layer, every=2)
+        spread = torch.tensor([float(biases[layer].max() - biases[layer].min()) for biases in routing.bias_history[1::2]])
+        assert len(by_hand) == 4 and by_hand.max() > 1 and spread.max() > 0
+        for mesh, ev in events.items():  # the global batches' counts, pooled alike on both
+            torch.testing.assert_close(torch.tensor([e.value for e in ev.Scalars(f"moe/layer{layer}_load_max_over_mean")]),
+                                       by_hand, rtol=1e-5, atol=1e-6, msg=mesh)
+            torch.testing.assert_close(torch.tensor([e.value for e in ev.Scalars(f"moe/layer{layer}_bias_spread")]),
+                                       spread, rtol=1e-5, atol=1e-6, msg=mesh)
