@@ -21,7 +21,7 @@ from framework.models.hf_export import check_hf_out
 from framework.parallel.roles import MeshRoles
 from framework.models.lora import check_adapter
 from framework.models.nf4 import check_qlora
-from framework.training.preference import check_preference
+from framework.training.preference import check_preference, check_reference_on_resume
 from framework.parallel.context_parallel import check_context_parallel
 from framework.parallel.expert_parallel import check_expert_parallel
 from framework.parallel.fault_tolerance import check_fault_tolerance
@@ -317,5 +317,6 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         check_responses(cfg)
         if out_dir is not None:
             check_checkpoint_sources(cfg, checkpoint_dir(cfg, out_dir), model)
+            check_reference_on_resume(cfg, checkpoint_dir(cfg, out_dir), model)
         if cfg.checkpoint.final_hf:
             check_final_hf(model, out_dir)

@@ -153,6 +153,29 @@ def frozen_copy(run) -> nn.Module:
     return copy.module.eval()
 
 
+def reference_gone(path: str) -> ConfigError:
+    return ConfigError("objective.reference", "precomputed", f"{path} is gone, and a resumed full-training run's "
+                                                             f"model is no longer its reference; restore it, or use "
+                                                             f"objective.reference=frozen_copy")
+
+
+def check_reference_on_resume(cfg, checkpoint_dir: str, model: nn.Module) -> None:
+    """Before any rank starts: a full-training run resumed with checkpoint.resume cannot make its
+    precomputed reference again (its model is no longer the one training started from), so each
+    split's stored log-probabilities must still be there."""
+    from hydra.utils import instantiate
+
+    from framework.checkpoint.base_model import base_model
+
+    if cfg.objective.get("reference") != "precomputed" or cfg.adapter.kind != "none" or not cfg.checkpoint.resume:
+        return
+    base = base_model(cfg, checkpoint_dir, getattr(model, "hf_path", None))
+    for split in ("train", "val") if cfg.trainer.eval_every else ("train",):
+        path = reference_path(cfg, instantiate(cfg.data.dataset, split=split), base)
+        if not os.path.isfile(path):
+            raise reference_gone(path)
+
+
 def reference_path(cfg, dataset, base: dict) -> str:
     """Where a split's precomputed reference log-probabilities lie: named by what makes them
     (the base model, the adapter's kind and NF4 blocks, the precision, seq_len, padding, split)."""
@@ -173,10 +196,8 @@ def precomputed_reference(run, dataset) -> np.ndarray:
     base = base_model(run.cfg, checkpoint_dir(run.cfg, run.out_dir), getattr(run.module, "hf_path", None))
     path = reference_path(run.cfg, dataset, base)
     if not os.path.isfile(path):
-        if run.resumed is not None and run.cfg.adapter.kind == "none":
-            raise ConfigError("objective.reference", "precomputed", f"{path} is gone, and a resumed full-training "
-                                                                    f"run's model is no longer its reference; restore "
-                                                                    f"it, or use objective.reference=frozen_copy")
+        if run.resumed is not None and run.cfg.adapter.kind == "none":  # (an elastic restart's resume)
+            raise reference_gone(path)
         values = _reference_logps(run, dataset)
         if run.rank == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
