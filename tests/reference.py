@@ -2,7 +2,7 @@
 distributed runs are compared against (same seed, same global batches, same optimizer). A
 mixture of experts is routed here too (HandRouting), not by framework.models.moe, so a routing
 bug the layouts share cannot hide in the reference."""
-from typing import Dict, List, Optional
+from typing import Collection, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +90,11 @@ def load_balance_weight(cfg: DictConfig) -> float:
     return (cfg.objective.get("aux_coefficients") or {}).get("load_balance", cfg.model.moe.get("aux_loss_coef", 0.0))
 
 
-def reference_training(cfg: DictConfig) -> Dict[str, List[float]]:
+def reference_training(cfg: DictConfig, first_replica_alone: Collection[int] = (),
+                       replicas: int = 1) -> Dict[str, List[float]]:
+    """`first_replica_alone`: the steps (from 1) that the first of `replicas` DP replicas trained
+    alone (a torchft replica group whose peers had failed): on its share of the global batch,
+    every replicas-th sample, as DistributedSampler deals them."""
     torch.manual_seed(cfg.trainer.seed)
     model = instantiate(cfg.model)
     moe = cfg.model.get("moe")
@@ -103,8 +107,10 @@ def reference_training(cfg: DictConfig) -> Dict[str, List[float]]:
     loss_fn = REFERENCE_LOSSES[cfg.objective._target_]
     losses, grad_norms = [], []
     batches = iter(loader)
-    for _ in range(cfg.trainer.max_steps):
+    for step in range(1, cfg.trainer.max_steps + 1):
         inputs, targets, *positions = next(batches)  # positions: document-masked token data
+        if step in first_replica_alone:
+            inputs, targets, *positions = (t[::replicas] for t in (inputs, targets, *positions))
         optimizer.zero_grad()
         loss = loss_fn(model(inputs, **({"positions": positions[0]} if positions else {})), targets)
         if routing is not None:

@@ -90,7 +90,8 @@ def test_a_packed_window_of_three_documents_is_the_three_documents_run_one_by_on
 
 def test_flex_attentions_block_mask_computes_what_the_dense_mask_does():
     """The CUDA path (FlexAttention) against the CPU one, forward only: FlexAttention has no CPU
-    backward in torch 2.13, and no GPU has run it yet."""
+    backward in torch 2.13, eager or compiled (asserted below, so a torch that adds one fails
+    here and its backward gets compared too), and no GPU has run it yet."""
     from framework.models.documents import attention_layout
 
     torch.manual_seed(0)
@@ -104,6 +105,9 @@ def test_flex_attentions_block_mask_computes_what_the_dense_mask_does():
         dense, flex = (model.run_blocks(model.layers, h, attention_layout(freqs, positions, h, flex=f))
                        for f in (False, True))
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
+    h = model.tok_embeddings(tokens)
+    with pytest.raises(NotImplementedError, match="FlexAttention does not support backward on CPU"):
+        model.run_blocks(model.layers, h, attention_layout(freqs, positions, h, flex=True)).sum().backward()
 
 
 def test_a_tokens_loss_does_not_change_when_the_document_before_it_does():

@@ -146,21 +146,26 @@ class KillAtForward(SeedMLP):
 class TransformerKilledInReplicaGroup(Transformer):
     """The LM, except that on the first attempt of replica group `group` (launcher.fault_tolerance)
     its rank 0 dies by SIGKILL in its forward number `at` (during that step); each forward takes
-    at least `step_s`; restarted, the group is built `down_s` later."""
+    at least `step_s`. Restarted, the group is built only once the `marker` file exists, which a
+    surviving group writes as it starts step `at` + 1: it committed step `at` alone, whatever
+    the machine's speed."""
 
-    def __init__(self, group: int = 1, at: int = 10, step_s: float = 0.0, down_s: float = 0.0, **sizes):
+    def __init__(self, group: int = 1, at: int = 10, step_s: float = 0.0, marker: str = "", **sizes):
         super().__init__(**sizes)
-        self.kill_group, self.at, self.calls, self.step_s = group, at, 0, step_s
-        if os.environ.get("FRAMEWORK_REPLICA_GROUP", "").startswith(f"{group}/") \
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-            time.sleep(down_s)  # the restarted group stays away at least this long (past the detection time)
+        self.kill_group, self.at, self.calls, self.step_s, self.marker = group, at, 0, step_s, marker
+        self.mine = os.environ.get("FRAMEWORK_REPLICA_GROUP", "").startswith(f"{group}/")
+        if self.mine and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            deadline = time.monotonic() + 120
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     def forward(self, *args, **kwargs):
         self.calls += 1
         time.sleep(self.step_s)  # (steps long enough for the killed group to come back before the end)
-        if self.calls == self.at and os.environ.get("FRAMEWORK_REPLICA_GROUP", "").startswith(f"{self.kill_group}/") \
-                and _first_attempt_on(0):
+        if self.calls == self.at and self.mine and _first_attempt_on(0):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.calls == self.at + 2 and not self.mine:  # forward at + 1 was step `at` again, committed alone
+            Path(self.marker).touch()
         return super().forward(*args, **kwargs)
 
 

@@ -278,23 +278,25 @@ class Trainer:
         self.pending = PendingLosses(min(trainer.log_every, trainer.max_steps - state.step), self.device)
         run.model.train()
         run.replicas.carry(run, self.pending)  # (torchft: what a restarted replica group receives)
-        stopped = None
+        stopped, redo = None, None
         with garbage_frozen(), profiled(run.out_dir, run.rank, trainer.profile_steps) as profiler, \
                 Interrupt(run.rank, run.replicas.stopping_signals) as interrupt:
             while state.step < trainer.max_steps:
                 self.watchdog.stage(f"step {state.step + 1}: replica groups' quorum")
                 if run.replicas.start_step():  # a restarted replica group took a live one's state: go on from there
                     data = batches(run.sampler, run.dataloader, state.position, self.cfg.data.global_batch_size)
+                    redo = None
                 step = state.step = state.step + 1
                 logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
                 self.watchdog.stage(f"step {step}: data, forward and backward{self._pipeline_where()}")
-                batch = Batch.of(next(data), self.device)
+                batch = redo if redo is not None else Batch.of(next(data), self.device)
                 lr = run.optimizer.param_groups[0]["lr"]
                 loss, grad_norm = self.train_step(batch, logging_step, on_gradients=lambda: self.watchdog.stage(
                     f"step {step}: gradient norm, optimizer step"))
-                if not run.replicas.committed():  # a replica group failed in it: the live groups run it again
-                    state.step = step - 1
+                if not run.replicas.committed():  # a replica group failed in it: the live groups run it
+                    state.step, redo = step - 1, batch  # again, on the same batch
                     continue
+                redo = None
                 self.pending.append(run.replicas.mean(loss))
                 stopped = interrupt.agreed()
                 self._after_step(step, logging_step, grad_norm, stopping=stopped is not None)
