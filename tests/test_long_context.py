@@ -82,9 +82,10 @@ def test_a_packed_window_of_three_documents_is_the_three_documents_run_one_by_on
     model.zero_grad()
     alone = logits_document_by_document(model, inputs, positions)
     F.cross_entropy(alone.flatten(0, 1), targets.flatten(), reduction="sum").backward()
-    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    # a masked window against each document alone: the worst element used 21% of 1e-5 / 1e-6
+    torch.testing.assert_close(packed, alone, rtol=5e-5, atol=5e-6)
+    for name, p in model.named_parameters():  # (12% of it)
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=5e-5, atol=5e-6, msg=name)
     assert (model(inputs) - alone).abs().max() > 1e-2  # plain causal attention sees across documents
 
 
@@ -104,7 +105,7 @@ def test_flex_attentions_block_mask_computes_what_the_dense_mask_does():
         freqs = model.rope.freqs(model.head_dim, "cpu")
         dense, flex = (model.run_blocks(model.layers, h, attention_layout(freqs, positions, h, flex=f))
                        for f in (False, True))
-    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flex, dense, rtol=5e-5, atol=5e-6)  # (13% of 1e-5 / 1e-6 used)
     h = model.tok_embeddings(tokens)
     with pytest.raises(NotImplementedError, match="FlexAttention does not support backward on CPU"):
         model.run_blocks(model.layers, h, attention_layout(freqs, positions, h, flex=True)).sum().backward()

@@ -99,7 +99,7 @@ def test_lora_computes_what_peft_computes_on_one_process(hf_dirs):
     for name, p in ours.named_parameters():
         if p.requires_grad:
             ref = grads[peft_name(name)]
-            assert relative_error(p.grad, ref) <= 1e-5, name
+            assert relative_error(p.grad, ref) <= 5e-5, name  # PEFT's layers: measured 6.3e-7
 
 
 def sgd_and_global_batches(model, cfg):
@@ -189,9 +189,12 @@ def test_the_peft_export_loads_in_peft_and_the_merged_export_in_transformers(hf_
         trained = peft_reference[1](tokens).logits  # PEFT's own 5 steps on one process
         merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), attn_implementation="eager",
                                                       dtype=torch.float32)(tokens).logits
-    assert relative_error(theirs, ours) <= 1e-5
-    assert relative_error(merged, ours) <= 1e-5
-    assert relative_error(theirs, trained) <= 1e-4  # the same training on 2 ranks (lr 2, momentum: rounding grows)
+    assert relative_error(theirs, ours) <= 5e-5  # PEFT's layers: measured 8.7e-7
+    # W + (alpha / r) B A merged rounds once per weight, the adapter beside W twice per output: measured
+    # 6.6e-6 here and 1.07e-5 on another CPU
+    assert relative_error(merged, ours) <= 2e-4
+    # the same training on 2 ranks and on PEFT's one (lr 2, momentum: rounding grows): measured 2.5e-5
+    assert relative_error(theirs, trained) <= 1e-3
     assert not os.path.exists(str(tmp_path / "adapter") + ".partial")
 
 
@@ -399,17 +402,17 @@ def test_qlora_trains_what_peft_trains_on_the_nf4_base(mesh, overrides, hf_dirs,
                                            *overrides]), str(tmp_path))
     error = max_relative_error(summary["losses"], qlora_reference[0])
     print(f"QLoRA {mesh} {overrides}: max relative loss error vs PEFT on the NF4 base {error:.2e}")
-    assert error < 1e-5
+    assert error < 5e-5  # measured 6.1e-7
     lora = max_relative_error(summary["losses"], launch_local(compose_config(
         [*lora_overrides(path, hf_dirs["tokens"]), "mesh=1x1"]), str(tmp_path / "lora"))["losses"])
-    assert lora > 1e-6  # NF4 changed the base: the test would see a run that skipped it
+    assert lora > 1e-3  # NF4 changed the base (measured 2.2e-2), far past the bound: a run that skipped it fails
     export(str(tmp_path / "checkpoints"), str(tmp_path / "adapter"), format="peft")
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         base = nf4_rounded(reference(path), *NF4_BLOCKS)
         theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))(tokens).logits
         ours = load_model(str(tmp_path / "checkpoints"))[0](tokens)
-    assert relative_error(theirs, ours) <= 1e-5
+    assert relative_error(theirs, ours) <= 5e-5  # PEFT on the NF4 base: measured 9.1e-7
 
 
 def test_qlora_stores_the_adapted_weights_in_nf4_and_refuses_what_nf4_cannot_do(hf_dirs):

@@ -72,7 +72,7 @@ def test_a_biased_block_chooses_by_the_biased_scores_and_weighs_by_the_probabili
         expected.append(sum(w * swiglu(token, *(getattr(block.experts, n)[e] for n in ("w1", "w2", "w3")))
                             for w, e in zip(weights, chosen.tolist())))
     assert moved > 0  # the bias changed some tokens' experts: an unbiased choice would fail below
-    # one token's few matmuls in another order (measured 1.2e-7 of the tolerance's 1e-5)
+    # one token's few matmuls against the block's batched ones (measured 1.3e-7)
     torch.testing.assert_close(block(x), torch.stack(expected).view(3, 7, 8), rtol=1e-5, atol=1e-6)
 
 
@@ -103,7 +103,8 @@ def test_the_grouped_gemm_computes_what_the_per_expert_loop_does_forward_and_bac
         results.append([out, *(t.grad for t in inputs)])
     for grouped, looped in zip(*results):
         torch.testing.assert_close(grouped, looped)  # (bf16's tolerances)
-    torch.testing.assert_close(results[0][0].float(), swiglu_per_expert(tokens, *weights, counts), rtol=2e-2, atol=1e-2)
+    # bf16 (8 bits of mantissa) against the fp32 loop: the worst element used 26% of 2e-2 / 1e-2
+    torch.testing.assert_close(results[0][0].float(), swiglu_per_expert(tokens, *weights, counts), rtol=6e-2, atol=3e-2)
 
 
 def test_the_load_balancing_loss_is_transformers_formula_over_every_layer_pooled():
@@ -200,7 +201,7 @@ def test_on_instruction_data_with_activation_checkpointing_experts_over_2_ranks_
     reference = launch_local(compose_config([*sft, "mesh=1x1"]), str(tmp_path / "1x1"))
     spread = launch_local(compose_config([*sft, "mesh=2x1", "parallel.ep_dims=[dp]",
                                           "model.activation_checkpointing=full"]), str(tmp_path / "ep"))
-    assert max_relative_error(spread["losses"], reference["losses"]) < 1e-5
+    assert max_relative_error(spread["losses"], reference["losses"]) < 5e-5  # measured 8.5e-7
     assert max_relative_error(reference["losses"], reference_training(compose_config([*sft, "mesh=1x1",
                               "model.moe.bias_update_rate=null"]))["losses"]) > 1e-4  # (the bias moved the routing)
 

@@ -53,7 +53,7 @@ def test_sharded_strategies_train_the_one_process_model_on_a_shard_of_the_bytes(
     norm_error = max_relative_error(summary["grad_norms"], reference["grad_norms"][4::5])
     print(f"{strategy} {mesh} {model} {plan}: max relative loss error vs 1x1 {loss_error:.2e}, "
           f"grad norm {norm_error:.2e}; bytes per rank {summary['memory']['max_over_ranks']}")
-    tolerance = 1e-5 if model == "seed" else 1e-4
+    tolerance = 1e-5 if model == "seed" else 2e-4  # measured 2e-7; the LM's clipped grad norm 7.2e-6 (fsdp)
     assert loss_error < tolerance and norm_error < tolerance
     assert sum(norm > clip for norm in reference["grad_norms"]) > STEPS // 2  # clipping acted on most steps
     rank0 = summary["memory"]["rank0"]
