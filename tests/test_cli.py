@@ -73,7 +73,7 @@ def test_a_failing_rank_ends_every_process_and_is_named(tmp_path):
     first, last = result.stderr.strip().splitlines()
     assert first == ("rank 1 failed: RuntimeError('boom on rank 1') (traceback in logs/rank1.log); restarting every "
                      "rank (1 of 1)")
-    assert last.startswith("training failed: rank 1 failed (exit code 1): ")
+    assert last.startswith("training failed: rank 1 failed: ")
     assert "boom on rank 1" in last
     assert "logs/rank1.log" in last
     assert "boom on rank 1" in (tmp_path / "job" / "logs" / "rank1.log").read_text()

@@ -65,7 +65,7 @@ def test_a_failed_job_is_reported_and_the_sweep_goes_on_then_exits_1(tmp_path):
     assert result.returncode == 1, result.stderr
     rows = csv_rows(sweep)
     assert [(r["mesh"], r["status"]) for r in rows] == [("2x1", "failed"), ("1x5", "failed"), ("1x1", "ok")]
-    assert rows[0]["error"].startswith("training failed: rank 1 failed (exit code 1): ")
+    assert rows[0]["error"].startswith("training failed: rank 1 failed: ")
     assert "boom on rank 1" in rows[0]["error"]
     assert rows[1]["error"].startswith("config error: plan.net1='colwise': ")
     for row in rows[:2]:

@@ -112,8 +112,10 @@ def _failure_message(error: ChildFailedError) -> str:
     if failure.exitcode < 0 and not _raised(failure):
         return (f"rank {rank} was killed by signal {failure.signal_name()} (exit code {failure.exitcode}): from "
                 f"outside the run (kill, the OOM killer) or by a crash, so it left no traceback{others}")
-    return (f"rank {rank} failed (exit code {failure.exitcode}): {_headline(failure)} "
-            f"(traceback in logs/rank{rank}.log){others}")
+    # A rank that raised exits 1, or -15 when the agent's SIGTERM to the ranks still running
+    # reaches it first: a race, so its error, not its exit code, is the account.
+    code = "" if _raised(failure) else f" (exit code {failure.exitcode})"
+    return f"rank {rank} failed{code}: {_headline(failure)} (traceback in logs/rank{rank}.log){others}"
 
 
 def _with_rank_threads(function: Callable, *args: Any) -> Any:
