@@ -306,7 +306,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         roles = MeshRoles.from_config(cfg)
         check_pipeline_parallel(cfg, model, roles.pp_size, roles.dp_size)
         check_expert_parallel(model, OmegaConf.to_container(cfg.plan, resolve=True) if cfg.plan else {}, roles)
-        check_adapter(cfg, model)
+        check_adapter(cfg, model, roles.tp_size)
         check_qlora(cfg, model, roles.tp_size)
         check_context_parallel(cfg, model, roles.cp_size, roles.tp_size)
         check_document_masking(cfg, model)

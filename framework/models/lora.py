@@ -253,8 +253,9 @@ def load_peft_adapter(model: nn.Module, path: str) -> None:
             _copy_placed(params[ours], tensors[theirs].float())
 
 
-def check_adapter(cfg, model: nn.Module) -> None:
-    """Before launch: a kind it knows, a rank the targets can hold, targets that exist; then
+def check_adapter(cfg, model: nn.Module, tp_size: int) -> None:
+    """Before launch: a kind it knows, targets that exist, a rank they can hold, a positive alpha,
+    a dropout probability (none under TP yet); then
     validation's (meta) model gets the run's adapters, as the `adapters` stage adds them, so the
     checks after this one (a PEFT init_from, a checkpoint's keys) see the run's model."""
     adapter = cfg.adapter
@@ -262,11 +263,21 @@ def check_adapter(cfg, model: nn.Module) -> None:
         return
     if adapter.kind not in ("lora", "qlora"):
         raise ConfigError("adapter.kind", adapter.kind, "use none, lora or qlora (conf/adapter/)")
+    if not adapter.targets:
+        raise ConfigError("adapter.targets", [], "names no layer; name the linear layers to adapt, e.g. [wq, wv]")
     layers = targets_of(model, list(adapter.targets))
     smallest = min(min(layer.in_features, layer.out_features) for _, layer in layers)
     if not 1 <= adapter.rank <= smallest:
         raise ConfigError("adapter.rank", adapter.rank, f"must be between 1 and {smallest}, the smallest dimension of "
                                                         f"the targeted layers")
+    if not adapter.alpha > 0:
+        raise ConfigError("adapter.alpha", adapter.alpha, "must be > 0: the update is scaled by alpha / rank")
+    if not 0 <= adapter.dropout < 1:
+        raise ConfigError("adapter.dropout", adapter.dropout, "must be in [0, 1): the probability of zeroing an input")
+    if adapter.dropout > 0 and tp_size > 1:
+        raise ConfigError("adapter.dropout", adapter.dropout, f"not yet under TP (size {tp_size}): each TP rank would "
+                                                              f"draw its own mask of the adapter's input; use "
+                                                              f"adapter.dropout=0 or a mesh without TP")
     if cfg.checkpoint.final_hf:
         raise ConfigError("checkpoint.final_hf", True, "with adapter=lora the run writes no merged model itself yet; "
                                                        "export its checkpoint: python -m framework.export CKPT OUT "

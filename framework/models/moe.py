@@ -119,6 +119,9 @@ class MoE(nn.Module):
         """shared_expert: a dense feed-forward every token also passes through (the block makes
         it), gated per token with shared_gate. bias_update_rate: the expert bias's step (null: no bias)."""
         super().__init__()
+        if n_experts < 1:
+            raise ConfigError("model.moe.n_experts", n_experts, "must be >= 1 (for a dense block, leave the block "
+                                                                "out of model.moe.layers)")
         if not 1 <= top_k <= n_experts:
             raise ConfigError("model.moe.top_k", top_k, f"must be between 1 and model.moe.n_experts={n_experts}")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
@@ -129,6 +132,9 @@ class MoE(nn.Module):
         # how token slots reach their experts: all here, or over the EP ranks (framework.parallel.expert_parallel)
         self.dispatch: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] = dispatch_locally
         self.stats: Optional[RoutingStats] = None
+        if bias_update_rate is not None and not bias_update_rate > 0:
+            raise ConfigError("model.moe.bias_update_rate", bias_update_rate, "must be > 0 (the bias's step toward "
+                                                                              "the mean load), or null for no bias")
         self.bias_update_rate = bias_update_rate
         # token slots per expert since the last logging step (routing_metrics): made from the first
         # routing, so a model allocated later (to_empty, a Hugging Face model) holds no garbage

@@ -226,11 +226,17 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         moe = dict(moe or {})
         layers = moe.pop("layers", None)
+        if moe and layers is not None and not layers:
+            raise ConfigError("model.moe.layers", list(layers), "names no block, so the model would be dense; name "
+                                                                "some blocks, null for all, or model.moe=null")
         sparse = set(range(n_layers) if layers is None else layers) if moe else set()
         if not sparse <= set(range(n_layers)):
             raise ConfigError("model.moe.layers", layers, f"name blocks 0 to {n_layers - 1} (model.n_layers={n_layers}), "
                                                           f"or null for all")
         aux_loss_coef = moe.pop("aux_loss_coef", 0.0)
+        if aux_loss_coef < 0:
+            raise ConfigError("model.moe.aux_loss_coef", aux_loss_coef, "must be >= 0 (0: the load-balancing loss "
+                                                                        "reported, not trained)")
         self.layers = nn.ModuleList(
             TransformerBlock(dim, hidden_dim, norm_eps, moe=moe if i in sparse else None, n_heads=n_heads,
                              n_kv_heads=n_kv_heads, head_dim=head_dim, rope=rope, qkv_bias=qkv_bias, o_bias=o_bias,

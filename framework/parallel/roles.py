@@ -102,6 +102,8 @@ class MeshRoles:
         (DP), or over TP ranks that split their replicated tokens between them. The DP dims EP
         leaves out hold replicas of each expert (expert_replica_dims)."""
         names, ep = list(self.dim_names), list(self.ep_dims)
+        if len(set(ep)) < len(ep):
+            raise ConfigError("parallel.ep_dims", ep, "names a dim twice; name each dim once")
         for name in ep:
             if name not in names:
                 raise ConfigError("parallel.ep_dims", ep, f"{name!r} is not a mesh dim; name some of {names}, or null")

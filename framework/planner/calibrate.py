@@ -123,8 +123,15 @@ def calibrate(path: str) -> Dict:
 
 def load(path: str) -> Dict:
     """The figures in `path`, refused (ConfigError) when measured on another host or backend."""
-    with open(path) as f:
-        figures = json.load(f)
+    try:
+        with open(path) as f:
+            figures = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError("planner.calibration", path, f"is not a calibration file ({error}); re-calibrate "
+                                                       f"(--calibrate) or name this host's file") from None
+    if not isinstance(figures, dict):
+        raise ConfigError("planner.calibration", path, "is not a calibration file (not a JSON object); re-calibrate "
+                                                       "(--calibrate) or name this host's file")
     here = socket.gethostname()
     if figures.get("host") != here or figures.get("backend") != BACKEND:
         raise ConfigError("planner.calibration", path, f"was measured on host {figures.get('host')!r} with "

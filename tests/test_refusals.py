@@ -1,0 +1,106 @@
+"""Bad input of the newer features (LoRA, MoE, CP, DPO, torchft, HF MoE, the planner), refused
+through the command line as a user meets it: exit 2, one line naming the key and the fix,
+before any rank starts or any job dir is made."""
+import re
+
+import pytest
+
+from tests.conftest import TINY_LM, run_cli
+from tests.hf_models import make_hf_model
+
+LORA = [*TINY_LM, "plan=none", "mesh=1x1", "adapter=lora"]
+MOE = ["recipe=lm_moe", "model=lm_moe_tiny", "data.dataset.max_bytes=65536", "data.dataset.seq_len=32"]
+PLANNER = [*TINY_LM, "planner.world=2", "planner.device=h100"]  # a published profile: nothing is calibrated
+NOT_A_CALIBRATION = '{"host": "this'
+
+TRAIN_REFUSALS = [
+    ([*LORA, "adapter.targets=[]"], r"adapter.targets=\[\]: names no layer; name the linear layers to adapt, "
+                                    r"e.g. \[wq, wv\]"),
+    ([*LORA, "adapter.alpha=0"], r"adapter.alpha=0.0: must be > 0: the update is scaled by alpha / rank"),
+    ([*LORA, "adapter.alpha=-16"], r"adapter.alpha=-16.0: must be > 0"),
+    ([*LORA, "adapter.dropout=1.0"], r"adapter.dropout=1.0: must be in \[0, 1\): the probability of zeroing an input"),
+    ([*LORA, "adapter.dropout=-0.1"], r"adapter.dropout=-0.1: must be in \[0, 1\)"),
+    ([*LORA, "adapter.dropout=0.1", "mesh=1x2", "plan=lm_tp"],
+     r"adapter.dropout=0.1: not yet under TP \(size 2\): each TP rank would draw its own mask of the adapter's "
+     r"input; use adapter.dropout=0 or a mesh without TP"),
+    ([*MOE, "model.moe.top_k=0"], r"model.moe.top_k=0: must be between 1 and model.moe.n_experts=4"),
+    ([*MOE, "model.moe.n_experts=0"], r"model.moe.n_experts=0: must be >= 1 \(for a dense block, leave the block "
+                                      r"out of model.moe.layers\)"),
+    ([*MOE, "model.moe.bias_update_rate=-0.001"],
+     r"model.moe.bias_update_rate=-0.001: must be > 0 \(the bias's step toward the mean load\), or null for no bias"),
+    ([*MOE, "model.moe.aux_loss_coef=-0.01"], r"model.moe.aux_loss_coef=-0.01: must be >= 0"),
+    ([*MOE, "model.moe.layers=[]"], r"model.moe.layers=\[\]: names no block, so the model would be dense; name some "
+                                    r"blocks, null for all, or model.moe=null"),
+    ([*MOE, "parallel.ep_dims=[dp,dp]"], r"parallel.ep_dims=\['dp', 'dp'\]: names a dim twice; name each dim once"),
+    ([*TINY_LM, "mesh=1x2x1cp", "plan=none", "parallel.cp_dim=dp"],
+     r"parallel.cp_dim='dp': CP needs a mesh dim of its own, apart from DP's, TP's and PP's"),
+    (["model=lm_tiny", "mesh=1x2x1cp", "plan=none", "data=synthetic_regression"],
+     r"parallel.cp_dim='cp': context parallelism splits token sequences; this data has no data.dataset.seq_len"),
+    ([*TINY_LM, "mesh=1x2x1cp", "plan=none", "data.dataset.seq_len=30"],
+     r"data.dataset.seq_len=30: must divide into 2 x cp = 4 equal chunks"),
+    ([*TINY_LM, "mesh=4x1", "plan=none", "launcher.fault_tolerance=torchft", "parallel.dp_strategy=fsdp"],
+     r"parallel.dp_strategy='fsdp': fault_tolerance=torchft averages gradients across replica groups under "
+     r"dp_strategy=replicate; .* no torchft hook here yet"),
+    ([*TINY_LM, "mesh=1x2", "launcher.fault_tolerance=torchft"],
+     r"mesh.shape=\[1, 2\]: fault_tolerance=torchft needs at least 2 DP replicas"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overrides,line", TRAIN_REFUSALS, ids=[" ".join(o[len(TINY_LM):] if o[:len(TINY_LM)] ==
+                                                                            TINY_LM else o) for o, _ in TRAIN_REFUSALS])
+def test_a_bad_config_of_a_new_feature_is_refused_in_one_line_before_launch(overrides, line, tmp_path):
+    refused_in_one_line(run_cli([*overrides, f"hydra.run.dir={tmp_path / 'job'}"], timeout=110), line)
+    assert not (tmp_path / "job").exists()  # no job dir, so no rank started
+
+
+def refused_in_one_line(result, line: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert re.match("config error: " + line, lines[0]), lines[0]
+    assert "DeviceMesh" not in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_dpo_under_pipeline_parallelism_is_refused_as_not_yet(hf_dirs, prepared, tmp_path):
+    result = run_cli(["recipe=dpo_hf", f"model.path={hf_dirs['llama']}", f"data.path={prepared['preference']}",
+                      "data.tokenizer=null", "data.dataset.seq_len=24", "data.global_batch_size=4", "mesh=pp2x1x1",
+                      f"hydra.run.dir={tmp_path / 'job'}"], timeout=110)
+    refused_in_one_line(result, r"mesh.shape=\[2, 1, 1\]: objective=dpo under pipeline parallelism is not "
+                                r"supported yet")
+
+
+@pytest.mark.timeout(120)
+def test_a_hugging_face_mixture_with_router_noise_is_refused_naming_its_config_key(hf_dirs, tmp_path):
+    path = make_hf_model("mixtral", str(tmp_path / "mixtral"), router_jitter_noise=0.1)
+    result = run_cli(["recipe=finetune_hf", f"model.path={path}", f"data.path={hf_dirs['tokens']}",
+                      "data.tokenizer=null", "data.dataset.seq_len=24", "data.global_batch_size=4", "mesh=1x1",
+                      f"hydra.run.dir={tmp_path / 'job'}"], timeout=110)
+    refused_in_one_line(result, r"model.path=.*: config.json sets router_jitter_noise: 0.1 \(noise on the "
+                                r"experts' input in training\), which this framework does not implement")
+
+
+PLANNER_REFUSALS = [
+    (["planner.world=0"], r"planner.world=0: give the number of ranks to plan for, e.g. planner.world=8"),
+    (["planner.dims=[pp,tp]"], r"planner.dims=\['pp', 'tp'\]: lacks dp; the planner factorizes dp and any of "
+                               r"pp, cp, tp"),
+    (["planner.strategies=[]"], r"planner.strategies=\[\]: weighs any of replicate, fsdp, hsdp"),
+    (["--confirm", "0"], r"--confirm='0': give how many of the top layouts to run for real, e.g. --confirm 3"),
+    (["--confirm", "x"], r"--confirm='x': give how many of the top layouts"),
+    (["--confirm", "2"], r"planner.device='h100': --confirm runs the layouts here, on this host's CPU; plan for "
+                         r"planner.device=cpu to confirm"),
+    (["planner.device=cpu", "planner.calibration=CALIBRATION"],
+     r"planner.calibration='.*calibration.json': is not a calibration file \(.*\); re-calibrate \(--calibrate\)"),
+    (["optim.lr=-1"], r"planner.world=2: validation refuses every layout; the first, .*, with: optim.lr=-1: AdamW "
+                      r"refuses it: Invalid learning rate: -1"),
+]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("arguments,line", PLANNER_REFUSALS, ids=[" ".join(a) for a, _ in PLANNER_REFUSALS])
+def test_a_bad_planner_command_is_refused_in_one_line(arguments, line, tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(NOT_A_CALIBRATION)
+    arguments = [a.replace("CALIBRATION", str(calibration)) for a in arguments]
+    refused_in_one_line(run_cli([*PLANNER, *arguments], module="framework.planner", timeout=140), line)
