@@ -9,8 +9,8 @@ quorum (after the lighthouse's heartbeat timeout, launcher.ft_detection_s) while
 on; restarted, it receives a live group's weights, optimizer, schedule and training state over
 torchft's checkpoint transport in its first quorum and trains on from that step.
 
-A step a group failed in is not committed by any group: the live ones run it again, on their next
-batch (the failed step's batch is skipped), so every step number in the history was trained once.
+A step a group failed in is not committed by any group: the live ones run it again on the same
+batch (their samples of it: no data is skipped), so every step number in the history was trained once.
 Its global batch is what the live groups trained (their samples; the learning rate is the step's).
 """
 import logging
