@@ -272,7 +272,7 @@ def test_a_truncated_shard_fails_the_run_with_one_line_and_no_rank_left(straight
                      env={marker: "1"})
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert re.match(rf"training failed: rank \d failed .*CheckpointError: checkpoint {checkpoint}: cannot be loaded: "
+    assert re.match(rf"training failed: rank \d failed: .*CheckpointError: checkpoint {checkpoint}: cannot be loaded: "
                     rf"\w+Error", last), last
     assert processes_with_marker(marker) == []
 
