@@ -1,11 +1,16 @@
 """Bad input of the newer features (LoRA, MoE, CP, DPO, torchft, HF MoE, the planner), refused
-through the command line as a user meets it: exit 2, one line naming the key and the fix,
-before any rank starts or any job dir is made."""
+as a user meets it: through the command line, exit 2, one line naming the key and the fix,
+before any rank starts or any job dir is made. Every case is also checked in this process
+(validate, the planner's main), which takes a fraction of a second where a command takes four:
+the command line runs one case per feature in make test and the rest in make test-integration."""
 import re
 
 import pytest
 
-from tests.conftest import TINY_LM, run_cli
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
+from framework.planner.__main__ import main as planner_main
+from tests.conftest import TINY_LM, compose_config, run_cli
 from tests.hf_models import make_hf_model
 
 LORA = [*TINY_LM, "plan=none", "mesh=1x1", "adapter=lora"]
@@ -46,9 +51,28 @@ TRAIN_REFUSALS = [
 ]
 
 
+def short(overrides: list) -> str:
+    return " ".join(overrides[len(TINY_LM):] if overrides[:len(TINY_LM)] == TINY_LM else overrides)
+
+
+ON_THE_COMMAND_LINE = {"adapter.targets=[]", "model.moe.layers=[]", "parallel.cp_dim=dp", "parallel.dp_strategy=fsdp"}
+
+
+def one_per_feature(cases: list, first: set) -> list:
+    """The cases, those not in `first` marked integration (their command-line runs)."""
+    return [pytest.param(*case, id=short(case[0]),
+                         marks=() if first & set(case[0]) else pytest.mark.integration) for case in cases]
+
+
+@pytest.mark.parametrize("overrides,line", TRAIN_REFUSALS, ids=[short(o) for o, _ in TRAIN_REFUSALS])
+def test_a_bad_config_of_a_new_feature_is_refused_by_validation(overrides, line):
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_config(overrides))
+    assert re.match("config error: " + line, str(refused.value)), str(refused.value)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("overrides,line", TRAIN_REFUSALS, ids=[" ".join(o[len(TINY_LM):] if o[:len(TINY_LM)] ==
-                                                                            TINY_LM else o) for o, _ in TRAIN_REFUSALS])
+@pytest.mark.parametrize("overrides,line", one_per_feature(TRAIN_REFUSALS, ON_THE_COMMAND_LINE))
 def test_a_bad_config_of_a_new_feature_is_refused_in_one_line_before_launch(overrides, line, tmp_path):
     refused_in_one_line(run_cli([*overrides, f"hydra.run.dir={tmp_path / 'job'}"], timeout=110), line)
     assert not (tmp_path / "job").exists()  # no job dir, so no rank started
@@ -97,10 +121,21 @@ PLANNER_REFUSALS = [
 ]
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("arguments,line", PLANNER_REFUSALS, ids=[" ".join(a) for a, _ in PLANNER_REFUSALS])
-def test_a_bad_planner_command_is_refused_in_one_line(arguments, line, tmp_path):
+def planner_arguments(arguments: list, tmp_path) -> list:
     calibration = tmp_path / "calibration.json"
     calibration.write_text(NOT_A_CALIBRATION)
-    arguments = [a.replace("CALIBRATION", str(calibration)) for a in arguments]
-    refused_in_one_line(run_cli([*PLANNER, *arguments], module="framework.planner", timeout=140), line)
+    return [*PLANNER, *(a.replace("CALIBRATION", str(calibration)) for a in arguments)]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("arguments,line", PLANNER_REFUSALS, ids=[" ".join(a) for a, _ in PLANNER_REFUSALS])
+def test_a_bad_planner_command_is_refused_by_its_main(arguments, line, tmp_path, capsys):
+    assert planner_main(planner_arguments(arguments, tmp_path)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and re.match("config error: " + line, lines[0]), lines
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("arguments,line", one_per_feature(PLANNER_REFUSALS, {"planner.world=0"}))
+def test_a_bad_planner_command_is_refused_in_one_line(arguments, line, tmp_path):
+    refused_in_one_line(run_cli(planner_arguments(arguments, tmp_path), module="framework.planner", timeout=140), line)
