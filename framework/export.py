@@ -36,6 +36,7 @@ from framework.models.hf import load_hf_weights, materialize
 from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, check_hf_out, save_hf, save_peft
 from framework.models.lora import add_adapters, is_adapter
 from framework.models.nf4 import dequantized, quantize_base
+from framework.models.protocol import offered
 
 
 @contextmanager
@@ -90,7 +91,7 @@ def _load_base(model: nn.Module, cfg: DictConfig, path: str, base: dict) -> None
         meta = read_meta(base["checkpoint"])
         now = {"checkpoint": base["checkpoint"], "step": meta["step"], "saved_unix": meta["saved_unix"]}
     else:
-        now = base_model(cfg, os.path.dirname(path), getattr(model, "hf_path", None))
+        now = base_model(cfg, os.path.dirname(path), offered(model).hf_path)
     if not same_base(base, now):
         raise CheckpointError(path, f"its adapters belong to {describe(base)}, but that is now {describe(now)}")
     if "checkpoint" in base:

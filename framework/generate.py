@@ -29,6 +29,7 @@ from framework.data.tokenizer import load_tokenizer
 from framework.models.hf import HFTransformer, check_length, check_vocab, check_weights, load_hf_weights, materialize
 from framework.models.lora import add_peft_adapter, is_adapter, load_peft_adapter
 from framework.models.transformer import LayerCache
+from framework.models.protocol import from_hugging_face, offered
 
 SOURCES = ("a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a step_N checkpoint or a "
            "checkpoints dir (its newest)")
@@ -82,7 +83,7 @@ def _tokenizer(model: nn.Module, path: Optional[str]):
     """The tokenizer at `path`, whose ids a Hugging Face model must have embeddings for (as
     training checks its data)."""
     tokenizer = load_tokenizer(path)  # None: bytes (the framework's own LMs)
-    if hasattr(model, "hf_path"):
+    if from_hugging_face(model):
         check_vocab(model, tokenizer.vocab_size, tokenizer.path)
     return tokenizer
 
@@ -123,7 +124,7 @@ def _checkpoint_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, 
                                                     f"as SOURCE")
         add_peft_adapter(model, adapter, "--adapter")
         load_peft_adapter(model, adapter)
-    model_dir = getattr(model, "hf_path", None)
+    model_dir = offered(model).hf_path
     with saved_config_errors(path):
         tokenizer = _tokenizer(model, model_dir or (cfg.get("data") or {}).get("tokenizer"))
     return model, tokenizer, _stop_ids(model_dir, tokenizer)
@@ -154,7 +155,7 @@ def encoded_prompt(args: argparse.Namespace, model: nn.Module, tokenizer) -> Lis
     prompt = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode_batch([args.prompt])[0]
     if not prompt:
         raise ConfigError("--prompt", args.prompt, "encodes to no tokens; give some text")
-    if hasattr(model, "hf_path"):
+    if from_hugging_face(model):
         check_length(model, "--max-new-tokens", args.max_new_tokens, before=len(prompt))
     return prompt
 

@@ -10,6 +10,7 @@ from torch import nn
 from framework.launch.local import launch_local
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
+from framework.models.protocol import ModelProtocol
 from framework.training.objectives import MeanSquaredError, NextTokenCrossEntropy
 from tests.conftest import QUIET, TEST_MODELS, TINY_LM, compose_config, run_cli
 from tests.errors import max_relative_error
@@ -61,7 +62,7 @@ def test_a_recipe_that_still_sets_data_loss_is_told_where_it_moved(tmp_path):
 
 
 def test_a_term_the_model_reports_without_a_weight_is_refused_by_name():
-    class Reports(nn.Module):
+    class Reports(ModelProtocol, nn.Module):
         auxiliary_losses = {"balance": torch.tensor(1.0)}
 
     with pytest.raises(KeyError, match=r"Reports reports the auxiliary loss 'balance': give its weight as "

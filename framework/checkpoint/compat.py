@@ -12,6 +12,7 @@ from framework.checkpoint.base_model import base_model, describe, same_base
 from framework.checkpoint.layout import CheckpointError, read_meta, resolve
 from framework.models.lora import is_adapter
 from framework.config.errors import ConfigError
+from framework.models.protocol import offered
 
 # Keys whose change reorders the global batches a resumed position points into.
 DATA_ORDER_KEYS = ("data.global_batch_size", "data.dataset", "sampler.seed", "sampler.shuffle", "sampler.drop_last")
@@ -74,7 +75,7 @@ def check_adapter_checkpoint(cfg: DictConfig, checkpoint_dir: str, model: nn.Mod
     if not any(is_adapter(name) for name in model.state_dict()):
         raise CheckpointError(path, f"holds LoRA adapters alone (of {describe(saved)}); resume it with adapter=lora "
                                     f"and the adapter keys it was saved with")
-    now = base_model(cfg, checkpoint_dir, getattr(model, "hf_path", None))
+    now = base_model(cfg, checkpoint_dir, offered(model).hf_path)
     if not same_base(saved, now):
         raise CheckpointError(path, f"holds LoRA adapters of {describe(saved)}, but this run's base model is "
                                     f"{describe(now)}; resume with the base they were trained on")

@@ -29,6 +29,7 @@ from framework.training.objectives import check_objective
 from framework.parallel.pipeline import check_pipeline_parallel
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules
 from framework.training.compile import compiled_blocks
+from framework.models.protocol import from_hugging_face, offered
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -137,7 +138,7 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
                           f"remove the key, or use a model that does, such as framework.models.Transformer")
     with torch.device("meta"), SkipRandomInit():
         model = instantiate_checked(cfg.model)
-    if hasattr(model, "hf_path"):
+    if from_hugging_face(model):
         check_hf_model(model, cfg)
     if cfg.trainer.compile != "none":
         compiled_blocks(model)
@@ -148,11 +149,11 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     if not plan or tp == 1:
         return model
     check_tied_layouts(plan, model)
-    must_cover = model.tp_plan_must_cover() if hasattr(model, "tp_plan_must_cover") else {}
+    must_cover = offered(model).tp_plan_must_cover()
     for name, why in must_cover.items():
         if not any(name in matching_modules(model, pattern) for pattern in plan):
             raise ConfigError(f"plan.{name}", None, f"the plan has no entry for it: {why}")
-    counts = dict(model.tp_sharded_counts()) if hasattr(model, "tp_sharded_counts") else {}
+    counts = dict(offered(model).tp_sharded_counts())
     if any(entry.get("style") == "sequence_parallel" for entry in plan.values()):
         counts["data.dataset.seq_len"] = cfg.data.dataset.get("seq_len")
     for key, count in counts.items():
@@ -165,7 +166,7 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
 def check_tied_layouts(plan: dict, model: torch.nn.Module) -> None:
     """A tied output projection is the embedding matrix: TP must give both the same rows of it
     (rowwise embedding and colwise output both shard the vocabulary), or leave both whole."""
-    if not getattr(model, "tie_word_embeddings", False):
+    if not offered(model).tie_word_embeddings:
         return
     styles = {name: next((entry.get("style") for pattern, entry in plan.items()
                           if name in matching_modules(model, pattern)), None) for name in ("tok_embeddings", "output")}
@@ -190,7 +191,7 @@ def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
 
 
 def check_final_hf(model: torch.nn.Module, out_dir: Optional[str]) -> None:
-    if not hasattr(model, "hf_path"):
+    if not from_hugging_face(model):
         raise ConfigError("checkpoint.final_hf", True, f"writes a Hugging Face directory, which needs a model loaded "
                                                        f"from one (model=hf); this one is a {type(model).__name__}")
     if out_dir is not None:

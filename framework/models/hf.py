@@ -23,6 +23,7 @@ from framework.config.errors import ConfigError
 from framework.models.meta import SkipRandomInit
 from framework.models.lora import is_adapter
 from framework.models.transformer import Transformer
+from framework.models.protocol import offered
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 # Files a Hugging Face model directory carries besides its weights (export copies them).
@@ -105,7 +106,7 @@ def hf_state_dict(state: Dict[str, Any], tied: bool, kind: str = "llama") -> Dic
 
 def model_state_dict(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
     """`state` (model's state dict, or its shards') under Hugging Face's names for `model`'s type."""
-    return hf_state_dict(state, getattr(model, "tie_word_embeddings", False), getattr(model, "model_type", "llama"))
+    return hf_state_dict(state, offered(model).tie_word_embeddings, offered(model).model_type)
 
 
 def read_config(path: str) -> Dict[str, Any]:

@@ -13,6 +13,7 @@ from torch import nn
 from framework.config.errors import ConfigError
 from framework.models.hf import SIDE_FILES, model_state_dict
 from framework.models.lora import adapter_layers, merged_state_dict, peft_adapter
+from framework.models.protocol import from_hugging_face
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
@@ -123,7 +124,7 @@ def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD
     """`model` (an HFTransformer whose weights are whole tensors on this process) to `out`."""
     from safetensors.torch import save_file
 
-    if not hasattr(model, "hf_path"):
+    if not from_hugging_face(model):
         raise ConfigError("--format", "hf", f"needs a model loaded from a Hugging Face directory (model=hf); this "
                                             f"one is a {type(model).__name__}: export it with --format pt")
     check_hf_out(out)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
+from framework.models.protocol import from_hugging_face, offered
 
 ADAPTER_PARAMETERS = (".lora_A.", ".lora_B.")
 CHILDREN = ("lora_A", "lora_B", "lora_dropout")  # what add_adapters puts under a layer
@@ -165,7 +166,7 @@ def peft_adapter(model: nn.Module, adapter) -> Tuple[Dict[str, torch.Tensor], di
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapter.rank, "lora_alpha": adapter.alpha,
               "lora_dropout": adapter.dropout, "target_modules": sorted(modules), "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-              "base_model_name_or_path": getattr(model, "hf_path", None)}
+              "base_model_name_or_path": offered(model).hf_path}
     return tensors, config
 
 
@@ -179,11 +180,11 @@ def peft_names(model: nn.Module) -> Dict[str, str]:
 
 
 def _hf_naming(model: nn.Module):
-    if not hasattr(model, "hf_path"):
+    if not from_hugging_face(model):
         return None
     from framework.models.hf import hf_name
 
-    return lambda name: hf_name(name, getattr(model, "model_type", "llama"))
+    return lambda name: hf_name(name, offered(model).model_type)
 
 
 def read_peft_adapter(path: str, key: str = "adapter.init_from") -> Tuple[dict, Dict[str, torch.Tensor]]:

@@ -1,8 +1,10 @@
 """The seed's model. Any torch.nn module (or one under framework.) can be a model `_target_`."""
 from torch import nn
 
+from framework.models.protocol import ModelProtocol
 
-class SeedMLP(nn.Module):
+
+class SeedMLP(ModelProtocol, nn.Module):
     """The seed's 3-layer model: net1 -> relu -> net2 -> relu -> net3.
 
     Its TP plan (conf/plan/seed_mlp_tp.yaml) is Megatron's MLP pair, colwise net1 then rowwise

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from framework.models.protocol import ModelProtocol
 from framework.config.errors import ConfigError
 from framework.models.documents import AttentionLayout, attend, attention_layout, gather_keys
 from framework.models.moe import MoE, count_step_load, load_balance_loss, moe_blocks, routing_metrics
@@ -193,7 +194,7 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Transformer(nn.Module):
+class Transformer(ModelProtocol, nn.Module):
     """The defaults are the framework's own LMs; framework.models.hf sets the rest from a
     Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, and their mixtures of experts).
 
@@ -259,6 +260,13 @@ class Transformer(nn.Module):
             self.matmul_params += self.output.weight.numel()
         for block in moe_blocks(self):  # a token runs top_k of the stacked experts' matmuls
             self.matmul_params += block.top_k * sum(w[0].numel() for w in block.experts.local_weights())
+
+    supports_context_parallel = True
+
+    def use_context_parallel(self, cp: Any) -> None:
+        """The model (which makes the attention masks) and every attention take `cp`'s chunks."""
+        for module in [self, *(m for m in self.modules() if isinstance(m, Attention))]:
+            module.context_parallel = cp
 
     def tie_weights(self) -> None:
         """With tie_word_embeddings the output projection is the embedding matrix itself (again

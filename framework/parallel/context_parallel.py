@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from framework.config.errors import ConfigError
+from framework.models.protocol import offered
 
 
 def chunk_indices(seq_len: int, rank: int, size: int) -> torch.Tensor:
@@ -86,10 +87,7 @@ def apply_cp(model: nn.Module, cp_mesh) -> None:
     """Every attention of `model` (and the model, which makes the masks) under CP over `cp_mesh`."""
     if cp_mesh is None:
         return
-    cp = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
-    for module in model.modules():
-        if hasattr(module, "context_parallel"):
-            module.context_parallel = cp
+    offered(model).use_context_parallel(ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()))
 
 
 def check_context_parallel(cfg, model: nn.Module, cp_size: int, tp_size: int) -> None:
@@ -98,7 +96,7 @@ def check_context_parallel(cfg, model: nn.Module, cp_size: int, tp_size: int) ->
     if cp_size == 1:
         return
     cp_dim = cfg.parallel.cp_dim
-    if not hasattr(model, "context_parallel"):
+    if not offered(model).supports_context_parallel:
         raise ConfigError("parallel.cp_dim", cp_dim, f"context parallelism splits the sequences of a model with "
                                                      f"attention (framework.models.Transformer); "
                                                      f"{type(model).__name__} has none")

@@ -18,6 +18,7 @@ from torch import nn
 from framework.config.errors import ConfigError
 from framework.data.batch import Batch
 from framework.models.moe import moe_blocks
+from framework.models.protocol import offered
 
 # schedule name -> (torch class name, stages per rank it takes: 1, ">1", or 2 in a V)
 SCHEDULES: Dict[str, Tuple[str, str]] = {
@@ -70,7 +71,7 @@ def check_splittable(model: nn.Module, pp_dim: str) -> None:
     if not all(hasattr(model, name) for name in needed) or not isinstance(model.layers, nn.ModuleList):
         raise ConfigError("parallel.pp_dim", pp_dim, f"pipeline parallelism splits a model with {', '.join(needed)} "
                                                      f"(framework.models.Transformer); {type(model).__name__} has not")
-    if getattr(model, "tie_word_embeddings", False):
+    if offered(model).tie_word_embeddings:
         raise ConfigError("parallel.pp_dim", pp_dim, "the model ties its output to its embedding, which sit on the "
                                                      "first and the last stage; pipeline parallelism needs them apart")
 

@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from framework.parallel.mesh import spanning_ranks
 from framework.parallel.roles import MeshRoles
+from framework.models.protocol import offered
 
 # bytes moved per byte taken in, for a group of n ranks
 MOVED = {"allreduce": lambda n: 2 * (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -66,8 +67,7 @@ def flops_per_rank(cfg: DictConfig, roles: MeshRoles) -> float:
         model = instantiate(cfg.model)
     seq_len = cfg.data.dataset.get("seq_len") or 1
     tokens = cfg.data.global_batch_size * seq_len
-    per_token = model.flops_per_token(seq_len) if hasattr(model, "flops_per_token") \
-        else 6 * sum(p.numel() for p in model.parameters())
+    per_token = offered(model).flops_per_token(seq_len) or 6 * sum(p.numel() for p in model.parameters())
     recompute = 4 / 3 if cfg.model.get("activation_checkpointing") == "full" else 1.0
     return per_token * tokens * recompute / (roles.dp_size * roles.tp_size * roles.pp_size * roles.cp_size)
 

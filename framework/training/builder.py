@@ -37,6 +37,7 @@ from framework.training.state import TrainState
 from framework.training.trainer import Trainer
 from framework.training.compile import apply_compile
 from framework.training.run import Run
+from framework.models.protocol import from_hugging_face, offered
 
 log = logging.getLogger("framework")
 
@@ -94,7 +95,7 @@ def stage_model(run: Run) -> None:
     torch.manual_seed(run.cfg.trainer.seed)
     with torch.device(run.cfg.mesh.device_type):
         run.model = instantiate(run.cfg.model)
-    run.deferred_init = hasattr(run.model, "hf_path")
+    run.deferred_init = from_hugging_face(run.model)
 
 
 def stage_adapters(run: Run) -> None:
@@ -140,8 +141,7 @@ def stage_tensor_parallel(run: Run) -> None:
     if tp_mesh is not None:
         plan = OmegaConf.to_container(run.cfg.plan, resolve=True)
         run.module = apply_tp(run.module, tp_mesh, plan)
-        if hasattr(run.module, "tie_weights"):
-            run.module.tie_weights()
+        offered(run.module).tie_weights()
 
 
 def stage_expert_parallel(run: Run) -> None:
@@ -218,7 +218,7 @@ def stage_checkpoint(run: Run) -> None:
     Then the objective's setup, on the final weights."""
     run.state = TrainState()
     directory = checkpoint_dir(run.cfg, run.out_dir)
-    base = base_model(run.cfg, directory, getattr(run.module, "hf_path", None)) \
+    base = base_model(run.cfg, directory, offered(run.module).hf_path) \
         if run.cfg.adapter.kind != "none" else None
     run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank, run.module, getattr(run.optimizer, "optim", run.optimizer),
                                     getattr(run.scheduler, "scheduler", run.scheduler), run.state, base)

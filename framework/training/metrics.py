@@ -19,6 +19,7 @@ from framework.parallel.mesh import layout_table
 from framework.training.logger import TensorBoardLogger
 from framework.training.memory import state_bytes
 from framework.training.run import Run
+from framework.models.protocol import offered
 
 log = logging.getLogger("framework")
 
@@ -70,8 +71,7 @@ class Metrics:
         self.global_batch = cfg.data.global_batch_size
         self.seq_len = getattr(run.dataset, "seq_len", None)  # token datasets: also report tokens/s
         model = run.module
-        self.flops_per_token = model.flops_per_token(self.seq_len) \
-            if self.seq_len and hasattr(model, "flops_per_token") else None
+        self.flops_per_token = offered(model).flops_per_token(self.seq_len) if self.seq_len else None
         self.peak = peak_flops(cfg)
         self.start = self.window_start = self.step_start = time.perf_counter()
         self.window_first = first

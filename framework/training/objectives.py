@@ -7,9 +7,9 @@ on DP replicas, micro-batches and pipeline stages (framework.training.trainer.No
 that is what makes every mesh train the model one process trains, masked data included.
 
 A model may report auxiliary terms for a micro-batch (a mixture of experts' load-balancing loss):
-any submodule whose forward sets `auxiliary_losses = {name: sum over the micro-batch's tokens}`.
-The objective adds each times its weight (`objective.aux_coefficients`, else the module's own
-`aux_coefficients`, e.g. an HF config's router_aux_loss_coef), normalized by the global batch's
+its forward sets `auxiliary_losses = {name: sum over the micro-batch's tokens}`
+(framework.models.protocol). The objective adds each times its weight (`objective.aux_coefficients`,
+else the model's own `aux_coefficients`, e.g. an HF config's router_aux_loss_coef), normalized by the global batch's
 tokens the same way (a token count needs no communication), and keeps their values for logging.
 """
 from typing import Dict, List, Mapping, Optional
@@ -20,6 +20,7 @@ from torch import nn
 
 from framework.config.errors import ConfigError
 from framework.data.tokens import IGNORE
+from framework.models.protocol import offered
 
 
 class Objective:
@@ -30,7 +31,6 @@ class Objective:
     def __init__(self, aux_coefficients: Optional[Mapping[str, float]] = None):
         self.aux_coefficients = dict(aux_coefficients or {})
         self.terms: Dict[str, torch.Tensor] = {}  # the last micro-batch's auxiliary sums (detached)
-        self._reporters: Optional[List[nn.Module]] = None
 
     def setup(self, run) -> None:
         """What the objective needs of the built run, its weights loaded (the checkpoint stage's end)."""
@@ -45,9 +45,8 @@ class Objective:
 
     def logged_terms(self, model: nn.Module) -> Dict[str, str]:
         """The terms a logging step shows, by their TensorBoard names: each weighed auxiliary term
-        (objective.aux_coefficients, or a reporting module's own) as loss_<name>."""
-        weighed = (getattr(module, "aux_coefficients", {}) for module in model.modules())
-        names = {*self.aux_coefficients, *(name for weights in weighed for name in weights)}
+        (objective.aux_coefficients, or the model's own) as loss_<name>."""
+        names = {*self.aux_coefficients, *offered(model).aux_coefficients}
         return {name: f"loss_{name}" for name in sorted(names)}
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -76,16 +75,14 @@ class Objective:
         total, self.terms = self.loss_sum(outputs, targets) / units, {}
         if tokens is None:
             return total
-        if self._reporters is None:  # found once: walking every module each micro-batch costs
-            self._reporters = [module for module in model.modules() if hasattr(module, "auxiliary_losses")]
-        for module in self._reporters:
-            for name, value in (module.auxiliary_losses or {}).items():
-                weight = self.aux_coefficients.get(name, getattr(module, "aux_coefficients", {}).get(name))
-                if weight is None:
-                    raise KeyError(f"{type(module).__name__} reports the auxiliary loss {name!r}: give its weight "
-                                   f"as objective.aux_coefficients.{name}")
-                total = total + weight * value / tokens
-                self.terms[name] = self.terms.get(name, 0.0) + value.detach() / tokens
+        reporter = offered(model)
+        for name, value in (reporter.auxiliary_losses or {}).items():
+            weight = self.aux_coefficients.get(name, reporter.aux_coefficients.get(name))
+            if weight is None:
+                raise KeyError(f"{type(model).__name__} reports the auxiliary loss {name!r}: give its weight "
+                               f"as objective.aux_coefficients.{name}")
+            total = total + weight * value / tokens
+            self.terms[name] = self.terms.get(name, 0.0) + value.detach() / tokens
         return total
 
 
@@ -120,22 +117,20 @@ def check_objective(objective_cfg, model: nn.Module, mesh_shape: List[int], pp_s
     would leave the model's own weight in place), and no weighted term under pipeline
     parallelism (the last stage's loss cannot add a term an earlier stage's module reports; a
     term of weight 0 is only not reported there)."""
-    reporters = [module for module in model.modules() if hasattr(module, "auxiliary_losses")]
-    declared = [getattr(module, "aux_coefficients", None) for module in reporters]
-    if reporters and pp_size > 1:
-        weights = {name: weight for weights in declared if weights for name, weight in weights.items()}
-        weights.update(objective_cfg.get("aux_coefficients") or {})
+    reports, declared = offered(model).auxiliary_losses is not None, dict(offered(model).aux_coefficients)
+    if reports and pp_size > 1:
+        weights = {**declared, **(objective_cfg.get("aux_coefficients") or {})}
         weighted = [(name, weight) for name, weight in weights.items() if weight]
         if weighted:
             name, weight = weighted[0]
             raise ConfigError(f"objective.aux_coefficients.{name}", weight,
-                              f"{type(reporters[0]).__name__} reports this auxiliary loss term, which pipeline "
+                              f"{type(model).__name__} reports this auxiliary loss term, which pipeline "
                               f"parallelism cannot add to the last stage's loss yet; set it to 0 (a mixture of "
                               f"experts can balance with model.moe.bias_update_rate instead), or use a mesh "
                               f"without a pp dim")
-    if not reporters or None in declared:  # a reporter that declares no names: known only at its forward
+    if not reports or not declared:  # a model that declares no weights names its terms only in its forward
         return
-    names = sorted({name for weights in declared for name in weights})
+    names = sorted(declared)
     for name, weight in (objective_cfg.get("aux_coefficients") or {}).items():
         if name not in names:
             raise ConfigError(f"objective.aux_coefficients.{name}", weight,

@@ -41,6 +41,7 @@ from framework.data.tokens import IGNORE, PREFERENCE_DATASETS
 from framework.models.lora import adapters_disabled
 from framework.parallel.plan import final_output_layout
 from framework.training.objectives import Objective
+from framework.models.protocol import offered
 
 log = logging.getLogger("framework")
 REFERENCES = ("adapters_off", "frozen_copy", "precomputed")
@@ -169,7 +170,7 @@ def check_reference_on_resume(cfg, checkpoint_dir: str, model: nn.Module) -> Non
 
     if cfg.objective.get("reference") != "precomputed" or cfg.adapter.kind != "none" or not cfg.checkpoint.resume:
         return
-    base = base_model(cfg, checkpoint_dir, getattr(model, "hf_path", None))
+    base = base_model(cfg, checkpoint_dir, offered(model).hf_path)
     for split in ("train", "val") if cfg.trainer.eval_every else ("train",):
         path = reference_path(cfg, instantiate(cfg.data.dataset, split=split), base)
         if not os.path.isfile(path):
@@ -193,7 +194,7 @@ def precomputed_reference(run, dataset) -> np.ndarray:
     from framework.checkpoint.base_model import base_model
     from framework.checkpoint.compat import checkpoint_dir
 
-    base = base_model(run.cfg, checkpoint_dir(run.cfg, run.out_dir), getattr(run.module, "hf_path", None))
+    base = base_model(run.cfg, checkpoint_dir(run.cfg, run.out_dir), offered(run.module).hf_path)
     path = reference_path(run.cfg, dataset, base)
     if not os.path.isfile(path):
         if run.resumed is not None and run.cfg.adapter.kind == "none":  # (an elastic restart's resume)

@@ -38,6 +38,7 @@ from framework.training.metrics import Metrics
 from framework.training.profiling import format_summary, profiled, summary, trace_path
 from framework.training.run import Run
 from framework.training.watchdog import StallWatchdog
+from framework.models.protocol import offered
 
 log = logging.getLogger("framework")
 
@@ -346,9 +347,8 @@ class Trainer:
         if logging_step:
             history["grad_norms"].append(float(grad_norm))
             self._log_terms(step)
-            if hasattr(run.module, "logged_metrics"):
-                values = run.module.logged_metrics()
-                self.metrics.scalars(step, gathered_over_stages(values, run.pp_group) if run.pp else values)
+            values = offered(run.module).logged_metrics()
+            self.metrics.scalars(step, gathered_over_stages(values, run.pp_group) if run.pp else values)
         self.watchdog.finished()  # the step, and its evaluation
         if saving:
             self.watchdog.stage(f"step {step}: checkpoint save")
