@@ -90,6 +90,18 @@ def load_balance_weight(cfg: DictConfig) -> float:
     return (cfg.objective.get("aux_coefficients") or {}).get("load_balance", cfg.model.moe.get("aux_loss_coef", 0.0))
 
 
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, cfg: DictConfig, loss_fn) -> float:
+    """The loss over the first trainer.eval_batches global batches of the val split, in order:
+    the mean of their batch means (every target counts, so each batch weighs the same)."""
+    val = instantiate(cfg.data.dataset, split="val")
+    loader = DataLoader(val, batch_size=cfg.data.global_batch_size, shuffle=False, drop_last=True)
+    means = []
+    for _, (inputs, targets, *positions) in zip(range(cfg.trainer.eval_batches), loader):
+        means.append(loss_fn(model(inputs, **({"positions": positions[0]} if positions else {})), targets).item())
+    return sum(means) / len(means)
+
+
 def reference_training(cfg: DictConfig, first_replica_alone: Collection[int] = (),
                        replicas: int = 1) -> Dict[str, List[float]]:
     """`first_replica_alone`: the steps (from 1) that the first of `replicas` DP replicas trained
@@ -105,7 +117,7 @@ def reference_training(cfg: DictConfig, first_replica_alone: Collection[int] = (
                                  seed=cfg.sampler.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=cfg.data.global_batch_size, sampler=sampler, drop_last=True)
     loss_fn = REFERENCE_LOSSES[cfg.objective._target_]
-    losses, grad_norms = [], []
+    losses, grad_norms, val_losses = [], [], []
     batches = iter(loader)
     for step in range(1, cfg.trainer.max_steps + 1):
         inputs, targets, *positions = next(batches)  # positions: document-masked token data
@@ -125,7 +137,9 @@ def reference_training(cfg: DictConfig, first_replica_alone: Collection[int] = (
             routing.step()
         losses.append(loss.item())
         grad_norms.append(norm.item())
-    return {"losses": losses, "grad_norms": grad_norms, "param_names": [n for n, _ in model.named_parameters()],
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and routing is None:
+            val_losses.append([step, validation_loss(model, cfg, loss_fn)])
+    return {"losses": losses, "grad_norms": grad_norms, "val_losses": val_losses, "param_names": [n for n, _ in model.named_parameters()],
             "numel": sum(p.numel() for p in model.parameters()), "state_dict_keys": sorted(model.state_dict()),
             "routing": routing}
 

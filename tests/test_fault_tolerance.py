@@ -29,8 +29,10 @@ def _summary(directory):
 def test_without_a_failure_the_groups_train_what_one_process_trains(mesh, tmp_path):
     """The global batch split over two groups (of one rank, or of two TP+SP ranks), their
     gradients averaged through torchft: the one-process curve (replicate 2x1 gave the same
-    losses, bit for bit, when measured)."""
-    steps = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.warmup_steps=0", "trainer.lr_decay=constant"]
+    losses, bit for bit, when measured), and its validation losses: each group evaluates its
+    share of the val batches, averaged over the groups (each group's own share alone was 0.5% off)."""
+    steps = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.warmup_steps=0", "trainer.lr_decay=constant",
+             "trainer.eval_every=6", "trainer.eval_batches=2"]
     result = run_cli([*FT, *mesh, *steps, f"hydra.run.dir={tmp_path}"])
     assert result.returncode == 0, result.stderr
     groups = _summary(tmp_path)
@@ -39,6 +41,9 @@ def test_without_a_failure_the_groups_train_what_one_process_trains(mesh, tmp_pa
     reference = reference_training(compose_config([*TINY_LM, "mesh=1x1", "plan=none", *steps]))
     assert len(groups["losses"]) == 12
     torch.testing.assert_close(groups["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+    assert [step for step, _ in groups["val_losses"]] == [step for step, _ in reference["val_losses"]] == [6, 12]
+    torch.testing.assert_close([v for _, v in groups["val_losses"]], [v for _, v in reference["val_losses"]],
+                               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(300)

@@ -24,12 +24,17 @@ STEPS = 10
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mesh,plan", [("2x2", "lm_tp"), ("2x2", "lm_tp_sp"), ("1x2", "lm_tp_sp_loss_parallel")])
 def test_lm_loss_equals_single_process_training(mesh, plan, tmp_path):
-    cfg = compose_config([*TINY, f"mesh={mesh}", f"plan={plan}", f"trainer.max_steps={STEPS}", "trainer.log_every=5"])
+    """The training losses, and the validation losses (each DP replica evaluates its share)."""
+    evaluated = [o for o in TINY if o != "trainer.eval_every=null"] + ["trainer.eval_every=5", "trainer.eval_batches=2"]
+    cfg = compose_config([*evaluated, f"mesh={mesh}", f"plan={plan}", f"trainer.max_steps={STEPS}",
+                          "trainer.log_every=5"])
     reference = reference_training(cfg)
     summary = launch_local(cfg, str(tmp_path))
     error = max_relative_error(summary["losses"], reference["losses"])
-    print(f"LM loss parity {mesh} {plan}: max relative error {error:.2e}")
-    assert error < 1e-4
+    val_error = max_relative_error([v for _, v in summary["val_losses"]], [v for _, v in reference["val_losses"]])
+    print(f"LM loss parity {mesh} {plan}: max relative error {error:.2e}, validation {val_error:.2e}")
+    assert error < 1e-4 and val_error < 1e-4
+    assert [s for s, _ in summary["val_losses"]] == [s for s, _ in reference["val_losses"]] == [5, 10]
     assert summary["losses"][-1] < summary["losses"][0]
 
 

@@ -283,10 +283,11 @@ class ReplicaGroups:
         return self._committed
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean over the quorum's groups of a per-group value (the step's loss)."""
-        value = value.detach().float().reshape(1).clone()
-        self.manager.allreduce(value).wait()
-        return value[0]
+        """The mean over the quorum's groups of per-group values (the step's loss; evaluation's
+        loss sum and count), in their shape."""
+        flat = value.detach().float().reshape(-1).clone()
+        self.manager.allreduce(flat).wait()
+        return flat.reshape(value.shape)
 
     @torch.no_grad()
     def check(self, module: torch.nn.Module, step: int) -> None:

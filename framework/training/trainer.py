@@ -256,8 +256,10 @@ class Trainer:
                 sums.append(local_value(self.compute_loss(batch)))
             counts.append(self.objective.count(batch.targets).float())
         run.model.train()
-        # batches' losses and counts summed here, then averaged over DP: their ratio is the global one
-        total, count = mean_over_dp(run, torch.stack([torch.stack(sums).sum(), torch.stack(counts).sum()]))
+        # batches' losses and counts summed here, then averaged over DP (and torchft's replica groups,
+        # each of which evaluated its own share): their ratio is the global one
+        sum_and_count = run.replicas.mean(torch.stack([torch.stack(sums).sum(), torch.stack(counts).sum()]))
+        total, count = mean_over_dp(run, sum_and_count)
         return total / max(count, 1.0)
 
     # -- the loop -----------------------------------------------------------------------
