@@ -89,10 +89,12 @@ def main() -> None:
     with open(args.compare) as f:
         saved = json.load(f)
     for name, now in measured.items():
-        before = saved[name]
-        pairs = [(a, b) for key in ("losses", "val_losses") for a, b in zip(before[key], now[key])]
-        worst = max(abs(a - b) / max(abs(a), 1e-30) for a, b in pairs)
-        print(f"{name:24s} {'bitwise' if now == before else f'differs: max relative {worst:.2e}'}")
+        said = []
+        for key in ("losses", "val_losses"):
+            before = saved[name][key]
+            worst = max((abs(a - b) / max(abs(a), 1e-30) for a, b in zip(before, now[key])), default=0.0)
+            said.append(f"{key} {'bitwise' if now[key] == before else f'differ: max relative {worst:.2e}'}")
+        print(f"{name:24s} {', '.join(said)}")
 
 
 if __name__ == "__main__":

@@ -71,14 +71,14 @@ class OneGroup:
     def start_step(self) -> bool:
         return False
 
+    def should_commit(self) -> bool:
+        return True
+
     def committed(self) -> bool:
         return True
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         return value
-
-    def gate(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> Tuple[Any, Any]:
-        return optimizer, scheduler
 
     def carry(self, run: Any, pending: Any) -> None:
         pass
@@ -94,49 +94,6 @@ class OneGroup:
 
     def close(self) -> None:
         pass
-
-
-class _CommitGate(torch.optim.Optimizer):
-    """The optimizer, stepped only when the Manager commits the step (torchft's OptimizerWrapper,
-    except that the quorum starts at the step's start, before its data: ReplicaGroups.start_step)."""
-
-    def __init__(self, groups: "ReplicaGroups", optimizer: torch.optim.Optimizer):
-        self.groups, self.optim = groups, optimizer
-
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optim.zero_grad(set_to_none)
-
-    def step(self, closure=None) -> None:
-        if self.groups.commit():
-            self.optim.step()
-
-    def state_dict(self):
-        return self.optim.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.optim.load_state_dict(state_dict)
-
-
-class _CommittedSchedule:
-    """The LR schedule, advanced only by committed steps."""
-
-    def __init__(self, groups: "ReplicaGroups", scheduler: Any):
-        self.groups, self.scheduler = groups, scheduler
-
-    def step(self) -> None:
-        if self.groups.committed():
-            self.scheduler.step()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.scheduler, name)
 
 
 def _local(tree: Any) -> Any:
@@ -186,9 +143,6 @@ class ReplicaGroups:
         return self.manager.num_participants()
 
     # -- what the builder and the loop call ------------------------------------------------
-
-    def gate(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> Tuple[Any, Any]:
-        return _CommitGate(self, optimizer), _CommittedSchedule(self, scheduler)
 
     def carry(self, run: Any, pending: Any) -> None:
         """Make the Manager, carrying what a restarted group receives from a live one: the model,
@@ -269,8 +223,10 @@ class ReplicaGroups:
         healed, self._healed = self._healed, False
         return healed
 
-    def commit(self) -> bool:
-        """Whether every group of the quorum finished the step (asked once, before the optimizer)."""
+    def should_commit(self) -> bool:
+        """Whether every group of the quorum finished the step, so the optimizer and the LR
+        schedule step (asked once, before them: torchft's OptimizerWrapper, except that the
+        quorum starts at the step's start, before its data: start_step)."""
         self._committed = self.manager.should_commit()
         if self._committed:
             self.live.append(self.manager.num_participants())

@@ -206,9 +206,7 @@ def stage_optimizer(run: Run) -> None:
     run.objective = instantiate(run.cfg.objective)
     optimizer = instantiate(run.cfg.optim)([p for p in run.model.parameters() if p.requires_grad])
     update_biases_after_each_step(optimizer, run.module)
-    # (replica groups: both advance only on the steps every live group committed)
-    run.optimizer, run.scheduler = run.replicas.gate(
-        optimizer, build_scheduler(optimizer, t.warmup_steps, t.max_steps, t.lr_decay))
+    run.optimizer, run.scheduler = optimizer, build_scheduler(optimizer, t.warmup_steps, t.max_steps, t.lr_decay)
 
 
 def stage_checkpoint(run: Run) -> None:
@@ -220,8 +218,8 @@ def stage_checkpoint(run: Run) -> None:
     directory = checkpoint_dir(run.cfg, run.out_dir)
     base = base_model(run.cfg, directory, offered(run.module).hf_path) \
         if run.cfg.adapter.kind != "none" else None
-    run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank, run.module, getattr(run.optimizer, "optim", run.optimizer),
-                                    getattr(run.scheduler, "scheduler", run.scheduler), run.state, base)
+    run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank, run.module, run.optimizer, run.scheduler,
+                                    run.state, base)
     path, kind = run.checkpointer.source()
     if kind == "resume":
         if "base" in read_meta(path):  # adapters alone (the launcher checked their base is this one)

@@ -9,7 +9,9 @@ gradient average is the global sum over the global count on every mesh, with mic
 pipeline stages alike. Losses stay on their ranks until a logging step; then one all-reduce over
 the DP group turns the pending per-replica losses into global-batch losses (TP ranks already
 agree), so the hot path has no extra collective. (Data whose targets may not count, instruction
-data, adds one: its count of units, a number all-reduced over DP once per step.)
+data, adds one: its count of units, a number all-reduced over DP once per step. torchft's replica
+groups add one too: each step's loss averaged over the groups that trained it, since the quorum
+may change from one step to the next.)
 """
 import gc
 import logging
@@ -234,8 +236,9 @@ class Trainer:
             norm = clip_grad_norm(run.model.parameters(), clip, run.pp_group)
         else:
             norm = global_grad_norm(run.model.parameters(), run.pp_group) if measure_norm else None
-        run.optimizer.step()
-        run.scheduler.step()
+        if run.replicas.should_commit():  # (torchft: every live replica group finished the step)
+            run.optimizer.step()
+            run.scheduler.step()
         return loss, norm
 
     @torch.no_grad()
