@@ -147,3 +147,11 @@ def test_every_flag_the_docs_give_another_command_is_one_its_help_lists(module):
         if module_and_arguments(words)[0] == module:
             for flag in (w for w in module_and_arguments(words)[1] if w.startswith("--")):
                 assert flag in result.stdout, f"{page}: {' '.join(words)}: {flag} is not in {module} --help"
+
+
+def test_the_docs_list_every_pair_of_features_that_does_not_compose_yet():
+    from framework.config.not_yet import NOT_YET
+
+    page = text("docs/checks-and-trust.md")
+    rows = [line for line in page.split("## Features that do not compose yet")[1].splitlines() if line.startswith("| `")]
+    assert rows == [f"| `{p.key}{'=' + p.shown if p.shown else ''}` | {p.other} | {p.why} |" for p in NOT_YET]

@@ -315,7 +315,8 @@ def test_a_cp_step_gathers_keys_and_values_once_per_layer_and_scatters_their_gra
     (["data=byte_corpus", "data.document_masking=true"],
      r"data.document_masking=True: framework.data.ByteCorpus has no document boundaries"),
     (["mesh=2x2x1cp", "model=lm_moe_tiny", "plan=none", "parallel.ep_dims=[dp]"],
-     r"parallel.ep_dims=\['dp'\]: experts spread over ranks beside a cp dim are not supported yet"),
+     r"parallel.ep_dims=\['dp'\]: not yet with context parallelism \(parallel.cp_dim\): the all-to-all would "
+     r"route each CP rank's chunks apart; use parallel.ep_dims=null"),
 ])
 def test_bad_long_context_configs_are_refused_naming_the_key(overrides, message, documents):
     cfg = compose_config([*PACKED, f"data.path={documents}", *overrides])

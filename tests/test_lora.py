@@ -204,7 +204,8 @@ def test_the_peft_export_loads_in_peft_and_the_merged_export_in_transformers(hf_
                                       r"'wo', 'wq', 'wv'\]"),
     (["adapter.rank=0"], r"adapter.rank=0: must be between 1 and 32"),
     (["adapter.rank=33"], r"adapter.rank=33: must be between 1 and 32"),
-    (["checkpoint.final_hf=true"], r"checkpoint.final_hf=True: with adapter=lora the run writes no merged model"),
+    (["checkpoint.final_hf=true"], r"checkpoint.final_hf=True: not yet with adapter=lora / qlora: the run writes no "
+                                   r"merged model itself"),
     (["adapter.kind=dora"], r"adapter.kind='dora': use none, lora or qlora"),
 ])
 def test_bad_adapter_configs_are_refused_naming_the_key(overrides, message, hf_dirs):

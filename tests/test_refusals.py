@@ -26,8 +26,8 @@ TRAIN_REFUSALS = [
     ([*LORA, "adapter.dropout=1.0"], r"adapter.dropout=1.0: must be in \[0, 1\): the probability of zeroing an input"),
     ([*LORA, "adapter.dropout=-0.1"], r"adapter.dropout=-0.1: must be in \[0, 1\)"),
     ([*LORA, "adapter.dropout=0.1", "mesh=1x2", "plan=lm_tp"],
-     r"adapter.dropout=0.1: not yet under TP \(size 2\): each TP rank would draw its own mask of the adapter's "
-     r"input; use adapter.dropout=0 or a mesh without TP"),
+     r"adapter.dropout=0.1: not yet with tensor parallelism \(parallel.tp_dim\): each TP rank would draw its own "
+     r"mask of the adapter's input; use adapter.dropout=0 or a mesh without TP"),
     ([*MOE, "model.moe.top_k=0"], r"model.moe.top_k=0: must be between 1 and model.moe.n_experts=4"),
     ([*MOE, "model.moe.n_experts=0"], r"model.moe.n_experts=0: must be >= 1 \(for a dense block, leave the block "
                                       r"out of model.moe.layers\)"),
@@ -44,8 +44,8 @@ TRAIN_REFUSALS = [
     ([*TINY_LM, "mesh=1x2x1cp", "plan=none", "data.dataset.seq_len=30"],
      r"data.dataset.seq_len=30: must divide into 2 x cp = 4 equal chunks"),
     ([*TINY_LM, "mesh=4x1", "plan=none", "launcher.fault_tolerance=torchft", "parallel.dp_strategy=fsdp"],
-     r"parallel.dp_strategy='fsdp': fault_tolerance=torchft averages gradients across replica groups under "
-     r"dp_strategy=replicate; .* no torchft hook here yet"),
+     r"launcher.fault_tolerance='torchft': not yet with parallel.dp_strategy=fsdp / hsdp: FSDP2's reduce-scatter "
+     r"has no torchft hook here; use parallel.dp_strategy=replicate"),
     ([*TINY_LM, "mesh=1x2", "launcher.fault_tolerance=torchft"],
      r"mesh.shape=\[1, 2\]: fault_tolerance=torchft needs at least 2 DP replicas"),
 ]
@@ -91,8 +91,7 @@ def test_dpo_under_pipeline_parallelism_is_refused_as_not_yet(hf_dirs, prepared,
     result = run_cli(["recipe=dpo_hf", f"model.path={hf_dirs['llama']}", f"data.path={prepared['preference']}",
                       "data.tokenizer=null", "data.dataset.seq_len=24", "data.global_batch_size=4", "mesh=pp2x1x1",
                       f"hydra.run.dir={tmp_path / 'job'}"], timeout=110)
-    refused_in_one_line(result, r"mesh.shape=\[2, 1, 1\]: objective=dpo under pipeline parallelism is not "
-                                r"supported yet")
+    refused_in_one_line(result, r"objective='dpo': not yet with pipeline parallelism \(parallel.pp_dim\)")
 
 
 @pytest.mark.timeout(120)

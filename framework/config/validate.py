@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
 from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.errors import ConfigError
+from framework.config.not_yet import check_not_yet
 from framework.config.trust import check_targets
 from framework.data.tokens import DATASETS, check_document_masking, check_responses, check_token_data, read_meta
 from framework.models.hf import check_length, check_model_path, check_vocab, check_weights
@@ -290,6 +291,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         raise ConfigError("mesh.shape", list(cfg.mesh.shape),
                           f"its {mesh_size} positions differ from the launched world size {world_size}; "
                           f"launch {mesh_size} processes or pick a mesh of {world_size}")
+    check_not_yet(cfg, MeshRoles.from_config(cfg))
     per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or mesh_size
     check_ranks_per_node(cfg)
     check_threads(cfg)
@@ -307,7 +309,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         roles = MeshRoles.from_config(cfg)
         check_pipeline_parallel(cfg, model, roles.pp_size, roles.dp_size)
         check_expert_parallel(model, OmegaConf.to_container(cfg.plan, resolve=True) if cfg.plan else {}, roles)
-        check_adapter(cfg, model, roles.tp_size)
+        check_adapter(cfg, model)
         check_qlora(cfg, model, roles.tp_size)
         check_context_parallel(cfg, model, roles.cp_size, roles.tp_size)
         check_document_masking(cfg, model)

@@ -254,9 +254,9 @@ def load_peft_adapter(model: nn.Module, path: str) -> None:
             _copy_placed(params[ours], tensors[theirs].float())
 
 
-def check_adapter(cfg, model: nn.Module, tp_size: int) -> None:
+def check_adapter(cfg, model: nn.Module) -> None:
     """Before launch: a kind it knows, targets that exist, a rank they can hold, a positive alpha,
-    a dropout probability (none under TP yet); then
+    a dropout probability; then
     validation's (meta) model gets the run's adapters, as the `adapters` stage adds them, so the
     checks after this one (a PEFT init_from, a checkpoint's keys) see the run's model."""
     adapter = cfg.adapter
@@ -275,14 +275,6 @@ def check_adapter(cfg, model: nn.Module, tp_size: int) -> None:
         raise ConfigError("adapter.alpha", adapter.alpha, "must be > 0: the update is scaled by alpha / rank")
     if not 0 <= adapter.dropout < 1:
         raise ConfigError("adapter.dropout", adapter.dropout, "must be in [0, 1): the probability of zeroing an input")
-    if adapter.dropout > 0 and tp_size > 1:
-        raise ConfigError("adapter.dropout", adapter.dropout, f"not yet under TP (size {tp_size}): each TP rank would "
-                                                              f"draw its own mask of the adapter's input; use "
-                                                              f"adapter.dropout=0 or a mesh without TP")
-    if cfg.checkpoint.final_hf:
-        raise ConfigError("checkpoint.final_hf", True, "with adapter=lora the run writes no merged model itself yet; "
-                                                       "export its checkpoint: python -m framework.export CKPT OUT "
-                                                       "--format peft (the adapter) or --format hf (merged)")
     add_adapters(model, adapter.rank, adapter.alpha, adapter.dropout, list(adapter.targets), seed=0)
     if adapter.get("init_from"):
         check_init_from(adapter, model)

@@ -299,25 +299,11 @@ def check_fault_tolerance(cfg: DictConfig) -> None:
     except ImportError:
         raise ConfigError("launcher.fault_tolerance", kind, "torchft is not installed: pip install 'framework[ft]'") \
             from None
-    strategy = cfg.parallel.dp_strategy
-    if strategy != "replicate":
-        raise ConfigError("parallel.dp_strategy", strategy, "fault_tolerance=torchft averages gradients across "
-                          "replica groups under dp_strategy=replicate; fsdp / hsdp reduce-scatter through FSDP2, "
-                          "which has no torchft hook here yet")
     roles, dim = MeshRoles.from_config(cfg), replica_dim(cfg)
     sizes = dict(zip(roles.dim_names, roles.shape))
     if sizes.get(dim, 1) < 2:
         raise ConfigError("mesh.shape", list(cfg.mesh.shape), f"fault_tolerance=torchft needs at least 2 DP "
                           f"replicas to make replica groups of (dim {dim!r} has {sizes.get(dim, 1)})")
-    inner = [name for name in (cfg.parallel.dp_dim, roles.cp_dim, roles.pp_dim) if name and name != dim
-             and sizes.get(name, 1) > 1]
-    if inner:
-        raise ConfigError("mesh.shape", list(cfg.mesh.shape), f"fault_tolerance=torchft makes replica groups of "
-                          f"dim {dim!r}; dims {inner} inside a group are not served yet: give them size 1 "
-                          f"(TP inside a group is)")
-    if roles.ep_dims:
-        raise ConfigError("parallel.ep_dims", list(roles.ep_dims), "experts spread over ranks are not served "
-                          "with fault_tolerance=torchft yet; use []")
     if cfg.launcher.lighthouse:
         check_lighthouse(cfg.launcher.lighthouse)
 

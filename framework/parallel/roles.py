@@ -84,7 +84,7 @@ class MeshRoles:
 
     def check_cp(self) -> None:
         """CP's dim exists, is its own, and sits inside the DP dims (outside TP, whose groups
-        exchange more often): [pp, dp_replicate, dp, cp, tp]; no experts over DP beside it yet."""
+        exchange more often): [pp, dp_replicate, dp, cp, tp]."""
         cp, names = self.cp_dim, list(self.dim_names)
         if cp not in names:  # (null, or a name the mesh has no dim of: no context parallelism)
             return
@@ -93,9 +93,6 @@ class MeshRoles:
         if any(names.index(d) > names.index(cp) for d in [*self.dp_dims, self.pp_dim] if d in names):
             raise ConfigError("mesh.dim_names", names, f"the CP dim {cp!r} goes inside the DP and PP dims, e.g. "
                                                        f"[dp, cp, tp] (conf/mesh/1x2x2cp.yaml)")
-        if self.ep_dims and self.cp_size > 1:
-            raise ConfigError("parallel.ep_dims", list(self.ep_dims), "experts spread over ranks beside a cp dim are "
-                                                                      "not supported yet; use parallel.ep_dims=null")
 
     def check_ep(self) -> None:
         """EP's dims exist and are DP dims or the tp dim: experts spread where the tokens differ

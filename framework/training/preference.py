@@ -270,13 +270,6 @@ def check_preference(cfg, roles) -> None:
         raise ConfigError("objective.reference", "precomputed", f"stores the log-probabilities beside the data, and "
                                                                 f"{dataset.path} is not writable; make it so, or use "
                                                                 f"adapters_off / frozen_copy")
-    if roles.cp_size > 1:
-        raise ConfigError("mesh.shape", list(cfg.mesh.shape), "objective=dpo under context parallelism is not "
-                                                              "supported yet; use a mesh without a cp dim")
-    if roles.pp_size > 1:
-        raise ConfigError("mesh.shape", list(cfg.mesh.shape), "objective=dpo under pipeline parallelism is not "
-                                                              "supported yet (the reference's forward is not a stage "
-                                                              "of the schedule); use a mesh without a pp dim")
     output = OmegaConf.to_container(cfg.plan, resolve=True).get("output") if cfg.plan else None
     if roles.tp_size > 1 and output and not final_output_layout(output)[1]:
         raise ConfigError("plan.output.use_local_output", False, "DPO sums each sequence's log-probabilities from "

@@ -1,0 +1,82 @@
+"""The pairs of features that do not compose yet, in one table. Each is a choice of what to build
+next, not a rule of the math: the refusal names both keys, says "not yet" and gives the fix.
+validate() asks the table before building anything; docs/checks-and-trust.md shows it
+(tests/test_docs.py keeps the two equal)."""
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from framework.config.errors import ConfigError
+from framework.parallel.roles import MeshRoles
+
+DPO = "framework.training.preference.DirectPreference"
+
+
+def _torchft(cfg: DictConfig) -> bool:
+    return cfg.launcher.get("fault_tolerance") == "torchft"
+
+
+def _adapter(cfg: DictConfig) -> bool:
+    return cfg.adapter.kind in ("lora", "qlora")
+
+
+def _dims_inside_a_replica_group(cfg: DictConfig, roles: MeshRoles) -> List[str]:
+    """The dims of size > 1 torchft's replica groups would hold besides TP (the replica dim is
+    dp_replicate when the mesh has one, else dp)."""
+    sizes = dict(zip(roles.dim_names, roles.shape))
+    replica = cfg.parallel.dp_replicate_dim if cfg.parallel.dp_replicate_dim in sizes else cfg.parallel.dp_dim
+    return [name for name in (cfg.parallel.dp_dim, roles.cp_dim, roles.pp_dim)
+            if name and name != replica and sizes.get(name, 1) > 1]
+
+
+@dataclass(frozen=True)
+class NotYet:
+    """Feature `key` with feature `other`, refused when `applies`."""
+    key: str
+    other: str
+    applies: Callable[[DictConfig, MeshRoles], bool]
+    why: str  # what is missing, then the fix
+    shown: Optional[str] = None  # the value the line shows (default: the config's at `key`)
+
+    def check(self, cfg: DictConfig, roles: MeshRoles) -> None:
+        if self.applies(cfg, roles):
+            value = self.shown if self.shown is not None else OmegaConf.select(cfg, self.key)
+            value = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+            raise ConfigError(self.key, value, f"not yet with {self.other}: {self.why}")
+
+
+NOT_YET = [
+    NotYet("objective", "context parallelism (parallel.cp_dim)",
+           lambda cfg, roles: cfg.objective.get("_target_") == DPO and roles.cp_size > 1,
+           "each sequence's log-probabilities would be summed from its CP ranks' chunks; use a mesh without a cp dim",
+           shown="dpo"),
+    NotYet("objective", "pipeline parallelism (parallel.pp_dim)",
+           lambda cfg, roles: cfg.objective.get("_target_") == DPO and roles.pp_size > 1,
+           "the reference's forward is not a stage of the schedule; use a mesh without a pp dim", shown="dpo"),
+    NotYet("parallel.ep_dims", "context parallelism (parallel.cp_dim)",
+           lambda cfg, roles: bool(roles.ep_dims) and roles.cp_size > 1,
+           "the all-to-all would route each CP rank's chunks apart; use parallel.ep_dims=null"),
+    NotYet("launcher.fault_tolerance", "parallel.dp_strategy=fsdp / hsdp",
+           lambda cfg, roles: _torchft(cfg) and cfg.parallel.dp_strategy != "replicate",
+           "FSDP2's reduce-scatter has no torchft hook here; use parallel.dp_strategy=replicate", shown="torchft"),
+    NotYet("launcher.fault_tolerance", "parallel.ep_dims",
+           lambda cfg, roles: _torchft(cfg) and bool(roles.ep_dims),
+           "experts spread over ranks are not healed across replica groups; use parallel.ep_dims=null", shown="torchft"),
+    NotYet("launcher.fault_tolerance", "dp, cp or pp dims inside a replica group (mesh.shape)",
+           lambda cfg, roles: _torchft(cfg) and bool(_dims_inside_a_replica_group(cfg, roles)),
+           "a replica group holds TP ranks only; give the other dims inside it size 1", shown="torchft"),
+    NotYet("adapter.dropout", "tensor parallelism (parallel.tp_dim)",
+           lambda cfg, roles: _adapter(cfg) and cfg.adapter.dropout > 0 and roles.tp_size > 1,
+           "each TP rank would draw its own mask of the adapter's input; use adapter.dropout=0 or a mesh without TP"),
+    NotYet("checkpoint.final_hf", "adapter=lora / qlora",
+           lambda cfg, roles: _adapter(cfg) and bool(cfg.checkpoint.final_hf),
+           "the run writes no merged model itself; export its checkpoint: python -m framework.export CKPT OUT "
+           "--format peft (the adapter) or --format hf (merged)"),
+]
+
+
+def check_not_yet(cfg: DictConfig, roles: MeshRoles) -> None:
+    """The first pair of the table this config holds, refused in one line."""
+    for pair in NOT_YET:
+        pair.check(cfg, roles)
