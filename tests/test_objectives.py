@@ -11,7 +11,7 @@ from framework.launch.local import launch_local
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
 from framework.models.protocol import ModelProtocol
-from framework.training.objectives import MeanSquaredError, NextTokenCrossEntropy
+from framework.training.objectives import MeanSquaredError, NextTokenCrossEntropy, StepShare
 from tests.conftest import QUIET, TEST_MODELS, TINY_LM, compose_config, run_cli
 from tests.errors import max_relative_error
 from tests.test_cli import read_events
@@ -67,7 +67,8 @@ def test_a_term_the_model_reports_without_a_weight_is_refused_by_name():
 
     with pytest.raises(KeyError, match=r"Reports reports the auxiliary loss 'balance': give its weight as "
                                        r"objective.aux_coefficients.balance"):
-        NextTokenCrossEntropy()(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), Reports(), 2.0, 2.0)
+        NextTokenCrossEntropy()(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), Reports(),
+                                StepShare(units=2.0, tokens=2.0))
 
 
 AUX = [*TINY_LM, *QUIET, TEST_MODELS, "model._target_=tests.workers.LogitSquareTransformer", "plan=none",

@@ -3,7 +3,7 @@
 An objective scores one micro-batch as the SUM of its per-unit losses (a unit: a target token
 that counts, an output element; later a preference pair) and says how many units a batch's
 targets hold. The step's loss is the global sum over the global count, however the units fall
-on DP replicas, micro-batches and pipeline stages (framework.training.trainer.Normalization):
+on DP replicas, micro-batches and pipeline stages (StepShare below):
 that is what makes every mesh train the model one process trains, masked data included.
 
 A model may report auxiliary terms for a micro-batch (a mixture of experts' load-balancing loss):
@@ -12,6 +12,7 @@ its forward sets `auxiliary_losses = {name: sum over the micro-batch's tokens}`
 else the model's own `aux_coefficients`, e.g. an HF config's router_aux_loss_coef), normalized by the global batch's
 tokens the same way (a token count needs no communication), and keeps their values for logging.
 """
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional
 
 import torch
@@ -23,6 +24,20 @@ from framework.data.tokens import IGNORE
 from framework.models.protocol import offered
 
 
+@dataclass
+class StepShare:
+    """What a step's micro-batch losses are normalized by, and the terms they add up: each loss
+    sum is divided by `units` (the step's count of units per DP replica; 1: plain sums), each
+    auxiliary term by `tokens` (the step's tokens per replica; None: no terms, as in
+    evaluation); `terms` sums the step's normalized terms (and DPO's metrics) for logging."""
+    units: float = 1.0
+    tokens: Optional[float] = 1.0
+    terms: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self.terms[name] = self.terms.get(name, 0.0) + value
+
+
 class Objective:
     """Base: `loss_sum(outputs, targets)` and `count(targets)` per objective; the auxiliary terms
     and their coefficients are common to all. An objective that needs more than the model's
@@ -30,7 +45,6 @@ class Objective:
 
     def __init__(self, aux_coefficients: Optional[Mapping[str, float]] = None):
         self.aux_coefficients = dict(aux_coefficients or {})
-        self.terms: Dict[str, torch.Tensor] = {}  # the last micro-batch's auxiliary sums (detached)
 
     def setup(self, run) -> None:
         """What the objective needs of the built run, its weights loaded (the checkpoint stage's end)."""
@@ -66,14 +80,13 @@ class Objective:
         target element (a token, an output value)."""
         return targets.numel()
 
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, model: nn.Module, units: float,
-                 tokens: Optional[float]) -> torch.Tensor:
-        """The micro-batch's share of the step's loss: its loss sum over `units` (the step's count
-        of units per DP replica), plus each auxiliary term `model` reported times its weight over
-        `tokens` (the step's tokens per replica; None: no terms, as in evaluation). `terms` keeps
-        the terms so normalized."""
-        total, self.terms = self.loss_sum(outputs, targets) / units, {}
-        if tokens is None:
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, model: nn.Module,
+                 step: StepShare) -> torch.Tensor:
+        """The micro-batch's share of the step's loss: its loss sum over the step's units, plus
+        each auxiliary term `model` reported times its weight over the step's tokens (none in
+        evaluation), each term so normalized added to the step's."""
+        total = self.loss_sum(outputs, targets) / step.units
+        if step.tokens is None:
             return total
         reporter = offered(model)
         for name, value in (reporter.auxiliary_losses or {}).items():
@@ -81,8 +94,8 @@ class Objective:
             if weight is None:
                 raise KeyError(f"{type(model).__name__} reports the auxiliary loss {name!r}: give its weight "
                                f"as objective.aux_coefficients.{name}")
-            total = total + weight * value / tokens
-            self.terms[name] = self.terms.get(name, 0.0) + value.detach() / tokens
+            total = total + weight * value / step.tokens
+            step.add(name, value.detach() / step.tokens)
         return total
 
 

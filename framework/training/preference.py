@@ -40,7 +40,7 @@ from framework.config.errors import ConfigError
 from framework.data.tokens import IGNORE, PREFERENCE_DATASETS
 from framework.models.lora import adapters_disabled
 from framework.parallel.plan import final_output_layout
-from framework.training.objectives import Objective
+from framework.training.objectives import Objective, StepShare
 from framework.models.protocol import offered
 
 log = logging.getLogger("framework")
@@ -104,13 +104,14 @@ class DirectPreference(Objective):
         self._sums = {name: value.detach().sum() for name, value in zip(METRICS, values)}
         return losses.sum()
 
-    def __call__(self, outputs, targets, model, units, tokens):
+    def __call__(self, outputs, targets, model, step: StepShare):
         """The share of the step's loss (as every objective's), and the pairs' metrics over the same
-        `units` (the step's pairs per replica), so summed over micro-batches and averaged over DP
+        units (the step's pairs per replica), so summed over micro-batches and averaged over DP
         they are the global batch's means."""
-        total = super().__call__(outputs, targets, model, units, tokens)
-        if tokens is not None:
-            self.terms.update({name: value / units for name, value in self._sums.items()})
+        total = super().__call__(outputs, targets, model, step)
+        if step.tokens is not None:
+            for name, value in self._sums.items():
+                step.add(name, value / step.units)
         return total
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:

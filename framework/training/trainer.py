@@ -4,7 +4,7 @@ and logs. What it measures and reports is framework.training.metrics; what it ca
 checkpoint is framework.training.state.
 
 The step's loss is the objective's (framework.training.objectives): each micro-batch's loss sum
-over the step's denominator, the global batch's count of units over the DP size, so that DP's
+over the step's units (StepShare), the global batch's count of units over the DP size, so that DP's
 gradient average is the global sum over the global count on every mesh, with micro-batches and
 pipeline stages alike. Losses stay on their ranks until a logging step; then one all-reduce over
 the DP group turns the pending per-replica losses into global-batch losses (TP ranks already
@@ -37,6 +37,7 @@ from framework.parallel.plan import final_output_layout
 from framework.parallel.replica_check import check_replicas
 from framework.training.interrupt import Interrupt
 from framework.training.metrics import Metrics
+from framework.training.objectives import StepShare
 from framework.training.profiling import format_summary, profiled, summary, trace_path
 from framework.training.run import Run
 from framework.training.watchdog import StallWatchdog
@@ -110,9 +111,7 @@ class Trainer:
         self.run, self.cfg, self.objective = run, run.cfg, run.objective
         self.device = torch.device(run.cfg.mesh.device_type)
         self.count_is_fixed = self.objective.count_is_fixed(run.dataset)
-        self.denominator = 1.0  # what the micro-batches' loss sums are divided by (per step; 1: sums)
-        self.tokens: Optional[float] = 1.0  # and their auxiliary terms: the step's tokens per replica
-        self.terms: Dict[str, torch.Tensor] = {}  # the step's auxiliary terms, normalized as its loss
+        self.step = StepShare()  # what this step's micro-batch losses are normalized by, and its terms
         self.pipeline = self._build_pipeline(make_stage) if run.stages else None
 
     def _build_pipeline(self, make_stage: Optional[Callable]) -> Pipeline:
@@ -162,13 +161,10 @@ class Trainer:
     # -- one step -----------------------------------------------------------------------
 
     def micro_batch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's share of the step's loss: the objective's sum over the step's
-        denominator, its auxiliary terms over the step's tokens (the pipeline's last stage calls
-        this too). The terms add up in `terms`."""
-        loss = self.objective(outputs, targets, self.run.module, self.denominator, self.tokens)
-        for name, value in self.objective.terms.items():
-            self.terms[name] = self.terms.get(name, 0.0) + value
-        return loss
+        """A micro-batch's share of the step's loss: the objective's sum over the step's units,
+        its auxiliary terms over the step's tokens (the pipeline's last stage calls this too).
+        The terms add up in the step's (StepShare)."""
+        return self.objective(outputs, targets, self.run.module, self.step)
 
     def compute_loss(self, batch: Batch) -> torch.Tensor:
         """Forward and micro_batch_loss, under autocast with trainer.mixed_precision=bf16 (fp32
@@ -195,7 +191,7 @@ class Trainer:
         strategy finalizes them (TP partials, DP average) once, after the last. Returns the
         replica's share of the global-batch loss, whose mean over DP is the global-batch loss."""
         self.run.optimizer.zero_grad(set_to_none=True)
-        self.denominator, self.tokens, self.terms = self.units_per_replica(batch.targets), float(batch.inputs.numel()), {}
+        self.step = StepShare(self.units_per_replica(batch.targets), float(batch.inputs.numel()))
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batch)
         chunks = batch.split(self.cfg.data.micro_batch_size or len(batch.inputs))
@@ -249,7 +245,7 @@ class Trainer:
         run.model.eval()
         data = iter(run.val_dataloader)
         sums, counts = [], []
-        self.denominator, self.tokens = 1.0, None  # plain sums (divided by the count below), no auxiliary terms
+        step, self.step = self.step, StepShare(tokens=None)  # plain sums (divided by the count below), no terms
         for _ in range(min(self.cfg.trainer.eval_batches, len(run.val_dataloader))):
             batch = Batch.of(next(data), self.device)
             if self.pipeline is not None:  # forward only through the stages
@@ -259,6 +255,7 @@ class Trainer:
                 sums.append(local_value(self.compute_loss(batch)))
             counts.append(self.objective.count(batch.targets).float())
         run.model.train()
+        self.step = step  # (the training step's terms, still to be logged)
         # batches' losses and counts summed here, then averaged over DP (and torchft's replica groups,
         # each of which evaluated its own share): their ratio is the global one
         sum_and_count = run.replicas.mean(torch.stack([torch.stack(sums).sum(), torch.stack(counts).sum()]))
@@ -367,7 +364,7 @@ class Trainer:
         values, like its loss, to TensorBoard: one all-reduce, on logging steps."""
         tags = self.objective.logged_terms(self.run.module)
         if tags:
-            values = torch.stack([local_value(torch.as_tensor(self.terms.get(name, 0.0), device=self.device))
+            values = torch.stack([local_value(torch.as_tensor(self.step.terms.get(name, 0.0), device=self.device))
                                   for name in tags])
             self.metrics.scalars(step, dict(zip(tags.values(), mean_over_dp(self.run, values))))
 
