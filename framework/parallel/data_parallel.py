@@ -32,19 +32,6 @@ from framework.models.nf4 import is_nf4
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket cap
 
 
-def spread_over_dp(param: torch.Tensor, dp_group) -> bool:
-    """A DTensor sharded over a mesh that holds other DP ranks than this one (an expert stack
-    under expert parallelism over DP dims, and maybe TP's: DP ranks hold other experts). Its
-    gradient already sums the contributions of the replicas whose tokens the expert served:
-    DataParallel sums it over the DP ranks holding the same experts (none when EP spans every DP
-    dim) and divides it by the DP size, instead of averaging it over DP; the replica check skips
-    it. Told from its placement, which survives what replaces Parameters (to_empty), not from a
-    mark on the Parameter."""
-    return isinstance(param, DTensor) and dp_group is not None and param.device_mesh.ndim == 1 \
-        and param.placements[0].is_shard() \
-        and len(set(dist.get_process_group_ranks(dp_group)) & set(param.device_mesh.mesh.flatten().tolist())) > 1
-
-
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's cap for the first bucket, so communication starts early
 
 
@@ -91,6 +78,19 @@ class _Bucket:
         self.views = [piece.view_as(g) for piece, g in zip(pieces, grads)] + list(pieces[len(grads):])
 
 
+class _OverGroup:
+    """Gradients averaged over the DP process group (what `across` replaces)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], size: int):
+        self.group, self._size = group, size
+
+    def all_reduce(self, flat: torch.Tensor):
+        return dist.all_reduce(flat, group=self.group, async_op=True)
+
+    def size(self) -> int:
+        return self._size
+
+
 class DataParallel(nn.Module):
     """Replicates `module` across the DP submesh; all-reduces gradients during backward.
 
@@ -104,24 +104,25 @@ class DataParallel(nn.Module):
     as the wrapper, as DDP's bucket buffers do, and the final gradients are views of it."""
 
     def __init__(self, module: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True,
-                 expert_replicas: Optional[DeviceMesh] = None, replica_groups: Any = None):
-        """expert_replicas: the DP ranks that hold the same experts with other tokens, when the
-        experts spread over only some DP dims (MeshRoles.expert_replica_mesh). replica_groups:
-        the DP replicas are torchft replica groups (framework.parallel.fault_tolerance), whose
-        all_reduce and size (the live groups) stand in for the DP group's."""
+                 experts: Any = None, across: Any = None):
+        """What other capabilities own, handed in: `experts`, the gradients of experts spread over
+        DP ranks, which it leaves out of its buckets and hands back after its sync
+        (framework.parallel.expert_parallel.ExpertGradients); `across`, where the gradients
+        average instead of the DP group: its all_reduce(flat) and size() (torchft's replica
+        groups, framework.parallel.fault_tolerance.ReplicaGroups)."""
         super().__init__()
         self.module = module
-        self.expert_replica_group = expert_replicas.get_group() if expert_replicas is not None else None
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         self.dp_size = dp_mesh.size() if dp_mesh is not None else 1
-        self.replica_groups = replica_groups
-        self.syncs = self.dp_size > 1 or replica_groups is not None
+        self.experts = experts
+        self.average = across if across is not None else _OverGroup(self.dp_group, self.dp_size)
+        self.syncs = self.dp_size > 1 or across is not None
         self.overlap = overlap
         self._sync_queued = False
         self.sync_after_backward = True  # False while micro-batches accumulate (no_sync)
         self._buckets: List[_Bucket] = []
         self._bucket_of: Dict[nn.Parameter, _Bucket] = {}
-        self._summed: List[nn.Parameter] = []  # sharded over DP (experts): divided, not all-reduced
+        self._summed: List[nn.Parameter] = []  # experts spread over DP: `experts` finishes them
         self._launched = 0  # buckets launched in this backward, in order
         self._broadcast_from_first_replica()
 
@@ -134,14 +135,14 @@ class DataParallel(nn.Module):
         src = dist.get_global_rank(self.dp_group, 0)
         # (QLoRA's NF4 weights, made the same on every rank from the same weights, are no flat tensors)
         tensors = [t.data for t in [*self.module.parameters(), *self.module.buffers()] if not is_nf4(t)]
-        _in_flat_buckets(tensors, lambda flat: dist.broadcast(flat, src=src, group=self.dp_group))
+        in_flat_buckets(tensors, lambda flat: dist.broadcast(flat, src=src, group=self.dp_group))
 
     def _bind(self) -> None:
         """Hook and bucket the trainable parameters `.module` holds now (once: the first forward)."""
         if self._buckets or not self.syncs:
             return
         trainable = [p for p in self.module.parameters() if p.requires_grad]
-        self._summed = [p for p in trainable if spread_over_dp(p, self.dp_group)]
+        self._summed = [p for p in trainable if self.experts is not None and self.experts.owns(p)]
         params = [p for p in trainable if not any(p is q for q in self._summed)]
         self._buckets = [_Bucket(bucket) for bucket in _buckets(params[::-1], FIRST_BUCKET_BYTES)]
         self._bucket_of = {p: bucket for bucket in self._buckets for p in bucket.params}
@@ -198,8 +199,7 @@ class DataParallel(nn.Module):
         torch._foreach_copy_(bucket.views[:len(grads)], grads)
         if last:  # every bucket has recorded its flags by now
             bucket.views[-1].copy_(torch.tensor([flag for b in self._buckets for flag in b.produced]))
-        bucket.work = self.replica_groups.all_reduce(bucket.flat) if self.replica_groups \
-            else dist.all_reduce(bucket.flat, group=self.dp_group, async_op=True)
+        bucket.work = self.average.all_reduce(bucket.flat)
         self._launched += 1
 
     @torch.no_grad()
@@ -211,30 +211,16 @@ class DataParallel(nn.Module):
         self._sync_queued = False
         if self.syncs and self._buckets:
             self._finish_all_reduces()
-        self._sum_expert_replicas()
-        for p in self._summed:
-            if p.grad is not None:
-                p.grad.div_(self.dp_size)
+        if self._summed:
+            self.experts.finish(self._summed)
         _reduce_partial_grads([p for p in self.module.parameters() if p.requires_grad and p.grad is not None])
-
-    def _sum_expert_replicas(self) -> None:
-        """Experts over some DP dims: each one's gradient summed over the ranks holding it."""
-        if self.expert_replica_group is None:
-            return
-        for p in self._summed:
-            if p.grad is None:  # (not used by this rank's tokens: nothing to add)
-                p.grad = torch.zeros_like(p)
-        local = [p.grad.to_local() for p in self._summed]
-        _in_flat_buckets(local, lambda flat: dist.all_reduce(flat, group=self.expert_replica_group))
-        for p, summed in zip(self._summed, local):
-            p.grad = DTensor.from_local(summed, p.grad.device_mesh, p.grad.placements, run_check=False)
 
     def _finish_all_reduces(self) -> None:
         """Launch what backward left (buckets with a gradient this rank did not produce, or all of
         them without overlap), in order; wait for each and average."""
         while self._launched < len(self._buckets):
             self._launch(self._buckets[self._launched])
-        replicas = self.replica_groups.size() if self.replica_groups else self.dp_size
+        replicas = self.average.size()
         for bucket in self._buckets:
             wait_for_all_reduce(bucket.work)
             bucket.flat.div_(replicas)
@@ -262,7 +248,7 @@ def _reduce_partial_grads(params: List[torch.Tensor]) -> None:
             partial.setdefault(p.grad.device_mesh, []).append(p)
     for mesh, group_params in partial.items():
         local_grads = [p.grad.to_local() for p in group_params]
-        _in_flat_buckets(local_grads, lambda flat: dist.all_reduce(flat, group=mesh.get_group()))
+        in_flat_buckets(local_grads, lambda flat: dist.all_reduce(flat, group=mesh.get_group()))
         for p, summed in zip(group_params, local_grads):
             p.grad = DTensor.from_local(summed, mesh, p.placements, run_check=False)
 
@@ -288,7 +274,7 @@ def wait_for_all_reduce(work) -> None:
         work.wait()
 
 
-def _in_flat_buckets(tensors: List[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:
+def in_flat_buckets(tensors: List[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:
     """Run `collective` in place on each bucket of `tensors` flattened into one tensor (one
     collective per bucket instead of one per tensor), then copy the results back."""
     for bucket in _buckets(tensors):
@@ -316,8 +302,8 @@ def _buckets(tensors: List[torch.Tensor], first_bucket_bytes: int = BUCKET_BYTES
     return buckets
 
 
-def apply_dp(model: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True,
-             expert_replicas: Optional[DeviceMesh] = None, replica_groups: Any = None) -> DataParallel:
-    """Wrap `model`; with no DP dim (dp_mesh None) and no replica groups the wrapper only keeps
+def apply_dp(model: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: bool = True, experts: Any = None,
+             across: Any = None) -> DataParallel:
+    """Wrap `model`; with no DP dim (dp_mesh None) and nothing `across` the wrapper only keeps
     the `.module` shape."""
-    return DataParallel(model, dp_mesh, overlap, expert_replicas, replica_groups)
+    return DataParallel(model, dp_mesh, overlap, experts, across)

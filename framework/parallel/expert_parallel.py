@@ -9,7 +9,7 @@ The stacked expert weights become DTensors sharded on the expert dim over the EP
 rank computes only its own experts, and checkpoints (DCP) keep the whole stacks under the same
 names whatever the EP size. An expert spread over the DP ranks sums the contributions of every
 replica's tokens it served, each replica's loss already scaled for DP's average: DataParallel
-divides its gradient by the DP size instead of all-reducing it (data_parallel.spread_over_dp),
+divides its gradient by the DP size instead of all-reducing it (ExpertGradients, below),
 and under fsdp the experts stay out of FSDP2's sharding with their gradient divided alike
 (fully_shard.apply_fsdp). Spread over some DP dims, they are summed over the others under
 replicate, and FSDP2-sharded over them under fsdp / hsdp (torchtitan's efsdp). Experts over the
@@ -26,6 +26,54 @@ from torch.distributed.device_mesh import DeviceMesh
 from framework.config.errors import ConfigError
 from framework.parallel.roles import MeshRoles
 from framework.models.moe import Experts, moe_blocks, slots_per_expert, update_expert_biases
+
+
+def spread_over_dp(param: torch.Tensor, dp_group: Optional[dist.ProcessGroup]) -> bool:
+    """A DTensor sharded over a mesh that holds other DP ranks than this one (an expert stack
+    under expert parallelism over DP dims, and maybe TP's: DP ranks hold other experts). Its
+    gradient already sums the contributions of the replicas whose tokens the expert served:
+    ExpertGradients sums it over the DP ranks holding the same experts (none when EP spans every
+    DP dim) and divides it by the DP size, instead of averaging it over DP; the replica check skips
+    it. Told from its placement, which survives what replaces Parameters (to_empty), not from a
+    mark on the Parameter."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor) and dp_group is not None and param.device_mesh.ndim == 1 \
+        and param.placements[0].is_shard() \
+        and len(set(dist.get_process_group_ranks(dp_group)) & set(param.device_mesh.mesh.flatten().tolist())) > 1
+
+
+class ExpertGradients:
+    """What replicate's DataParallel hands the experts spread over DP ranks (spread_over_dp): it
+    leaves them out of its buckets and calls finish() after its own sync. Each one's gradient
+    already sums the contributions of the replicas whose tokens it served: summed over the DP
+    ranks holding the same experts (`expert_replicas`; none when EP spans every DP dim), then
+    divided by the DP size, which the other gradients are averaged over."""
+
+    def __init__(self, dp_group: Optional[dist.ProcessGroup], dp_size: int, expert_replicas: Optional[DeviceMesh]):
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.replica_group = expert_replicas.get_group() if expert_replicas is not None else None
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return spread_over_dp(param, self.dp_group)
+
+    @torch.no_grad()
+    def finish(self, params: List[nn.Parameter]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        from framework.parallel.data_parallel import in_flat_buckets
+
+        if self.replica_group is not None:
+            for p in params:
+                if p.grad is None:  # (not used by this rank's tokens: nothing to add)
+                    p.grad = torch.zeros_like(p)
+            local = [p.grad.to_local() for p in params]
+            in_flat_buckets(local, lambda flat: dist.all_reduce(flat, group=self.replica_group))
+            for p, summed in zip(params, local):
+                p.grad = DTensor.from_local(summed, p.grad.device_mesh, p.grad.placements, run_check=False)
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(self.dp_size)
 
 
 def _gather_shares(share: torch.Tensor, sizes: List[int], group: dist.ProcessGroup) -> torch.Tensor:

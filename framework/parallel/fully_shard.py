@@ -55,7 +55,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[
     (`expert_replicas`): FSDP2 shards each block's experts over those ranks (torchtitan's efsdp),
     and its reduce-scatter's sum is divided by the DP size alike."""
     from framework.models.moe import Experts
-    from framework.parallel.data_parallel import spread_over_dp
+    from framework.parallel.expert_parallel import spread_over_dp
 
     if expert_replicas is not None:
         dp_size = dist.get_world_size(dp_group)

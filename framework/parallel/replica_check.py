@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from framework.parallel.data_parallel import spread_over_dp
+from framework.parallel.expert_parallel import spread_over_dp
 
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
 from framework.parallel.context_parallel import SequenceChunks, apply_cp
-from framework.parallel.expert_parallel import apply_ep, update_biases_after_each_step
+from framework.parallel.expert_parallel import ExpertGradients, apply_ep, update_biases_after_each_step
 from framework.parallel.fault_tolerance import OneGroup, replica_groups, spread_over_groups
 from framework.parallel.tensor_parallel import apply_tp
 from framework.training.schedule import build_scheduler
@@ -131,8 +131,8 @@ def stage_data_parallel(run: Run) -> None:
     averaged over the DP group, or over torchft's replica groups (launcher.fault_tolerance)."""
     if run.cfg.parallel.dp_strategy == "replicate":
         run.replicas = replica_groups(run.cfg)
-        run.model = apply_dp(run.model, run.dp_mesh, run.cfg.parallel.overlap_dp_sync,
-                             run.roles.expert_replica_mesh(run.mesh),
+        experts = ExpertGradients(run.dp_group, run.dp["size"], run.roles.expert_replica_mesh(run.mesh))
+        run.model = apply_dp(run.model, run.dp_mesh, run.cfg.parallel.overlap_dp_sync, experts,
                              None if isinstance(run.replicas, OneGroup) else run.replicas)
 
 
