@@ -25,7 +25,9 @@ def _summary(directory):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mesh", [["mesh=2x1", "plan=none"], ["mesh=2x2", "plan=lm_tp_sp"]], ids=" ".join)
+@pytest.mark.parametrize("mesh", [["mesh=2x1", "plan=none"],
+                                  pytest.param(["mesh=2x2", "plan=lm_tp_sp"], marks=pytest.mark.integration)],
+                         ids=" ".join)
 def test_without_a_failure_the_groups_train_what_one_process_trains(mesh, tmp_path):
     """The global batch split over two groups (of one rank, or of two TP+SP ranks), their
     gradients averaged through torchft: the one-process curve (replicate 2x1 gave the same

@@ -177,7 +177,7 @@ def test_each_cp_rank_holds_a_head_and_a_tail_chunk():
     ["mesh=pp2x1x1"],                                                    # PP: positions to every stage
     ["mesh=1x2x1cp"],                                                    # CP
     pytest.param(["mesh=1x4x1cp"], marks=LONGER),
-    ["mesh=1x2x2cp", "plan=lm_tp_sp"],                                   # CP x TP + SP
+    pytest.param(["mesh=1x2x2cp", "plan=lm_tp_sp"], marks=LONGER),      # CP x TP + SP (make test: verify proves it)
     pytest.param(["mesh=2x2x1cp", "parallel.dp_strategy=fsdp"], marks=LONGER),  # CP ranks join FSDP's shards
     pytest.param(["mesh=pp2x1x2x1cp"], marks=LONGER),                    # PP x CP
     pytest.param(["mesh=1x2x1cp", "data.micro_batch_size=2", "model.activation_checkpointing=full"], marks=LONGER),

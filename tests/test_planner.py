@@ -119,6 +119,7 @@ def test_a_calibration_from_another_host_is_refused(tmp_path):
         load(str(path))
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_a_world_no_layout_fits_is_refused_with_the_smallest_need(tmp_path):
     result = run_cli([*TINY, "planner.world=2", "planner.device=h100", "planner.device_memory_gb=0.0001"],
@@ -183,6 +184,7 @@ def test_the_cost_model_by_hand():
     assert hidden.comm_s == pytest.approx(exposed + 200e-6)  # (its latency: 2x1's TP group of 1 moves nothing)
 
 
+@pytest.mark.integration  # (make test: the planner's predictions against real runs, mesh=auto's refusals)
 @pytest.mark.timeout(240)
 def test_mesh_auto_trains_on_the_planners_first_choice_and_says_so(tmp_path):
     calibration = tmp_path / "calibration.json"

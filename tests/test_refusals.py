@@ -2,7 +2,8 @@
 as a user meets it: through the command line, exit 2, one line naming the key and the fix,
 before any rank starts or any job dir is made. Every case is also checked in this process
 (validate, the planner's main), which takes a fraction of a second where a command takes four:
-the command line runs one case per feature in make test and the rest in make test-integration."""
+the command line runs a few cases in make test (LoRA, MoE, DPO, the planner) and the rest in
+make test-integration."""
 import re
 
 import pytest
@@ -55,7 +56,7 @@ def short(overrides: list) -> str:
     return " ".join(overrides[len(TINY_LM):] if overrides[:len(TINY_LM)] == TINY_LM else overrides)
 
 
-ON_THE_COMMAND_LINE = {"adapter.targets=[]", "model.moe.layers=[]", "parallel.cp_dim=dp", "parallel.dp_strategy=fsdp"}
+ON_THE_COMMAND_LINE = {"adapter.targets=[]", "model.moe.layers=[]"}  # (and DPO and the planner below)
 
 
 def one_per_feature(cases: list, first: set) -> list:
@@ -94,6 +95,7 @@ def test_dpo_under_pipeline_parallelism_is_refused_as_not_yet(hf_dirs, prepared,
     refused_in_one_line(result, r"objective='dpo': not yet with pipeline parallelism \(parallel.pp_dim\)")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_hugging_face_mixture_with_router_noise_is_refused_naming_its_config_key(hf_dirs, tmp_path):
     path = make_hf_model("mixtral", str(tmp_path / "mixtral"), router_jitter_noise=0.1)
