@@ -50,6 +50,7 @@ def test_lm_tp_sp_step_collectives_match_the_plan():
     assert count_collectives([*TINY, "mesh=1x2", "plan=lm_tp_sp"])[0] == expected
 
 
+@pytest.mark.integration  # (make test: the counts by hand, in this process)
 @pytest.mark.timeout(180)
 def test_inspect_cli_prints_counts_and_dp_adds_one_bucketed_all_reduce():
     result = run_cli(["comm", *TINY, "mesh=2x2", "plan=lm_tp_sp"], module="framework.inspect")
