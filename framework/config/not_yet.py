@@ -8,6 +8,7 @@ from typing import Callable, List, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.config.errors import ConfigError
+from framework.parallel.fault_tolerance import replica_dim
 from framework.parallel.roles import MeshRoles
 
 DPO = "framework.training.preference.DirectPreference"
@@ -24,8 +25,7 @@ def _adapter(cfg: DictConfig) -> bool:
 def _dims_inside_a_replica_group(cfg: DictConfig, roles: MeshRoles) -> List[str]:
     """The dims of size > 1 torchft's replica groups would hold besides TP (the replica dim is
     dp_replicate when the mesh has one, else dp)."""
-    sizes = dict(zip(roles.dim_names, roles.shape))
-    replica = cfg.parallel.dp_replicate_dim if cfg.parallel.dp_replicate_dim in sizes else cfg.parallel.dp_dim
+    sizes, replica = dict(zip(roles.dim_names, roles.shape)), replica_dim(cfg)
     return [name for name in (cfg.parallel.dp_dim, roles.cp_dim, roles.pp_dim)
             if name and name != replica and sizes.get(name, 1) > 1]
 
