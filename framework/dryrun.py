@@ -44,12 +44,12 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from framework.data.batch import Batch
+from framework.models.lifecycle import new_model
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
 from framework.parallel.roles import MeshRoles
@@ -160,12 +160,6 @@ def check_dryrun(cfg: DictConfig) -> None:
                           "drop the override (or recipe) that stops the pipeline early")
 
 
-def stage_model_on_meta(run: Run) -> None:
-    """The builder's model stage, with parameters on the meta device: shapes, no storage."""
-    with torch.device("meta"):
-        run.model = instantiate(run.cfg.model)
-
-
 def _placement(param: torch.Tensor) -> str:
     if not isinstance(param, DTensor):
         return "replicated plain tensor"
@@ -177,8 +171,7 @@ def stage_tensors(run: Run, trainer: Trainer, inputs: torch.Tensor) -> Dict[int,
     shape inference would have sent between stages. From a second meta copy of the model,
     TP-sharded like the run's, run block by block under the trainer's autocast."""
     cfg = run.cfg
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
+    model = new_model(cfg.model, "meta", cfg.trainer.seed)
     tp_mesh = run.roles.tp_mesh(run.mesh)
     if tp_mesh is not None:
         model = apply_tp(model, tp_mesh, OmegaConf.to_container(cfg.plan, resolve=True))
@@ -226,7 +219,7 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         # no stage up to the optimizer writes anything
-        run = build_and_run(cfg, "", through="optimizer", replace={"model": stage_model_on_meta})
+        run = build_and_run(cfg, "", through="optimizer", run=Run(cfg=cfg, out_dir="", meta_only=True))
         batch = Batch.of(next(iter(run.dataloader)), "meta")
         params = list(run.module.named_parameters())
         activations = SavedActivations([p for _, p in params])
@@ -260,7 +253,8 @@ def dry_run(cfg: DictConfig) -> List[RankReport]:
     cpu whatever mesh.device_type says: shapes and collectives do not depend on the device."""
     validate(cfg, world_size=math.prod(cfg.mesh.shape))
     check_dryrun(cfg)
-    simulated = OmegaConf.merge(cfg, {"mesh": {"device_type": "cpu"}})
+    # and uncompiled: compiling changes none of the shapes, bytes or collectives it reports
+    simulated = OmegaConf.merge(cfg, {"mesh": {"device_type": "cpu"}, "trainer": {"compile": "none"}})
     return [simulate_rank(simulated, rank) for rank in cfg.dryrun.ranks]
 
 

@@ -32,9 +32,10 @@ from framework.config.schema import Config
 from framework.config.trust import check_targets
 from framework.config.validate import instantiate_checked
 from framework.checkpoint.base_model import base_model, describe, same_base
-from framework.models.hf import load_hf_weights, materialize
+from framework.checkpoint.weights import load_base
+from framework.models.lifecycle import adapt, allocate, new_model
 from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, check_hf_out, save_hf, save_peft
-from framework.models.lora import add_adapters, is_adapter
+from framework.models.lora import is_adapter
 from framework.models.nf4 import dequantized, quantize_base
 from framework.models.protocol import offered
 
@@ -63,23 +64,20 @@ def load_model(checkpoint: str) -> Tuple[nn.Module, DictConfig, str]:
     if base is not None and "model" in base and base["device"] != "cpu":
         raise CheckpointError(path, f"its base model is the one trainer.seed drew on {base['device']}, which this "
                                     f"process (on cpu) cannot draw again; export where that device is")
-    if base is not None and "model" in base:
-        torch.manual_seed(base["seed"])  # a base drawn from the seed is drawn again
-    with torch.device("cpu"), saved_config_errors(path):
-        model = instantiate_checked(cfg.model)
+    with saved_config_errors(path):  # a base drawn from the seed is drawn again
+        model = new_model(cfg.model, "cpu", base["seed"] if base is not None and "model" in base else 0,
+                          instantiate_checked)
     adapter = cfg.get("adapter") or {"kind": "none"}
-    if adapter["kind"] != "none":  # the run's adapters, as its `adapters` stage added them
-        add_adapters(model, adapter["rank"], adapter["alpha"], adapter["dropout"], list(adapter["targets"]), 0)
-    if any(p.is_meta for p in model.parameters()):  # a Hugging Face model comes on meta
-        materialize(model, "cpu")
+    adapt(model, adapter, 0)  # the run's adapters, as its `adapters` stage added them
+    allocate(model, "cpu", 0)  # a Hugging Face model comes on meta
     check_model_keys(path, model, "all" if base is None else "adapters")
+    if base is not None:
+        _load_base(model, cfg, path, base)
+    if adapter["kind"] == "qlora":  # the base the run trained on: its NF4 values (written dequantized)
+        quantize_base(model, adapter["block_size"], adapter["scaler_block_size"])
+    state = model.state_dict()
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        if base is not None:
-            _load_base(model, cfg, path, base)
-        if adapter["kind"] == "qlora":  # the base the run trained on: its NF4 values (written dequantized)
-            quantize_base(model, adapter["block_size"], adapter["scaler_block_size"])
-        state = model.state_dict()
         load_checkpoint({"model": state if base is None else {k: v for k, v in state.items() if is_adapter(k)}},
                         path, no_dist=True)
     return model, cfg, path
@@ -94,11 +92,7 @@ def _load_base(model: nn.Module, cfg: DictConfig, path: str, base: dict) -> None
         now = base_model(cfg, os.path.dirname(path), offered(model).hf_path)
     if not same_base(base, now):
         raise CheckpointError(path, f"its adapters belong to {describe(base)}, but that is now {describe(now)}")
-    if "checkpoint" in base:
-        state = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
-        load_checkpoint({"model": state}, base["checkpoint"], no_dist=True)
-    elif "hf" in base:
-        load_hf_weights(model, model.hf_path)
+    load_base(model, base.get("checkpoint"), base.get("hf") and offered(model).hf_path)
 
 
 def check_out(out: str, format: str) -> None:

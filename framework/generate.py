@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from typing import List, Optional, Set, Tuple
 
 import torch
@@ -26,7 +25,9 @@ from framework.checkpoint.layout import CheckpointError, resolve
 from framework.cli import parsed_status
 from framework.config.errors import ConfigError
 from framework.data.tokenizer import load_tokenizer
-from framework.models.hf import HFTransformer, check_length, check_vocab, check_weights, load_hf_weights, materialize
+from framework.checkpoint.weights import load_base
+from framework.models.hf import HFTransformer, check_length, check_vocab, check_weights
+from framework.models.lifecycle import allocate
 from framework.models.lora import add_peft_adapter, is_adapter, load_peft_adapter
 from framework.models.transformer import LayerCache
 from framework.models.protocol import from_hugging_face, offered
@@ -96,10 +97,8 @@ def _hf_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, 
     tokenizer = _tokenizer(model, model.hf_path)
     if adapter:
         add_peft_adapter(model, adapter, "--adapter")
-    materialize(model, "cpu")
-    with warnings.catch_warnings():  # DCP's note that it reads in one process
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_hf_weights(model, model.hf_path)
+    allocate(model, "cpu", 0)
+    load_base(model, None, model.hf_path)
     if adapter:
         load_peft_adapter(model, adapter)
     return model, tokenizer, _stop_ids(model.hf_path, tokenizer)

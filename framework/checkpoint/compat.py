@@ -109,7 +109,7 @@ def check_model_keys(path: str, model: nn.Module, which: str = "all") -> None:
     """The model's state_dict keys and shapes against the checkpoint's (DCP's .metadata, read
     without loading a tensor): name the first key missing on either side, or both shapes.
     `which` keys: "all"; "base" (checkpoint.init_from: the LoRA adapters of neither side, as
-    Checkpointer.load_model_only loads none); "adapters" (a LoRA run's checkpoint holds those)."""
+    framework.checkpoint.weights.load_base loads none); "adapters" (a LoRA run's checkpoint holds those)."""
     from framework.checkpoint.safe_load import SafeReader  # only when a checkpoint is given
 
     try:

@@ -15,7 +15,6 @@ their own (a background thread's collectives must not interleave with the traini
 at most one is in flight, and the last one finishes before the run ends.
 """
 import logging
-import os
 import time
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -38,11 +37,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from framework.checkpoint.compat import checkpoint_dir
 from framework.checkpoint.layout import (
     keep_newest,
-    newest_checkpoint,
     partial_dir,
     read_meta,
     remove_partial,
-    resolve,
     step_dir,
     write_meta_and_publish,
 )
@@ -52,11 +49,6 @@ from framework.models.lora import is_adapter
 from framework.training.state import TrainState
 
 log = logging.getLogger("framework")
-
-
-def restart_count() -> int:
-    """How often the elastic agent (self-launched or torchrun) restarted this job's ranks."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 @dataclass
@@ -193,23 +185,11 @@ class Checkpointer:
 
     # -- loading ------------------------------------------------------------------------
 
-    def source(self) -> tuple[Optional[str], str]:
-        """(path, kind) to start from, decided by rank 0 and shared: after an elastic restart the
-        newest complete checkpoint in dir; else checkpoint.resume, else checkpoint.init_from
-        (kind "init": model weights only). Rank 0 first removes what interrupted saves left."""
-        choice = [None, "fresh"]
+    def remove_partial(self) -> None:
+        """Rank 0 removes what interrupted saves left (a resume never reads those)."""
         if self.rank == 0:
             for path in remove_partial(self.dir):
                 log.info("removed %s, left by an interrupted save", path)
-            c = self.cfg.checkpoint
-            newest = newest_checkpoint(self.dir) if restart_count() else None
-            resume = newest or (resolve(c.resume, self.dir) if c.resume else None)
-            if resume:
-                choice = [resume, "resume"]
-            elif c.init_from:
-                choice = [resolve(c.init_from, self.dir), "init"]
-        dist.broadcast_object_list(choice, src=0)
-        return choice[0], choice[1]
 
     def load(self, path: str) -> Resumed:
         """Every part from `path`; the RNG states too when the world is the same (another
@@ -235,15 +215,6 @@ class Checkpointer:
             if self.rank == 0:
                 log.info("checkpoint.reset_data: the data restarts at the start of epoch %d", self.state.position.epoch)
         return Resumed(path, meta["step"], time.perf_counter() - start)
-
-    def load_model_only(self, path: str) -> None:
-        """checkpoint.init_from: the weights start a new run (step 0, fresh optimizer and data);
-        the base weights only: LoRA adapters start fresh (or from adapter.init_from)."""
-        read_meta(path)
-        module = self.model.model
-        state = {k: v for k, v in get_model_state_dict(module).items() if not is_adapter(k)}
-        load_checkpoint({"model": state}, path)  # in place: the state's tensors are the parameters'
-        set_model_state_dict(module, state, options=StateDictOptions(strict=False))
 
     def close(self) -> None:
         self.wait()

@@ -27,6 +27,7 @@ STAGES = [
     "expert_parallel",
     "context_parallel",
     "fully_shard",
+    "weights",
     "sampler",
     "dataloader",
     "optimizer",

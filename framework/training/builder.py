@@ -17,12 +17,13 @@ from torch.utils.data import Dataset
 
 from framework.checkpoint.base_model import base_model
 from framework.checkpoint.compat import checkpoint_dir
-from framework.checkpoint.layout import read_meta, resolve
-from framework.checkpoint.manager import Checkpointer, restart_count
+from framework.checkpoint.layout import resolve
+from framework.checkpoint.manager import Checkpointer
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
-from framework.models.hf import load_hf_weights, materialize
-from framework.models.lora import add_adapters, init_adapters, load_peft_adapter
+from framework.checkpoint.weights import load_base, restart_count, starting_point
+from framework.models.lifecycle import adapt, allocate, new_model, on_meta
+from framework.models.lora import load_peft_adapter
 from framework.models.nf4 import quantize_base
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import last_stage_rank, split_model
@@ -37,7 +38,7 @@ from framework.training.state import TrainState
 from framework.training.trainer import Trainer
 from framework.training.compile import apply_compile
 from framework.training.run import Run
-from framework.models.protocol import from_hugging_face, offered
+from framework.models.protocol import offered
 
 log = logging.getLogger("framework")
 
@@ -89,28 +90,23 @@ def stage_mesh(run: Run) -> None:
 
 def stage_model(run: Run) -> None:
     """Seeded, so every rank builds the same weights (DataParallel also broadcasts them). A
-    model that comes on the meta device (a Hugging Face model) is allocated only once the
-    parallel stages have sharded it; its weights come from the checkpoint stage (or, for the
-    commands that stop before it, at the end of build_and_run)."""
-    torch.manual_seed(run.cfg.trainer.seed)
-    with torch.device(run.cfg.mesh.device_type):
-        run.model = instantiate(run.cfg.model)
-    run.deferred_init = from_hugging_face(run.model)
+    Hugging Face model comes on the meta device: its storage and weights come in the weights
+    stage, once the parallel stages sharded it. The dry run's model stays on meta."""
+    device = "meta" if run.meta_only else run.cfg.mesh.device_type
+    run.model = new_model(run.cfg.model, device, run.cfg.trainer.seed)
 
 
 def stage_adapters(run: Run) -> None:
     """adapter=lora: LoRA adapters on the targeted layers, every base parameter frozen, before
     any parallel stage (they shard and sync the adapters as any parameter). adapter=qlora: the
-    adapted layers' weights then quantized to NF4 (framework.models.nf4)."""
-    a = run.cfg.adapter
-    if a.kind == "none":
-        return
-    add_adapters(run.module, a.rank, a.alpha, a.dropout, list(a.targets), run.cfg.trainer.seed)
+    adapted layers' weights then quantized to NF4 (framework.models.nf4), which is made from
+    the weights: a Hugging Face model's are read whole here."""
+    a, cfg = run.cfg.adapter, run.cfg
+    adapt(run.module, a, cfg.trainer.seed)
     if a.kind == "qlora":
-        if run.deferred_init:  # NF4 is made from the weights: a Hugging Face model's are read whole here
-            materialize(run.module, run.cfg.mesh.device_type)
-            init_adapters(run.module, run.cfg.trainer.seed)
-            load_pretrained(run)
+        if on_meta(run.module) and not run.meta_only:
+            allocate(run.module, cfg.mesh.device_type, cfg.trainer.seed)
+            load_base(run.module, None, offered(run.module).hf_path)
         quantize_base(run.module, a.block_size, a.scaler_block_size)
 
 
@@ -157,9 +153,8 @@ def stage_context_parallel(run: Run) -> None:
 
 def stage_fully_shard(run: Run) -> None:
     """trainer.compile's blocks first (torchtitan's order: TP, compile, FSDP2); then fsdp / hsdp:
-    FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh). A deferred
-    model gets its (sharded) memory last."""
-    apply_compile(run.module, run.cfg.trainer.compile, run.deferred_init)
+    FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh)."""
+    apply_compile(run.module, run.cfg.trainer.compile)
     strategy = run.cfg.parallel.dp_strategy
     if strategy != "replicate":
         mesh, precision = run.roles.sharding_mesh(run.mesh, strategy), run.cfg.trainer.mixed_precision
@@ -168,9 +163,34 @@ def stage_fully_shard(run: Run) -> None:
             run.stages = [(index, apply_fsdp(module, mesh, precision, **shard)) for index, module in run.stages]
         else:
             run.model = apply_fsdp(run.model, mesh, precision, **shard)
-    if run.deferred_init:
-        materialize(run.module, run.cfg.mesh.device_type)
-        init_adapters(run.module, run.cfg.trainer.seed)  # (to_empty left them garbage too)
+
+
+def stage_weights(run: Run) -> None:
+    """The weights the model starts from, where framework.checkpoint.weights says: a model still
+    on meta gets its (sharded) storage; then checkpoint.init_from's weights, the Hugging Face
+    files' or the seed's (drawn in the model stage), and adapter.init_from's PEFT adapters;
+    none of them read when the run resumes a checkpoint that holds them all. QLoRA's base was
+    read before it was quantized (stage_adapters). The dry run's model has no weights."""
+    cfg = run.cfg
+    if run.meta_only:
+        return
+    directory = checkpoint_dir(cfg, run.out_dir)
+    run.start = starting_point(cfg, directory, run.rank)
+    allocate(run.module, cfg.mesh.device_type, cfg.trainer.seed)
+    if run.start.replaces_base():
+        return
+    init_from = run.start.path if run.start.kind == "init" else None
+    if run.start.kind == "resume" and cfg.checkpoint.init_from:  # adapters alone: their base first
+        init_from = resolve(cfg.checkpoint.init_from, directory)
+    message = load_base(run.module, init_from, None if cfg.adapter.kind == "qlora" else offered(run.module).hf_path)
+    if cfg.checkpoint.resume and run.start.kind == "fresh":
+        message += f" (no checkpoint to resume in {directory})"
+    peft = cfg.adapter.get("init_from")
+    if peft and run.start.kind != "resume":  # (a resumed run's adapters are its checkpoint's)
+        load_peft_adapter(run.module, peft)
+        message += f"; LoRA adapters from the PEFT adapter in {peft}"
+    if run.start.kind != "resume":
+        say(run, message)
 
 
 def dataset_of(run: Run, **split) -> Dataset:
@@ -210,56 +230,28 @@ def stage_optimizer(run: Run) -> None:
 
 
 def stage_checkpoint(run: Run) -> None:
-    """Before the first step: continue a checkpoint (model, optimizer, schedule, data position,
-    history; after an elastic restart, the newest one), or start from init_from's weights. A
-    LoRA run's checkpoints hold its adapters alone: its base is loaded as a fresh run loads it.
-    Then the objective's setup, on the final weights."""
+    """Before the first step: continue the checkpoint the weights stage chose (model, optimizer,
+    schedule, data position, history; after an elastic restart, the newest one). A LoRA run's
+    checkpoints hold its adapters alone, over the base the weights stage loaded. Then the
+    objective's setup, on the final weights."""
     run.state = TrainState()
-    directory = checkpoint_dir(run.cfg, run.out_dir)
-    base = base_model(run.cfg, directory, offered(run.module).hf_path) \
+    base = base_model(run.cfg, checkpoint_dir(run.cfg, run.out_dir), offered(run.module).hf_path) \
         if run.cfg.adapter.kind != "none" else None
     run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank, run.module, run.optimizer, run.scheduler,
                                     run.state, base)
-    path, kind = run.checkpointer.source()
-    if kind == "resume":
-        if "base" in read_meta(path):  # adapters alone (the launcher checked their base is this one)
-            init_from = run.cfg.checkpoint.init_from
-            load_base(run, resolve(init_from, directory) if init_from else None)
-        run.resumed = run.checkpointer.load(path)
-        message = f"resumed from {path} (step {run.resumed.step})"
-    else:
-        message = load_base(run, path if kind == "init" else None)
-    init_from = run.cfg.adapter.get("init_from")
-    if init_from and kind != "resume":  # (a resumed run's adapters are its checkpoint's)
-        load_peft_adapter(run.module, init_from)
-        message += f"; LoRA adapters from the PEFT adapter in {init_from}"
+    run.checkpointer.remove_partial()
+    if run.start.kind == "resume":
+        run.resumed = run.checkpointer.load(run.start.path)
+        say(run, f"resumed from {run.start.path} (step {run.resumed.step})")
+    run.objective.setup(run)  # the weights are final: what it derives from them (DPO's reference)
+
+
+def say(run: Run, message: str) -> None:
+    """Where the weights came from, on rank 0, after an elastic restart with its count."""
     if run.rank == 0:
         restarts = restart_count()
         log.info("%s%s", f"restart {restarts} of {os.environ['TORCHELASTIC_MAX_RESTARTS']}: " if restarts else "",
                  message)
-    run.objective.setup(run)  # the weights are final: what it derives from them (DPO's reference)
-
-
-def load_base(run: Run, init_from: Optional[str]) -> str:
-    """The weights a run starts from when no checkpoint replaces them all: checkpoint.init_from's
-    (the `init_from` step dir), the Hugging Face model's, or those trainer.seed drew (already
-    there); what to say of them."""
-    if init_from:
-        run.checkpointer.load_model_only(init_from)
-        return f"model weights from {init_from}; optimizer, schedule and data start fresh"
-    if run.deferred_init:
-        load_pretrained(run)
-        return f"model weights from the Hugging Face model in {run.module.hf_path}"
-    if run.cfg.checkpoint.resume:
-        return f"fresh start (no checkpoint to resume in {run.checkpointer.dir})"
-    return "fresh start"
-
-
-def load_pretrained(run: Run) -> None:
-    """Each rank reads its own slices of the Hugging Face weights (only when no checkpoint
-    replaces them: a resume does not read the model twice)."""
-    load_hf_weights(run.module, run.module.hf_path)
-    run.deferred_init = False
 
 
 def stage_trainer(run: Run) -> None:
@@ -280,6 +272,7 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
     "expert_parallel": stage_expert_parallel,
     "context_parallel": stage_context_parallel,
     "fully_shard": stage_fully_shard,
+    "weights": stage_weights,
     "sampler": stage_sampler,
     "dataloader": stage_dataloader,
     "optimizer": stage_optimizer,
@@ -290,17 +283,14 @@ assert list(STAGE_FUNCTIONS) == STAGES
 
 
 def build_and_run(cfg: DictConfig, out_dir: str, through: Optional[str] = None, start: Optional[str] = None,
-                  run: Optional[Run] = None, replace: Optional[Dict[str, Callable[[Run], None]]] = None) -> Run:
+                  run: Optional[Run] = None) -> Run:
     """Run cfg.pipeline's stages in order (framework.train), or the stages up to and including
     `through` whatever the pipeline (the commands that build a run without training it: verify,
     inspect, dryrun), from `start` on. `run` may come with what the skipped stages would have
-    set (verify's one-process reference has no process group or mesh), and `replace` may stand
-    in for a stage (the dry run builds its model on meta)."""
+    set (verify's one-process reference has no process group or mesh; the dry run's model stays
+    on meta)."""
     run = run or Run(cfg=cfg, out_dir=out_dir)
-    stages = {**STAGE_FUNCTIONS, **(replace or {})}
     names = list(cfg.pipeline) if through is None else STAGES[: STAGES.index(through) + 1]
     for name in names[names.index(start) if start else 0:]:
-        stages[name](run)
-    if run.deferred_init and "fully_shard" in names and "checkpoint" not in names:
-        load_pretrained(run)  # verify, inspect: the run they build has the real weights
+        STAGE_FUNCTIONS[name](run)
     return run

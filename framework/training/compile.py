@@ -41,10 +41,10 @@ def _wait_for_inputs(module: nn.Module, args: tuple) -> tuple:
     return tuple(waited(a) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def apply_compile(model: nn.Module, mode: str, allocated_later: bool = False) -> None:
-    # The dry run's model stays on meta: compiling changes none of the shapes, bytes or collectives
-    # it reports. A model allocated later (a Hugging Face model) is compiled like any other.
-    if mode == "none" or (not allocated_later and any(p.is_meta for p in model.parameters())):
+def apply_compile(model: nn.Module, mode: str) -> None:
+    # torch.compile traces at the first call: a model still on meta here (a Hugging Face model's,
+    # given storage in the weights stage) compiles as any other.
+    if mode == "none":
         return
     blocks = compiled_blocks(model)
     for block in blocks:

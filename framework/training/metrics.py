@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from framework.atomic import atomic_file
 from framework.checkpoint.layout import step_dir
-from framework.checkpoint.manager import restart_count
+from framework.checkpoint.weights import restart_count
 from framework.parallel.mesh import layout_table
 from framework.training.logger import TensorBoardLogger
 from framework.training.memory import state_bytes

@@ -36,8 +36,10 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from framework.atomic import atomic_file
+from framework.checkpoint.weights import load_base
 from framework.config.errors import ConfigError
 from framework.data.tokens import IGNORE, PREFERENCE_DATASETS
+from framework.models.lifecycle import allocate
 from framework.models.lora import adapters_disabled
 from framework.parallel.plan import final_output_layout
 from framework.training.objectives import Objective, StepShare
@@ -132,10 +134,9 @@ class DirectPreference(Objective):
 
 
 def frozen_copy(run) -> nn.Module:
-    """A second model from the policy's source, through the same parallel stages (its TP plan,
-    fsdp / hsdp), without adapters, frozen in eval mode: the module the loop would call."""
-    from framework.checkpoint.layout import resolve
-    from framework.checkpoint.safe_load import load_checkpoint
+    """A second model from the policy's base (the seed, the Hugging Face files or
+    checkpoint.init_from's weights, never a resumed policy's), through the same parallel stages
+    (its TP plan, fsdp / hsdp), without adapters, frozen in eval mode: the module the loop would call."""
     from framework.training.builder import build_and_run
     from framework.training.run import Run
 
@@ -143,16 +144,19 @@ def frozen_copy(run) -> nn.Module:
     copy = Run(cfg=cfg, out_dir=run.out_dir, rank=run.rank, mesh=run.mesh, dp_mesh=run.dp_mesh, dp=run.dp,
                samples=run.samples, tp=run.tp)
     build_and_run(cfg, run.out_dir, start="model", through="fully_shard", run=copy)
-    if cfg.checkpoint.init_from:
-        from framework.checkpoint.compat import checkpoint_dir
-
-        path = resolve(cfg.checkpoint.init_from, checkpoint_dir(cfg, run.out_dir))
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        load_checkpoint({"model": get_model_state_dict(copy.module)}, path)
+    allocate(copy.module, cfg.mesh.device_type, cfg.trainer.seed)
+    load_base(copy.module, _init_from(cfg, run.out_dir), offered(copy.module).hf_path)
     for param in copy.module.parameters():
         param.requires_grad_(False)
     return copy.module.eval()
+
+
+def _init_from(cfg, out_dir: str) -> Optional[str]:
+    """checkpoint.init_from's step dir (the policy's base, also when the policy resumes)."""
+    from framework.checkpoint.compat import checkpoint_dir
+    from framework.checkpoint.layout import resolve
+
+    return resolve(cfg.checkpoint.init_from, checkpoint_dir(cfg, out_dir)) if cfg.checkpoint.init_from else None
 
 
 def reference_gone(path: str) -> ConfigError:

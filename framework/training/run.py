@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig
 from torch import nn
 
+from framework.checkpoint.weights import Start
 from framework.parallel.data_parallel import DataParallel
 from framework.parallel.fault_tolerance import OneGroup
 from framework.parallel.roles import MeshRoles
@@ -15,6 +16,7 @@ from framework.parallel.roles import MeshRoles
 class Run:
     cfg: DictConfig
     out_dir: str
+    meta_only: bool = False  # the dry run: the model stays on meta (shapes, no storage, no weights read)
     rank: int = 0
     mesh: Any = None
     # the ranks that hold the same weights and other tokens, as one 1-D mesh: the DP dims (two
@@ -25,7 +27,6 @@ class Run:
     tp: Dict[str, int] = field(default_factory=dict)
     pp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on the pp dim, with pipeline parallelism
     stages: List[Tuple[int, Any]] = field(default_factory=list)  # this rank's (stage index, StageModule)
-    deferred_init: bool = False  # a Hugging Face model: on meta until the parallel stages sharded it
     model: Any = None  # what the loop calls: DataParallel's wrapper (replicate) or the model (fsdp, hsdp)
     dataset: Any = None
     sampler: Any = None
@@ -35,6 +36,7 @@ class Run:
     optimizer: Any = None
     scheduler: Any = None
     state: Any = None  # framework.training.state.TrainState: step, data position, history
+    start: Start = field(default_factory=Start)  # what the run starts from (the weights stage's choice)
     checkpointer: Any = None  # framework.checkpoint.manager.Checkpointer
     resumed: Any = None  # framework.checkpoint.manager.Resumed, when the run continues a checkpoint
     summary: Optional[dict] = None

@@ -1,0 +1,74 @@
+"""Where a model's weights come from, decided here for every command that builds one: the
+run's starting point (a checkpoint to resume, checkpoint.init_from's weights, or a fresh start),
+and the base weights under it (init_from's, a Hugging Face model's files, or those trainer.seed
+drew as the model was built). The builder's `weights` stage, export, generate and DPO's frozen
+copy load them through `load_base` (framework.models.lifecycle gives the model its storage)."""
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from framework.checkpoint.layout import newest_checkpoint, read_meta, resolve
+from framework.models.hf import load_hf_weights
+from framework.models.lora import is_adapter
+
+
+def restart_count() -> int:
+    """How often the elastic agent (self-launched or torchrun) restarted this job's ranks."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a run starts from: `resume` (every part from `path`), `init` (`path`'s model
+    weights, the rest fresh) or `fresh`."""
+    kind: str = "fresh"
+    path: Optional[str] = None
+
+    def replaces_base(self) -> bool:
+        """A resume of a checkpoint that holds the whole model (not a LoRA run's adapters alone):
+        its weights replace the base, which is then not read at all."""
+        return self.kind == "resume" and "base" not in read_meta(self.path)
+
+
+def starting_point(cfg: DictConfig, directory: str, rank: int) -> Start:
+    """Decided by rank 0 and shared: after an elastic restart the newest complete checkpoint in
+    `directory`; else checkpoint.resume, else checkpoint.init_from."""
+    choice = [Start()]
+    if rank == 0:
+        c = cfg.checkpoint
+        newest = newest_checkpoint(directory) if restart_count() else None
+        resume = newest or (resolve(c.resume, directory) if c.resume else None)
+        if resume:
+            choice = [Start("resume", resume)]
+        elif c.init_from:
+            choice = [Start("init", resolve(c.init_from, directory))]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def load_base(module: nn.Module, init_from: Optional[str], hf_path: Optional[str]) -> str:
+    """The base weights into `module`'s parameters in place (each rank its own shards; LoRA
+    adapters untouched): `init_from`'s checkpoint, else the Hugging Face files in `hf_path`,
+    else none (the seed's stay). What to say of them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from framework.checkpoint.safe_load import load_checkpoint  # (DCP: only where weights load, not the launcher)
+
+    with warnings.catch_warnings():  # DCP's note when it reads in one process (export, generate)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        if init_from:
+            read_meta(init_from)
+            state = {k: v for k, v in get_model_state_dict(module).items() if not is_adapter(k)}
+            load_checkpoint({"model": state}, init_from, no_dist=not dist.is_initialized())
+            set_model_state_dict(module, state, options=StateDictOptions(strict=False))
+            return f"model weights from {init_from}; optimizer, schedule and data start fresh"
+        if hf_path:
+            load_hf_weights(module, hf_path)
+            return f"model weights from the Hugging Face model in {hf_path}"
+    return "fresh start"
