@@ -65,27 +65,36 @@ class _Bucket:
         self.waiting = len(params)  # gradients not yet produced in this backward
         self.produced: List[float] = []  # per parameter: 1.0 where this rank produced its gradient
         self.flat: Optional[torch.Tensor] = None
-        self.views: List[torch.Tensor] = []  # of flat: each gradient's local shard, then the used flags
+        self.views: List[torch.Tensor] = []  # of flat: each gradient's local shard, then the tail (flags, riders)
         self.work = None
 
-    def bind_views(self, grads: List[torch.Tensor], n_flags: int) -> None:
-        """Allocate `flat` for these local gradients (and n_flags flags), once."""
+    def bind_views(self, grads: List[torch.Tensor], n_tail: int) -> None:
+        """Allocate `flat` for these local gradients (and a tail of n_tail values), once."""
         if self.flat is not None:
             return
-        sizes = [g.numel() for g in grads] + ([n_flags] if n_flags else [])
+        sizes = [g.numel() for g in grads] + ([n_tail] if n_tail else [])
         self.flat = torch.empty(sum(sizes), dtype=grads[0].dtype, device=grads[0].device)
         pieces = self.flat.split(sizes)
         self.views = [piece.view_as(g) for piece, g in zip(pieces, grads)] + list(pieces[len(grads):])
 
 
 class _OverGroup:
-    """Gradients averaged over the DP process group (what `across` replaces)."""
+    """Gradients averaged over the DP process group (what `across` replaces). Nothing rides with
+    them (`riders`: values the last bucket carries for `across`, averaged as the gradients are)."""
+
+    riders = 0
 
     def __init__(self, group: Optional[dist.ProcessGroup], size: int):
         self.group, self._size = group, size
 
     def all_reduce(self, flat: torch.Tensor):
         return dist.all_reduce(flat, group=self.group, async_op=True)
+
+    def ride(self, tail: torch.Tensor) -> None:
+        pass
+
+    def arrived(self, tail: torch.Tensor) -> None:
+        pass
 
     def size(self) -> int:
         return self._size
@@ -108,8 +117,9 @@ class DataParallel(nn.Module):
         """What other capabilities own, handed in: `experts`, the gradients of experts spread over
         DP ranks, which it leaves out of its buckets and hands back after its sync
         (framework.parallel.expert_parallel.ExpertGradients); `across`, where the gradients
-        average instead of the DP group: its all_reduce(flat) and size() (torchft's replica
-        groups, framework.parallel.fault_tolerance.ReplicaGroups)."""
+        average instead of the DP group: its all_reduce(flat) and size(), and the values that ride
+        with them in the last bucket (torchft's replica groups and the step's loss,
+        framework.parallel.fault_tolerance.ReplicaGroups)."""
         super().__init__()
         self.module = module
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
@@ -187,7 +197,8 @@ class DataParallel(nn.Module):
     def _launch(self, bucket: _Bucket) -> None:
         """Start the bucket's all-reduce on the local shards of its gradients (a gradient this rank
         did not produce counts as zeros). The last bucket also carries, per parameter, whether this
-        rank produced its gradient, so a parameter no replica used can keep no gradient."""
+        rank produced its gradient, so a parameter no replica used can keep no gradient, and what
+        rides with the gradients (`average`'s riders)."""
         bucket.produced = [float(p.grad is not None) for p in bucket.params]
         for p in bucket.params:
             if p.grad is None:
@@ -195,10 +206,13 @@ class DataParallel(nn.Module):
             _place_like_parameter(p)
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in bucket.params]
         last = bucket is self._buckets[-1]
-        bucket.bind_views(grads, sum(len(b.params) for b in self._buckets) if last else 0)
+        n_flags = sum(len(b.params) for b in self._buckets)
+        bucket.bind_views(grads, n_flags + self.average.riders if last else 0)
         torch._foreach_copy_(bucket.views[:len(grads)], grads)
         if last:  # every bucket has recorded its flags by now
-            bucket.views[-1].copy_(torch.tensor([flag for b in self._buckets for flag in b.produced]))
+            tail = bucket.views[-1]
+            tail[:n_flags].copy_(torch.tensor([flag for b in self._buckets for flag in b.produced]))
+            self.average.ride(tail[n_flags:])
         bucket.work = self.average.all_reduce(bucket.flat)
         self._launched += 1
 
@@ -229,10 +243,13 @@ class DataParallel(nn.Module):
                     if isinstance(p.grad, DTensor) else view
             bucket.work, bucket.waiting = None, len(bucket.params)
         self._launched = 0
-        used = self._buckets[-1].views[-1]  # the flags, summed over replicas
+        params = [p for b in self._buckets for p in b.params]
+        tail = self._buckets[-1].views[-1]
+        self.average.arrived(tail[len(params):])
+        used = tail[:len(params)]  # the flags, summed over replicas
         if used.is_meta:  # framework.dryrun: meta tensors hold no flags; every parameter counts as used
             return
-        for p, used_somewhere in zip([p for b in self._buckets for p in b.params], used.tolist()):
+        for p, used_somewhere in zip(params, used.tolist()):
             if not used_somewhere:
                 p.grad = None
 

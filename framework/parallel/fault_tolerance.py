@@ -63,25 +63,35 @@ def spread_over_groups(samples: Dict[str, int]) -> Dict[str, int]:
     return {"size": samples["size"] * groups, "rank": group * samples["size"] + samples["rank"]}
 
 
-class OneGroup:
-    """No fault tolerance: one world; every step commits; nothing to heal."""
+class NoFaultTolerance:
+    """No fault tolerance: one world; every step commits; nothing to heal.
+
+    What the loop (framework.training.trainer) calls, at each point of a step: begin(trainer)
+    once before the first; before_step() at a step's start (True: the state was replaced,
+    start the data again from its position); should_commit() after the gradients, before the
+    optimizer; after_step(loss): the step's loss as the history keeps it, or None when no group
+    committed the step (the loop runs it again on the same batch). mean() is evaluation's."""
 
     stopping_signals = (signal.SIGINT, signal.SIGTERM)  # stop the ranks together (framework.training.interrupt)
 
-    def start_step(self) -> bool:
+    def gradients_across(self) -> Optional["ReplicaGroups"]:
+        """Where DataParallel averages the gradients instead of its DP group (None: there)."""
+        return None
+
+    def begin(self, trainer: Any) -> None:
+        pass
+
+    def before_step(self) -> bool:
         return False
 
     def should_commit(self) -> bool:
         return True
 
-    def committed(self) -> bool:
-        return True
+    def after_step(self, loss: torch.Tensor) -> Optional[torch.Tensor]:
+        return loss
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         return value
-
-    def carry(self, run: Any, pending: Any) -> None:
-        pass
 
     def check(self, module: torch.nn.Module, step: int) -> None:
         pass
@@ -118,7 +128,12 @@ def _like(received: Any, live: Any) -> Any:
 class ReplicaGroups:
     """This rank's side of the replica groups: torchft's Manager (made at the first step, so the
     lighthouse never waits on a group still building), the gradient all-reduce across groups
-    (DataParallel calls all_reduce / size), and the commit of each step."""
+    (DataParallel calls all_reduce / size, and ride / arrived for the step's loss), and the commit
+    of each step (the loop's hooks, as NoFaultTolerance's).
+
+    The quorum can change from one step to the next, so each step's loss is averaged over the
+    groups that trained it in that step: it rides in the last gradient bucket's all-reduce (one
+    value more in it), so no collective is added for it."""
 
     # SIGTERM ends a rank at once: its group's agent sends it when one of the group's ranks died,
     # and a rank then waiting in torchft's quorum or commit for the dead one would otherwise sit
@@ -132,6 +147,8 @@ class ReplicaGroups:
         self._committed = True
         self.live: List[int] = []  # per committed step: the replica groups that trained it
         self._healed = False
+        self._trainer: Any = None
+        self._loss: Optional[torch.Tensor] = None  # the step's loss averaged over the quorum's groups
 
     # -- what DataParallel calls ---------------------------------------------------------
 
@@ -142,15 +159,32 @@ class ReplicaGroups:
     def size(self) -> int:
         return self.manager.num_participants()
 
+    riders = 1  # values that ride in the last bucket: the step's loss
+
+    def ride(self, tail: torch.Tensor) -> None:
+        """This group's share of the step's loss (so far: the last micro-batch's forward is done)."""
+        from torch.distributed.tensor import DTensor
+
+        loss = self._trainer.step.loss
+        tail.copy_(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+
+    def arrived(self, tail: torch.Tensor) -> None:
+        self._loss = tail[0].clone()
+
     # -- what the builder and the loop call ------------------------------------------------
 
-    def carry(self, run: Any, pending: Any) -> None:
+    def gradients_across(self) -> "ReplicaGroups":
+        return self
+
+    def begin(self, trainer: Any) -> None:
         """Make the Manager, carrying what a restarted group receives from a live one: the model,
         optimizer and schedule (the checkpointer's parts, as local shards), the training state
-        with the losses not yet logged, and the live-group counts."""
+        with the losses not yet logged (the trainer's pending ones), and the live-group counts."""
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.http_transport import HTTPTransport
 
+        self._trainer = trainer
+        run, pending = trainer.run, trainer.pending
         detection = timedelta(seconds=self.cfg.launcher.ft_detection_s)
         patient = timedelta(seconds=self.cfg.trainer.collective_timeout_s)
         checkpointer = run.checkpointer
@@ -216,7 +250,7 @@ class ReplicaGroups:
                 return
             time.sleep(0.05)
 
-    def start_step(self) -> bool:
+    def before_step(self) -> bool:
         """The step's quorum; True when this group just took a live group's state (the loop then
         continues from its step and data position)."""
         self.manager.start_quorum()
@@ -235,12 +269,14 @@ class ReplicaGroups:
                         "run it again", self.group, self.manager.current_step() + 1)
         return self._committed
 
-    def committed(self) -> bool:
-        return self._committed
+    def after_step(self, loss: torch.Tensor) -> Optional[torch.Tensor]:
+        """The step's loss averaged over the groups that trained it (it rode with the gradients),
+        or None when the step was not committed."""
+        return self._loss if self._committed else None
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean over the quorum's groups of per-group values (the step's loss; evaluation's
-        loss sum and count), in their shape."""
+        """The mean over the quorum's groups of per-group values (evaluation's loss sum and
+        count), in their shape."""
         flat = value.detach().float().reshape(-1).clone()
         self.manager.allreduce(flat).wait()
         return flat.reshape(value.shape)
@@ -275,11 +311,11 @@ class ReplicaGroups:
             self.manager.shutdown(wait=False)
 
 
-def replica_groups(cfg: DictConfig):
-    """This rank's ReplicaGroups under launcher.fault_tolerance=torchft, else OneGroup."""
+def build_fault_tolerance(cfg: DictConfig):
+    """This rank's ReplicaGroups under launcher.fault_tolerance=torchft, else NoFaultTolerance."""
     position = replica_group()
     if cfg.launcher.get("fault_tolerance") != "torchft" or position is None:
-        return OneGroup()
+        return NoFaultTolerance()
     return ReplicaGroups(cfg, *position)
 
 

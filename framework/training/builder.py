@@ -31,7 +31,7 @@ from framework.parallel.data_parallel import apply_dp
 from framework.parallel.fully_shard import apply_fsdp
 from framework.parallel.context_parallel import SequenceChunks, apply_cp
 from framework.parallel.expert_parallel import ExpertGradients, apply_ep, update_biases_after_each_step
-from framework.parallel.fault_tolerance import OneGroup, replica_groups, spread_over_groups
+from framework.parallel.fault_tolerance import build_fault_tolerance, spread_over_groups
 from framework.parallel.tensor_parallel import apply_tp
 from framework.training.schedule import build_scheduler
 from framework.training.state import TrainState
@@ -126,10 +126,10 @@ def stage_data_parallel(run: Run) -> None:
     """replicate: the outer DataParallel wrapper, before TP shards its .module; its gradients
     averaged over the DP group, or over torchft's replica groups (launcher.fault_tolerance)."""
     if run.cfg.parallel.dp_strategy == "replicate":
-        run.replicas = replica_groups(run.cfg)
+        run.fault_tolerance = build_fault_tolerance(run.cfg)
         experts = ExpertGradients(run.dp_group, run.dp["size"], run.roles.expert_replica_mesh(run.mesh))
         run.model = apply_dp(run.model, run.dp_mesh, run.cfg.parallel.overlap_dp_sync, experts,
-                             None if isinstance(run.replicas, OneGroup) else run.replicas)
+                             run.fault_tolerance.gradients_across())
 
 
 def stage_tensor_parallel(run: Run) -> None:
@@ -258,7 +258,7 @@ def stage_trainer(run: Run) -> None:
     try:
         run.summary = Trainer(run).train()
     finally:
-        run.replicas.close()
+        run.fault_tolerance.close()
 
 
 STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {

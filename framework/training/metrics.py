@@ -89,13 +89,15 @@ class Metrics:
         self.window_start += seconds
         self.start += seconds
 
-    def step_done(self) -> None:
-        """The step's time (a save's blocking is recorded with the save); after the first step,
-        when the optimizer's state exists, the training state's bytes."""
+    def step_done(self, step: int) -> None:
+        """The step's time (a save's blocking is recorded with the save), fault tolerance's
+        figures (torchft: the live replica groups); after the first step, when the optimizer's
+        state exists, the training state's bytes."""
         now = time.perf_counter()
         self.step_times.append(now - self.step_start)
         self.step_start = now
         self.progress.update(1)
+        self.scalars(step, self.run.fault_tolerance.scalars())
         if self.first_step_s is None:
             self.first_step_s, self.first_step_unix = now - self.start, time.time()
             self.memory = memory_per_rank(self.run)
@@ -152,7 +154,7 @@ class Metrics:
             "restarts": restart_count(),
             "checkpoints": history["checkpoints"],
             "memory": self.memory,  # bytes of parameters, gradients, optimizer state: rank 0's and the max over ranks
-            **run.replicas.summary(),  # launcher.fault_tolerance: the live replica groups of each step
+            **run.fault_tolerance.summary(),  # launcher.fault_tolerance: the live replica groups of each step
         }
         if run.rank == 0:
             self._report(summary)

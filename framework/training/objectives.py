@@ -29,10 +29,13 @@ class StepShare:
     """What a step's micro-batch losses are normalized by, and the terms they add up: each loss
     sum is divided by `units` (the step's count of units per DP replica; 1: plain sums), each
     auxiliary term by `tokens` (the step's tokens per replica; None: no terms, as in
-    evaluation); `terms` sums the step's normalized terms (and DPO's metrics) for logging."""
+    evaluation); `terms` sums the step's normalized terms (and DPO's metrics) for logging; `loss`
+    is the replica's share of the step's loss so far (torchft's replica groups average it with
+    the gradients, framework.parallel.fault_tolerance)."""
     units: float = 1.0
     tokens: Optional[float] = 1.0
     terms: Dict[str, torch.Tensor] = field(default_factory=dict)
+    loss: Optional[torch.Tensor] = None
 
     def add(self, name: str, value: torch.Tensor) -> None:
         self.terms[name] = self.terms.get(name, 0.0) + value

@@ -8,7 +8,7 @@ from torch import nn
 
 from framework.checkpoint.weights import Start
 from framework.parallel.data_parallel import DataParallel
-from framework.parallel.fault_tolerance import OneGroup
+from framework.parallel.fault_tolerance import NoFaultTolerance
 from framework.parallel.roles import MeshRoles
 
 
@@ -40,8 +40,8 @@ class Run:
     checkpointer: Any = None  # framework.checkpoint.manager.Checkpointer
     resumed: Any = None  # framework.checkpoint.manager.Resumed, when the run continues a checkpoint
     summary: Optional[dict] = None
-    # launcher.fault_tolerance=torchft: this rank's torchft replica group (framework.parallel.fault_tolerance)
-    replicas: Any = field(default_factory=OneGroup)
+    # launcher.fault_tolerance (framework.parallel.fault_tolerance): the loop's hooks; torchft's replica groups
+    fault_tolerance: Any = field(default_factory=NoFaultTolerance)
 
     @property
     def roles(self) -> MeshRoles:

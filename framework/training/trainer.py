@@ -9,9 +9,12 @@ gradient average is the global sum over the global count on every mesh, with mic
 pipeline stages alike. Losses stay on their ranks until a logging step; then one all-reduce over
 the DP group turns the pending per-replica losses into global-batch losses (TP ranks already
 agree), so the hot path has no extra collective. (Data whose targets may not count, instruction
-data, adds one: its count of units, a number all-reduced over DP once per step. torchft's replica
-groups add one too: each step's loss averaged over the groups that trained it, since the quorum
-may change from one step to the next.)
+data, adds one: its count of units, a number all-reduced over DP once per step. Under torchft's
+replica groups each step's loss is averaged over the groups that trained it, since the quorum may
+change from one step to the next: it rides in the gradients' all-reduce.)
+
+Fault tolerance is a component with hooks on the loop (run.fault_tolerance: begin, before_step,
+should_commit, after_step; framework.parallel.fault_tolerance), no fault tolerance the default.
 """
 import gc
 import logging
@@ -195,14 +198,13 @@ class Trainer:
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batch)
         chunks = batch.split(self.cfg.data.micro_batch_size or len(batch.inputs))
-        total = None
         for i, micro_batch in enumerate(chunks):
             loss = self.compute_loss(micro_batch)
+            self.step.loss = loss.detach() if self.step.loss is None else self.step.loss + loss.detach()
             with nullcontext() if i == len(chunks) - 1 else paused_gradient_sync(self.run.model):
                 with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
                     loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        return total
+        return self.step.loss
 
     def units_per_replica(self, targets: torch.Tensor) -> float:
         """The global batch's count of units over the DP size: a micro-batch's loss sum over
@@ -232,7 +234,7 @@ class Trainer:
             norm = clip_grad_norm(run.model.parameters(), clip, run.pp_group)
         else:
             norm = global_grad_norm(run.model.parameters(), run.pp_group) if measure_norm else None
-        if run.replicas.should_commit():  # (torchft: every live replica group finished the step)
+        if run.fault_tolerance.should_commit():  # (torchft: every live replica group finished the step)
             run.optimizer.step()
             run.scheduler.step()
         return loss, norm
@@ -258,7 +260,7 @@ class Trainer:
         self.step = step  # (the training step's terms, still to be logged)
         # batches' losses and counts summed here, then averaged over DP (and torchft's replica groups,
         # each of which evaluated its own share): their ratio is the global one
-        sum_and_count = run.replicas.mean(torch.stack([torch.stack(sums).sum(), torch.stack(counts).sum()]))
+        sum_and_count = run.fault_tolerance.mean(torch.stack([torch.stack(sums).sum(), torch.stack(counts).sum()]))
         total, count = mean_over_dp(run, sum_and_count)
         return total / max(count, 1.0)
 
@@ -280,13 +282,14 @@ class Trainer:
         # not yet averaged over DP: at most log_every (a logging step flushes them), nor more than the steps left
         self.pending = PendingLosses(min(trainer.log_every, trainer.max_steps - state.step), self.device)
         run.model.train()
-        run.replicas.carry(run, self.pending)  # (torchft: what a restarted replica group receives)
+        faults = run.fault_tolerance
+        faults.begin(self)  # (torchft: what a restarted replica group receives)
         stopped, redo = None, None
         with garbage_frozen(), profiled(run.out_dir, run.rank, trainer.profile_steps) as profiler, \
-                Interrupt(run.rank, run.replicas.stopping_signals) as interrupt:
+                Interrupt(run.rank, faults.stopping_signals) as interrupt:
             while state.step < trainer.max_steps:
                 self.watchdog.stage(f"step {state.step + 1}: replica groups' quorum")
-                if run.replicas.start_step():  # a restarted replica group took a live one's state: go on from there
+                if faults.before_step():  # a restarted replica group took a live one's state: go on from there
                     data = batches(run.sampler, run.dataloader, state.position, self.cfg.data.global_batch_size)
                     redo = None
                 step = state.step = state.step + 1
@@ -296,17 +299,17 @@ class Trainer:
                 lr = run.optimizer.param_groups[0]["lr"]
                 loss, grad_norm = self.train_step(batch, logging_step, on_gradients=lambda: self.watchdog.stage(
                     f"step {step}: gradient norm, optimizer step"))
-                if not run.replicas.committed():  # a replica group failed in it: the live groups run it
+                loss = faults.after_step(loss)
+                if loss is None:  # a replica group failed in it: the live groups run it
                     state.step, redo = step - 1, batch  # again, on the same batch
                     continue
                 redo = None
-                self.pending.append(run.replicas.mean(loss))
+                self.pending.append(loss)
                 stopped = interrupt.agreed()
                 self._after_step(step, logging_step, grad_norm, stopping=stopped is not None)
                 if logging_step:
                     history = state.history
                     self.metrics.log_step(step, history["losses"][-1], lr, history["grad_norms"][-1])
-                self.metrics.scalars(step, run.replicas.scalars())  # (torchft: the live replica groups, every step)
                 if profiler:
                     profiler.step()
                 if stopped:
@@ -337,11 +340,11 @@ class Trainer:
                 and step % trainer.check_replicas_every == 0:
             self.watchdog.stage(f"step {step}: replica check")
             check_replicas(run.module, run.dp_group, step, run.stage_group)
-            run.replicas.check(run.module, step)  # (torchft: across the replica groups too)
+            run.fault_tolerance.check(run.module, step)  # (torchft: across the replica groups too)
         if trainer.eval_every and step % trainer.eval_every == 0:
             self.watchdog.stage(f"step {step}: evaluation")
             self.metrics.exclude(self._evaluate_and_log(step))
-        self.metrics.step_done()
+        self.metrics.step_done(step)
         saving = run.checkpointer.due(step) or (stopping and bool(run.checkpointer.every))
         if logging_step or saving or stopping:  # a checkpoint holds every loss up to its step
             self.watchdog.stage(f"step {step}: loss all-reduce")
