@@ -75,7 +75,7 @@ def build_one_process(cfg: DictConfig, out_dir: str) -> Run:
     cfg.parallel.dp_dim = cfg.parallel.tp_dim = cfg.parallel.pp_dim = cfg.parallel.cp_dim = cfg.parallel.ep_dims = None
     cfg.parallel.dp_strategy = "replicate"
     one = {"size": 1, "rank": 0}
-    run = Run(cfg=cfg, out_dir=out_dir, dp=one, samples=one, tp=one)
+    run = Run(cfg=cfg, out_dir=out_dir, dp_cp=one, samples=one, tp=one)
     return build_and_run(cfg, out_dir, start="model", through="optimizer", run=run)
 
 
@@ -114,7 +114,7 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
                 hook.remove()
         params = {name: _full(p) for name, p in model.named_parameters()}
         global_loss = mean_over_dp(run, local_value(loss).reshape(1))[0]
-        if run.dp.get("rank", 0) == 0 and run.tp.get("rank", 0) == 0:
+        if run.dp_cp.get("rank", 0) == 0 and run.tp.get("rank", 0) == 0:
             steps.append({"loss": global_loss, "grads": grads, "params": params})
     cp = coordinates_on(run.roles.cp_mesh(run.mesh))
     if dist.is_initialized():

@@ -77,7 +77,7 @@ def train_and_report(cfg_container: dict, out_dir: str) -> dict:
     module = run.module
     report = {
         "rank": dist.get_rank(),
-        "dp_rank": run.dp["rank"],
+        "dp_rank": run.dp_cp["rank"],
         "tp_rank": run.tp["rank"],
         "params": {name: local_tensor(p) for name, p in module.named_parameters()},
         "param_numel": sum(p.numel() for p in run.model.parameters()),
@@ -402,7 +402,7 @@ def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[to
              for name, p in run.module.named_parameters() if p.grad is not None}  # (frozen: none)
     result = {"loss": mean_over_dp(run, local_value(loss).reshape(1))[0], "grads": grads,
               "response_tokens": int((targets != IGNORE).sum()), "logits": logits}
-    if run.dp["size"] == 1:
+    if run.dp_cp["size"] == 1:
         halves = []
         with torch.no_grad():  # each half's own mean: its loss sum over its own count
             for r in (0, 1):

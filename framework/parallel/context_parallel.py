@@ -11,7 +11,7 @@ autograd is a reduce-scatter). Queries and keys carry their real places in the s
 causal and document masks (framework.models.documents) and the rotary positions are those of
 one process. For the loss and the gradients a CP rank is one more holder of other tokens: the
 gradient average and the loss's count span the DP dims and the cp dim together
-(framework.parallel.roles.MeshRoles.gradient_mesh), as torchtitan's dp_shard_cp.
+(framework.parallel.roles.MeshRoles.dp_cp_mesh), as torchtitan's dp_shard_cp.
 
 torch's own context_parallel has no CPU attention strategy in torch 2.13; this is plain SDPA
 with a mask over gathered keys, on every device.

@@ -260,7 +260,7 @@ class ReplicaGroups:
     def should_commit(self) -> bool:
         """Whether every group of the quorum finished the step, so the optimizer and the LR
         schedule step (asked once, before them: torchft's OptimizerWrapper, except that the
-        quorum starts at the step's start, before its data: start_step)."""
+        quorum starts at the step's start, before its data: before_step)."""
         self._committed = self.manager.should_commit()
         if self._committed:
             self.live.append(self.manager.num_participants())

@@ -11,9 +11,12 @@ stages; `ep` (parallel.ep_dims, by name): the dims a mixture of experts' experts
 ranks that split each sequence (framework.parallel.context_parallel), between DP and TP. A role
 whose dim is null or absent has size 1.
 
-The sampler splits the global batch over the DP dims alone (`dp_mesh`); the gradient average,
-the FSDP sharding and the loss's count span the cp dim too (`gradient_mesh`): a CP rank holds
-other tokens of the same weights, as a DP rank does.
+Names: "dp" is always the DP dims alone, the ranks whose samples differ (`dp_dims`, `dp_size`,
+`dp_mesh`: the sampler splits the global batch over them); "dp_cp" is the DP dims and a cp dim,
+the ranks that hold the same weights and other tokens (`dp_cp_dims`, `dp_cp_mesh`, and the run's
+`dp_cp`): the gradient average, the FSDP sharding and the loss's count span them, since a CP rank
+holds other tokens of the same weights, as a DP rank does (torchtitan's dp_cp). Without a cp dim
+the two are the same ranks.
 """
 import math
 from dataclasses import dataclass
@@ -181,7 +184,7 @@ class MeshRoles:
         return mesh[self.cp_dim] if self.cp_size > 1 else None
 
     @property
-    def gradient_dims(self) -> List[str]:
+    def dp_cp_dims(self) -> List[str]:
         """The dims whose ranks hold the same weights and other tokens: DP's, then cp."""
         return self.dp_dims + ([self.cp_dim] if self.cp_size > 1 else [])
 
@@ -190,12 +193,12 @@ class MeshRoles:
         gradient group (DP and cp)."""
         spans = {"ep": list(self.ep_dims)}
         if self.cp_size > 1:
-            spans["dp+cp"] = self.gradient_dims
+            spans["dp+cp"] = self.dp_cp_dims
         return spans
 
-    def gradient_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
-        """The gradient_dims' ranks as one 1-D mesh (the DP mesh without cp)."""
-        return self._flattened(mesh, self.gradient_dims)
+    def dp_cp_mesh(self, mesh: DeviceMesh) -> Optional[DeviceMesh]:
+        """The dp_cp_dims' ranks as one 1-D mesh (the DP mesh with cp; dp_mesh without a cp dim)."""
+        return self._flattened(mesh, self.dp_cp_dims)
 
     @property
     def ep_size(self) -> int:
@@ -250,9 +253,9 @@ class MeshRoles:
 
     def sharding_mesh(self, mesh: DeviceMesh, strategy: str) -> Optional[DeviceMesh]:
         """What fully_shard shards over: hsdp the 2-D (replicate, shard) mesh, the shard dim
-        with cp flattened into it; fsdp every rank of gradient_mesh."""
+        with cp flattened into it; fsdp every rank of dp_cp_mesh."""
         if strategy != "hsdp":
-            return self.gradient_mesh(mesh)
+            return self.dp_cp_mesh(mesh)
         if self.cp_size == 1:
             return mesh[tuple(self.dp_dims)]
         self._flattened(mesh, [self.dp_dim, self.cp_dim])

@@ -80,8 +80,8 @@ def stage_distributed(run: Run) -> None:
 def stage_mesh(run: Run) -> None:
     cfg = run.cfg
     run.mesh = build_mesh(cfg.mesh.device_type, cfg.mesh.shape, cfg.mesh.dim_names)
-    run.dp_mesh = run.roles.gradient_mesh(run.mesh)
-    run.dp = coordinates_on(run.dp_mesh)
+    run.dp_cp_mesh = run.roles.dp_cp_mesh(run.mesh)
+    run.dp_cp = coordinates_on(run.dp_cp_mesh)
     run.samples = spread_over_groups(coordinates_on(run.roles.dp_mesh(run.mesh)))  # (and over replica groups)
     run.tp = coordinates_on(run.roles.tp_mesh(run.mesh))
     if run.rank == 0:
@@ -127,8 +127,8 @@ def stage_data_parallel(run: Run) -> None:
     averaged over the DP group, or over torchft's replica groups (launcher.fault_tolerance)."""
     if run.cfg.parallel.dp_strategy == "replicate":
         run.fault_tolerance = build_fault_tolerance(run.cfg)
-        experts = ExpertGradients(run.dp_group, run.dp["size"], run.roles.expert_replica_mesh(run.mesh))
-        run.model = apply_dp(run.model, run.dp_mesh, run.cfg.parallel.overlap_dp_sync, experts,
+        experts = ExpertGradients(run.dp_cp_group, run.dp_cp["size"], run.roles.expert_replica_mesh(run.mesh))
+        run.model = apply_dp(run.model, run.dp_cp_mesh, run.cfg.parallel.overlap_dp_sync, experts,
                              run.fault_tolerance.gradients_across())
 
 
@@ -143,7 +143,7 @@ def stage_tensor_parallel(run: Run) -> None:
 def stage_expert_parallel(run: Run) -> None:
     """A mixture of experts: its experts over parallel.ep_dims, its routing pooled over DP."""
     roles = run.roles
-    apply_ep(run.module, roles.ep_mesh(run.mesh), run.dp_group, roles.tp_mesh(run.mesh) if roles.ep_spans_tp else None)
+    apply_ep(run.module, roles.ep_mesh(run.mesh), run.dp_cp_group, roles.tp_mesh(run.mesh) if roles.ep_spans_tp else None)
 
 
 def stage_context_parallel(run: Run) -> None:
@@ -158,7 +158,7 @@ def stage_fully_shard(run: Run) -> None:
     strategy = run.cfg.parallel.dp_strategy
     if strategy != "replicate":
         mesh, precision = run.roles.sharding_mesh(run.mesh, strategy), run.cfg.trainer.mixed_precision
-        shard = dict(dp_group=run.dp_group, expert_replicas=run.roles.expert_replica_mesh(run.mesh))
+        shard = dict(dp_group=run.dp_cp_group, expert_replicas=run.roles.expert_replica_mesh(run.mesh))
         if run.stages:  # each pipeline stage is a root, as each model part is in torchtitan
             run.stages = [(index, apply_fsdp(module, mesh, precision, **shard)) for index, module in run.stages]
         else:

@@ -141,7 +141,7 @@ def frozen_copy(run) -> nn.Module:
     from framework.training.run import Run
 
     cfg = OmegaConf.merge(run.cfg, {"adapter": {"kind": "none", "init_from": None}})
-    copy = Run(cfg=cfg, out_dir=run.out_dir, rank=run.rank, mesh=run.mesh, dp_mesh=run.dp_mesh, dp=run.dp,
+    copy = Run(cfg=cfg, out_dir=run.out_dir, rank=run.rank, mesh=run.mesh, dp_cp_mesh=run.dp_cp_mesh, dp_cp=run.dp_cp,
                samples=run.samples, tp=run.tp)
     build_and_run(cfg, run.out_dir, start="model", through="fully_shard", run=copy)
     allocate(copy.module, cfg.mesh.device_type, cfg.trainer.seed)
@@ -237,7 +237,7 @@ def _reference_logps(run, dataset) -> np.ndarray:
     local = torch.cat(values).double()
     gathered = [torch.empty_like(local) for _ in range(replicas)]
     if replicas > 1:
-        dist.all_gather(gathered, local, group=run.dp_group)
+        dist.all_gather(gathered, local, group=run.dp_cp_group)
     else:
         gathered = [local]
     gathered = torch.stack(gathered)

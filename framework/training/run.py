@@ -20,9 +20,9 @@ class Run:
     rank: int = 0
     mesh: Any = None
     # the ranks that hold the same weights and other tokens, as one 1-D mesh: the DP dims (two
-    # flattened) and a cp dim (MeshRoles.gradient_mesh); gradients average and losses count over it
-    dp_mesh: Any = None
-    dp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on dp_mesh
+    # flattened) and a cp dim (MeshRoles.dp_cp_mesh); gradients average and losses count over it
+    dp_cp_mesh: Any = None
+    dp_cp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on dp_cp_mesh
     samples: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} of the DP replicas the sampler serves
     tp: Dict[str, int] = field(default_factory=dict)
     pp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on the pp dim, with pipeline parallelism
@@ -42,11 +42,13 @@ class Run:
     summary: Optional[dict] = None
     # launcher.fault_tolerance (framework.parallel.fault_tolerance): the loop's hooks; torchft's replica groups
     fault_tolerance: Any = field(default_factory=NoFaultTolerance)
+    # which mesh dim plays which role: read from cfg once, when the run is made (verify's
+    # one-process reference clears the roles in its cfg before)
+    roles: MeshRoles = field(init=False)
 
-    @property
-    def roles(self) -> MeshRoles:
-        """Which mesh dim plays which role, from cfg (verify's reference clears the roles first)."""
-        return MeshRoles.from_config(self.cfg)
+    def __post_init__(self) -> None:
+        self.roles = MeshRoles.from_config(self.cfg)
+
 
     @property
     def module(self) -> nn.Module:
@@ -72,14 +74,14 @@ class Run:
         return None if stage is None else stage.get_group()
 
     @property
-    def dp_group(self):
-        return None if self.dp_mesh is None else self.dp_mesh.get_group()
+    def dp_cp_group(self):
+        return None if self.dp_cp_mesh is None else self.dp_cp_mesh.get_group()
 
     def group_labels(self) -> Dict[str, str]:
         """Process-group name -> what reports call it: each mesh dim's name, and the DP group
         flattened from two dims (or DP and cp), and EP's over several dims, by its flattened name
         (`dp_replicate_dp`, `dp_cp`, `dp_tp`)."""
         # a mesh dim's own name wins for the flattened group over the same ranks (dp=1 x cp: cp's)
-        flattened = [self.dp_mesh, self.roles.ep_mesh(self.mesh)]
+        flattened = [self.dp_cp_mesh, self.roles.ep_mesh(self.mesh)]
         meshes = [mesh for mesh in flattened if mesh is not None] + [self.mesh[dim] for dim in self.mesh.mesh_dim_names]
         return {mesh.get_group().group_name: mesh.mesh_dim_names[0] for mesh in meshes}

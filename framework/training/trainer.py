@@ -64,9 +64,9 @@ def mean_over_dp(run: Run, values: torch.Tensor) -> List[float]:
     its values go to the pipeline first (when they are read, not every step)."""
     if run.stages:
         dist.broadcast(values, src=dist.get_global_rank(run.pp_group, run.pp["last"]), group=run.pp_group)
-    if run.dp["size"] > 1:
-        dist.all_reduce(values, group=run.dp_group)
-        values /= run.dp["size"]
+    if run.dp_cp["size"] > 1:
+        dist.all_reduce(values, group=run.dp_cp_group)
+        values /= run.dp_cp["size"]
     return values.cpu().tolist()
 
 
@@ -214,11 +214,11 @@ class Trainer:
         if self.count_is_fixed:
             return float(self.objective.fixed_count(targets))
         count = self.objective.count(targets).double()
-        if self.run.dp["size"] > 1:
-            dist.all_reduce(count, group=self.run.dp_group)
+        if self.run.dp_cp["size"] > 1:
+            dist.all_reduce(count, group=self.run.dp_cp_group)
         if count.is_meta:  # the dry run (its collective recorder counted the all-reduce): no values
             return float(targets.numel())
-        return max(1.0, count.item()) / self.run.dp["size"]
+        return max(1.0, count.item()) / self.run.dp_cp["size"]
 
     def train_step(self, batch: Batch, measure_norm: bool,
                    on_gradients: Callable[[], None] = lambda: None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -339,7 +339,7 @@ class Trainer:
         if trainer.check_replicas_every and self.cfg.parallel.dp_strategy == "replicate" \
                 and step % trainer.check_replicas_every == 0:
             self.watchdog.stage(f"step {step}: replica check")
-            check_replicas(run.module, run.dp_group, step, run.stage_group)
+            check_replicas(run.module, run.dp_cp_group, step, run.stage_group)
             run.fault_tolerance.check(run.module, step)  # (torchft: across the replica groups too)
         if trainer.eval_every and step % trainer.eval_every == 0:
             self.watchdog.stage(f"step {step}: evaluation")
