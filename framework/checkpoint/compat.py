@@ -12,6 +12,7 @@ from framework.checkpoint.base_model import base_model, describe, same_base
 from framework.checkpoint.layout import CheckpointError, read_meta, resolve
 from framework.models.lora import is_adapter
 from framework.config.errors import ConfigError
+from framework.config.checked import Checked
 from framework.models.protocol import offered
 
 # Keys whose change reorders the global batches a resumed position points into.
@@ -45,8 +46,11 @@ def _resolved(key: str, source: Optional[str], directory: str) -> Optional[str]:
         raise ConfigError(key, source, str(error)) from None
 
 
-def check_checkpoint_sources(cfg: DictConfig, checkpoint_dir: str, model: nn.Module) -> None:
+def check_checkpoint_sources(c: Checked) -> None:
     """The checkpoint a run starts from (checkpoint.resume, else init_from) fits this config."""
+    cfg, checkpoint_dir, model = c.cfg, c.checkpoint_dir, c.model
+    if checkpoint_dir is None:  # (the ranks: the launcher checked it)
+        return
     c = cfg.checkpoint
     resume = _resolved("checkpoint.resume", c.resume, checkpoint_dir)
     path, key = (resume, "checkpoint.resume") if resume else (_resolved("checkpoint.init_from", c.init_from,

@@ -3,7 +3,7 @@ in every rank). Each failure is one ConfigError naming the key, the value and th
 import inspect
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from hydra.errors import InstantiationException
@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
 from framework.config.schema import STAGES, did_you_mean, unknown_key
+from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.config.not_yet import check_not_yet
 from framework.config.trust import check_targets
@@ -20,7 +21,8 @@ from framework.models.hf import check_length, check_model_path, check_vocab, che
 from framework.models.meta import SkipRandomInit
 from framework.models.hf_export import check_hf_out
 from framework.parallel.roles import MeshRoles
-from framework.models.lora import check_adapter
+from framework.models.lifecycle import adapt
+from framework.models.lora import check_adapter, check_adapter_init_from
 from framework.models.nf4 import check_qlora
 from framework.training.preference import check_preference, check_reference_on_resume
 from framework.parallel.context_parallel import check_context_parallel
@@ -191,7 +193,10 @@ def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
         check_length(model, "data.dataset.seq_len", dataset.seq_len, opt_out=True)
 
 
-def check_final_hf(model: torch.nn.Module, out_dir: Optional[str]) -> None:
+def check_final_hf(c: Checked) -> None:
+    model, out_dir = c.model, c.out_dir
+    if not c.cfg.checkpoint.final_hf:
+        return
     if not from_hugging_face(model):
         raise ConfigError("checkpoint.final_hf", True, f"writes a Hugging Face directory, which needs a model loaded "
                                                        f"from one (model=hf); this one is a {type(model).__name__}")
@@ -218,10 +223,11 @@ def instantiate_checked(node: Any, **kwargs: Any) -> Any:
         raise
 
 
-def check_optimizer(cfg: DictConfig) -> None:
+def check_optimizer(c: Checked) -> None:
     """The optimizer takes every option given (checked against its signature) and accepts their
     values (its own checks). Building one on a real parameter would import torch's compiler
     stack, seconds the launcher should not spend."""
+    cfg = c.cfg
     options = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
     optimizer = get_class(cfg.optim._target_)
     try:
@@ -248,8 +254,9 @@ def _refusal(optimizer: type, options: dict) -> Optional[str]:
     return None
 
 
-def check_dataset(cfg: DictConfig) -> None:
+def check_dataset(c: Checked) -> None:
     """Each split used fills at least one global batch."""
+    cfg = c.cfg
     splits = {"train": {}}
     if cfg.trainer.eval_every:
         if "split" not in inspect.signature(get_class(cfg.data.dataset._target_)).parameters:
@@ -276,6 +283,27 @@ def check_devices(cfg: DictConfig, ranks_per_host: int) -> None:
         raise ConfigError("mesh.shape", list(cfg.mesh.shape),
                           f"{ranks_per_host} ranks per host need as many GPUs and this host has "
                           f"{torch.cuda.device_count()}; pick a smaller mesh or set mesh.ranks_per_host")
+
+
+# Each capability's checks that build something (validation's meta model with the run's adapters,
+# the dataset, the optimizer), each its own module's, with one signature: check(Checked). They
+# read the model and change nothing, so their order only decides which of two refusals shows.
+MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
+    check_pipeline_parallel,     # framework.parallel.pipeline: the split, the schedule
+    check_expert_parallel,       # framework.parallel.expert_parallel: experts, EP dims, the plan
+    check_adapter_init_from,     # framework.models.lora: a PEFT adapter to start from
+    check_qlora,                 # framework.models.nf4: NF4 blocks, torchao
+    check_context_parallel,      # framework.parallel.context_parallel: the chunks, the model's attention
+    check_document_masking,      # framework.data.tokens: packed data, positions
+    check_objective,             # framework.training.objectives: auxiliary terms
+    check_preference,            # framework.training.preference: pairs, DPO's reference
+    check_optimizer,             # (here) the optimizer's options
+    check_dataset,               # (here) a global batch per split
+    check_responses,             # framework.data.tokens: instruction data keeps a response
+    check_checkpoint_sources,    # framework.checkpoint.compat: the checkpoint the run starts from
+    check_reference_on_resume,   # framework.training.preference: DPO's stored reference on resume
+    check_final_hf,              # (here) checkpoint.final_hf's model and directory
+)
 
 
 def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: Optional[int] = None,
@@ -306,20 +334,8 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     check_checkpoint_keys(cfg)
     if deep:
         model = check_model_and_plan(cfg)
-        roles = MeshRoles.from_config(cfg)
-        check_pipeline_parallel(cfg, model, roles.pp_size, roles.dp_size)
-        check_expert_parallel(model, OmegaConf.to_container(cfg.plan, resolve=True) if cfg.plan else {}, roles)
-        check_adapter(cfg, model)
-        check_qlora(cfg, model, roles.tp_size)
-        check_context_parallel(cfg, model, roles.cp_size, roles.tp_size)
-        check_document_masking(cfg, model)
-        check_objective(cfg.objective, model, list(roles.shape), roles.pp_size)
-        check_preference(cfg, roles)
-        check_optimizer(cfg)
-        check_dataset(cfg)
-        check_responses(cfg)
-        if out_dir is not None:
-            check_checkpoint_sources(cfg, checkpoint_dir(cfg, out_dir), model)
-            check_reference_on_resume(cfg, checkpoint_dir(cfg, out_dir), model)
-        if cfg.checkpoint.final_hf:
-            check_final_hf(model, out_dir)
+        check_adapter(cfg, model)  # on the base model; then the run's adapters, as the adapters stage adds them
+        adapt(model, cfg.adapter, seed=0)
+        checked = Checked(cfg, model, out_dir, checkpoint_dir(cfg, out_dir) if out_dir is not None else None)
+        for check in MODEL_CHECKS:
+            check(checked)

@@ -27,6 +27,7 @@ from hydra.utils import instantiate
 from torch.utils.data import Dataset
 
 from framework.config.errors import ConfigError
+from framework.config.checked import Checked
 
 FORMAT = "framework-tokens/1"
 TOKENS, OFFSETS, MASK, META = "tokens.bin", "doc_offsets.npy", "mask.bin", "meta.json"
@@ -252,9 +253,10 @@ def check_token_data(cfg) -> None:
                           "${tokens_vocab:${data.path}} as recipes/lm_files.yaml does")
 
 
-def check_document_masking(cfg, model) -> None:
+def check_document_masking(c: Checked) -> None:
     """data.document_masking needs packed token data, which has the documents' boundaries, and a
     model whose forward takes the tokens' positions in their documents."""
+    cfg, model = c.cfg, c.model
     dataset = cfg.data.dataset
     masking = bool(cfg.data.get("document_masking")) or bool(dataset.get("document_masking"))
     if not masking:
@@ -269,10 +271,11 @@ def check_document_masking(cfg, model) -> None:
                                                          f"data.document_masking=false")
 
 
-def check_responses(cfg) -> None:
+def check_responses(c: Checked) -> None:
     """Before launch, for instruction data: the examples cut to seq_len keep a response token.
     A split where none does would train (or evaluate) on a loss of 0 at every step: refused.
     Some that do not only add nothing to the loss: one warning line with their count."""
+    cfg = c.cfg
     if cfg.data.dataset.get("_target_") not in INSTRUCTION_DATASETS:
         return
     for split in ("train", "val") if cfg.trainer.eval_every else ("train",):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
+from framework.config.checked import Checked
 from framework.models.protocol import from_hugging_face, offered
 
 ADAPTER_PARAMETERS = (".lora_A.", ".lora_B.")
@@ -255,10 +256,8 @@ def load_peft_adapter(model: nn.Module, path: str) -> None:
 
 
 def check_adapter(cfg, model: nn.Module) -> None:
-    """Before launch: a kind it knows, targets that exist, a rank they can hold, a positive alpha,
-    a dropout probability; then
-    validation's (meta) model gets the run's adapters, as the `adapters` stage adds them, so the
-    checks after this one (a PEFT init_from, a checkpoint's keys) see the run's model."""
+    """Before launch, on the base model (validation adds the adapters after it): a kind it knows,
+    targets that exist, a rank they can hold, a positive alpha, a dropout probability."""
     adapter = cfg.adapter
     if adapter.kind == "none":
         return
@@ -275,6 +274,9 @@ def check_adapter(cfg, model: nn.Module) -> None:
         raise ConfigError("adapter.alpha", adapter.alpha, "must be > 0: the update is scaled by alpha / rank")
     if not 0 <= adapter.dropout < 1:
         raise ConfigError("adapter.dropout", adapter.dropout, "must be in [0, 1): the probability of zeroing an input")
-    add_adapters(model, adapter.rank, adapter.alpha, adapter.dropout, list(adapter.targets), seed=0)
-    if adapter.get("init_from"):
-        check_init_from(adapter, model)
+
+
+def check_adapter_init_from(c: Checked) -> None:
+    """adapter.init_from's PEFT adapter fits the run's adapted model."""
+    if c.cfg.adapter.kind != "none" and c.cfg.adapter.get("init_from"):
+        check_init_from(c.cfg.adapter, c.model)

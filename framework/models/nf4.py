@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
+from framework.config.checked import Checked
 from framework.models.lora import adapter_layers, targets_of
 
 
@@ -53,9 +54,10 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.get_original_weight().float() if is_nf4(tensor) else tensor
 
 
-def check_qlora(cfg, model: nn.Module, tp_size: int) -> None:
+def check_qlora(c: Checked) -> None:
     """Before launch (adapter=qlora): torchao is installed, every adapted weight splits into whole
     quantization blocks, and nothing NF4 weights cannot do is asked of them."""
+    cfg, model, tp_size = c.cfg, c.model, c.roles.tp_size
     adapter = cfg.adapter
     if adapter.kind != "qlora":
         return

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from framework.config.errors import ConfigError
+from framework.config.checked import Checked
 from framework.models.protocol import offered
 
 
@@ -90,9 +91,10 @@ def apply_cp(model: nn.Module, cp_mesh) -> None:
     offered(model).use_context_parallel(ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()))
 
 
-def check_context_parallel(cfg, model: nn.Module, cp_size: int, tp_size: int) -> None:
+def check_context_parallel(c: Checked) -> None:
     """Before launch: the sequence splits into 2 x cp chunks (with TP, each rank's share a
     multiple of the TP size, for sequence parallelism), and the model has attention to split it for."""
+    cfg, model, cp_size, tp_size = c.cfg, c.model, c.roles.cp_size, c.roles.tp_size
     if cp_size == 1:
         return
     cp_dim = cfg.parallel.cp_dim

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from framework.config.errors import ConfigError
-from framework.parallel.roles import MeshRoles
+from framework.config.checked import Checked
 from framework.models.moe import Experts, moe_blocks, slots_per_expert, update_expert_biases
 
 
@@ -185,8 +185,9 @@ def update_biases_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Mo
         optimizer.register_step_post_hook(lambda *_: update_expert_biases(blocks, model.token_group))
 
 
-def check_expert_parallel(model: nn.Module, plan: dict, roles: MeshRoles) -> None:
+def check_expert_parallel(c: Checked) -> None:
     """What the experts and their parallelism need of the model, the plan and the mesh."""
+    model, plan, roles = c.model, c.plan, c.roles
     blocks, ep_dims, ep_size = moe_blocks(model), list(roles.ep_dims), roles.ep_size
     if ep_dims and not blocks:
         raise ConfigError("parallel.ep_dims", ep_dims, f"spreads experts, and {type(model).__name__} has no "

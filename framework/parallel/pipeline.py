@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
+from framework.config.checked import Checked
 from framework.data.batch import Batch
 from framework.models.moe import moe_blocks
 from framework.models.protocol import offered
@@ -76,9 +77,10 @@ def check_splittable(model: nn.Module, pp_dim: str) -> None:
                                                      "first and the last stage; pipeline parallelism needs them apart")
 
 
-def check_pipeline_parallel(cfg, model: nn.Module, pp_size: int, dp_size: int) -> None:
+def check_pipeline_parallel(c: Checked) -> None:
     """Before launch: the model splits as configured, the schedule takes the stages per rank
     and the micro-batch count (torch's own rules, said with the key to change)."""
+    cfg, model, pp_size, dp_size = c.cfg, c.model, c.roles.pp_size, c.roles.dp_size
     p = cfg.parallel
     schedule, per_rank = getattr(p.pp_schedule, "value", p.pp_schedule), p.pp_stages_per_rank
     if pp_size == 1:

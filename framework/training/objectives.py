@@ -13,13 +13,14 @@ else the model's own `aux_coefficients`, e.g. an HF config's router_aux_loss_coe
 tokens the same way (a token count needs no communication), and keeps their values for logging.
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from framework.config.errors import ConfigError
+from framework.config.checked import Checked
 from framework.data.tokens import IGNORE
 from framework.models.protocol import offered
 
@@ -128,11 +129,12 @@ class MeanSquaredError(Objective):
         return torch.tensor(targets.numel(), device=targets.device)
 
 
-def check_objective(objective_cfg, model: nn.Module, mesh_shape: List[int], pp_size: int) -> None:
+def check_objective(c: Checked) -> None:
     """Before launch: the auxiliary terms' weights name terms the model reports (a mistyped name
     would leave the model's own weight in place), and no weighted term under pipeline
     parallelism (the last stage's loss cannot add a term an earlier stage's module reports; a
     term of weight 0 is only not reported there)."""
+    objective_cfg, model, pp_size = c.cfg.objective, c.model, c.roles.pp_size
     reports, declared = offered(model).auxiliary_losses is not None, dict(offered(model).aux_coefficients)
     if reports and pp_size > 1:
         weights = {**declared, **(objective_cfg.get("aux_coefficients") or {})}

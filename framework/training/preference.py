@@ -38,6 +38,7 @@ from torch import nn
 from framework.atomic import atomic_file
 from framework.checkpoint.weights import load_base
 from framework.config.errors import ConfigError
+from framework.config.checked import Checked
 from framework.data.tokens import IGNORE, PREFERENCE_DATASETS
 from framework.models.lifecycle import allocate
 from framework.models.lora import adapters_disabled
@@ -165,15 +166,17 @@ def reference_gone(path: str) -> ConfigError:
                                                              f"objective.reference=frozen_copy")
 
 
-def check_reference_on_resume(cfg, checkpoint_dir: str, model: nn.Module) -> None:
+def check_reference_on_resume(c: Checked) -> None:
     """Before any rank starts: a full-training run resumed with checkpoint.resume cannot make its
     precomputed reference again (its model is no longer the one training started from), so each
     split's stored log-probabilities must still be there."""
+    cfg, checkpoint_dir, model = c.cfg, c.checkpoint_dir, c.model
     from hydra.utils import instantiate
 
     from framework.checkpoint.base_model import base_model
 
-    if cfg.objective.get("reference") != "precomputed" or cfg.adapter.kind != "none" or not cfg.checkpoint.resume:
+    if cfg.objective.get("reference") != "precomputed" or cfg.adapter.kind != "none" or not cfg.checkpoint.resume \
+            or checkpoint_dir is None:
         return
     base = base_model(cfg, checkpoint_dir, offered(model).hf_path)
     for split in ("train", "val") if cfg.trainer.eval_every else ("train",):
@@ -245,9 +248,10 @@ def _reference_logps(run, dataset) -> np.ndarray:
     return gathered.transpose(0, 1).reshape(-1, 2)[:len(dataset)].float().cpu().numpy()
 
 
-def check_preference(cfg, roles) -> None:
+def check_preference(c: Checked) -> None:
     """Before launch: DPO's data holds pairs, its reference exists, and its keys make sense; and
     pairs are trained by DPO alone."""
+    cfg, roles = c.cfg, c.roles
     objective, dataset = cfg.objective, cfg.data.dataset
     pairs = dataset is not None and dataset.get("_target_") in PREFERENCE_DATASETS
     dpo = objective.get("_target_") == f"{__name__}.DirectPreference"

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
