@@ -414,8 +414,8 @@ def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[to
 
 
 def compiled_blocks_and_names(cfg_container: dict, out_dir: str) -> dict:
-    """Built up to fully_shard (where trainer.compile applies): whether each block's forward is
-    a torch.compile'd function, and the model's state_dict keys."""
+    """Built through fully_shard (the compile stage, where trainer.compile applies, is before it):
+    whether each block's forward is a torch.compile'd function, and the model's state_dict keys."""
     run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="fully_shard")
     result = {"compiled": [hasattr(block.forward, "_torchdynamo_orig_callable") for block in run.module.layers],
               "names": sorted(run.module.state_dict())}

@@ -26,6 +26,7 @@ STAGES = [
     "tensor_parallel",
     "expert_parallel",
     "context_parallel",
+    "compile",
     "fully_shard",
     "weights",
     "sampler",

@@ -151,10 +151,13 @@ def stage_context_parallel(run: Run) -> None:
     apply_cp(run.module, run.roles.cp_mesh(run.mesh))
 
 
-def stage_fully_shard(run: Run) -> None:
-    """trainer.compile's blocks first (torchtitan's order: TP, compile, FSDP2); then fsdp / hsdp:
-    FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh)."""
+def stage_compile(run: Run) -> None:
+    """trainer.compile's blocks, after TP and before FSDP2 (torchtitan's order)."""
     apply_compile(run.module, run.cfg.trainer.compile)
+
+
+def stage_fully_shard(run: Run) -> None:
+    """fsdp / hsdp: FSDP2 over the DP ranks, after TP (hsdp: the 2-D (dp_replicate, dp) mesh)."""
     strategy = run.cfg.parallel.dp_strategy
     if strategy != "replicate":
         mesh, precision = run.roles.sharding_mesh(run.mesh, strategy), run.cfg.trainer.mixed_precision
@@ -271,6 +274,7 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
     "tensor_parallel": stage_tensor_parallel,
     "expert_parallel": stage_expert_parallel,
     "context_parallel": stage_context_parallel,
+    "compile": stage_compile,
     "fully_shard": stage_fully_shard,
     "weights": stage_weights,
     "sampler": stage_sampler,
