@@ -16,7 +16,7 @@ overlaps communication with backward); at the end of backward it waits, averages
 partial gradients TP leaves on replicated parameters. Parameters stay ordinary module
 parameters, so the optimizer, grad clipping and state_dict see all of them.
 """
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -98,6 +98,24 @@ class _OverGroup:
 
     def size(self) -> int:
         return self._size
+
+
+class NoGradientSync:
+    """How a DP strategy's gradient sync meets micro-batches and pipeline schedules, the one face
+    the Trainer sees (run.gradient_sync): no_sync() around every micro-batch's backward but the
+    last; under a pipeline, sync_after_pipeline() once before the first schedule and
+    sync_gradients() after each. This one: gradients that need no sync (no DP stage ran);
+    DataParallel (replicate) and framework.parallel.fully_shard.FullyShardedSync (fsdp / hsdp)
+    are the others."""
+
+    def no_sync(self):
+        return nullcontext()
+
+    def sync_after_pipeline(self) -> None:
+        pass
+
+    def sync_gradients(self) -> None:
+        pass
 
 
 class DataParallel(nn.Module):

@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from framework.parallel.data_parallel import NoGradientSync
+
 # FSDP2 warns that an in-place op on a unit's output (a view) would skip its gradient hook; the
 # loss reads the model's output out of place, and the blocks' residual adds are out of place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
@@ -75,12 +77,19 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[
     return sharded
 
 
-@contextmanager
-def no_gradient_sync(model: FSDPModule) -> Iterator[None]:
-    """Backward passes inside add to the (unsharded) gradients without reduce-scattering them
-    (every unit: recurse): gradient accumulation syncs once, after the step's last micro-batch."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+class FullyShardedSync(NoGradientSync):
+    """fsdp / hsdp's face to the Trainer (framework.parallel.data_parallel.NoGradientSync): each
+    backward reduce-scatters its gradients itself; a pipeline schedule drives its stages' syncs."""
+
+    def __init__(self, model: FSDPModule):
+        self.model = model
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside add to the (unsharded) gradients without reduce-scattering them
+        (every unit: recurse): gradient accumulation syncs once, after the step's last micro-batch."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)

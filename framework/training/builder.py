@@ -28,7 +28,7 @@ from framework.models.nf4 import quantize_base
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
-from framework.parallel.fully_shard import apply_fsdp
+from framework.parallel.fully_shard import FullyShardedSync, apply_fsdp
 from framework.parallel.context_parallel import SequenceChunks, apply_cp
 from framework.parallel.expert_parallel import ExpertGradients, apply_ep, update_biases_after_each_step
 from framework.parallel.fault_tolerance import build_fault_tolerance, spread_over_groups
@@ -128,8 +128,8 @@ def stage_data_parallel(run: Run) -> None:
     if run.cfg.parallel.dp_strategy == "replicate":
         run.fault_tolerance = build_fault_tolerance(run.cfg)
         experts = ExpertGradients(run.dp_cp_group, run.dp_cp["size"], run.roles.expert_replica_mesh(run.mesh))
-        run.model = apply_dp(run.model, run.dp_cp_mesh, run.cfg.parallel.overlap_dp_sync, experts,
-                             run.fault_tolerance.gradients_across())
+        run.model = run.gradient_sync = apply_dp(run.model, run.dp_cp_mesh, run.cfg.parallel.overlap_dp_sync, experts,
+                                                 run.fault_tolerance.gradients_across())
 
 
 def stage_tensor_parallel(run: Run) -> None:
@@ -166,6 +166,7 @@ def stage_fully_shard(run: Run) -> None:
             run.stages = [(index, apply_fsdp(module, mesh, precision, **shard)) for index, module in run.stages]
         else:
             run.model = apply_fsdp(run.model, mesh, precision, **shard)
+            run.gradient_sync = FullyShardedSync(run.model)
 
 
 def stage_weights(run: Run) -> None:

@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.checkpoint.weights import Start
-from framework.parallel.data_parallel import DataParallel
+from framework.parallel.data_parallel import DataParallel, NoGradientSync
 from framework.parallel.fault_tolerance import NoFaultTolerance
 from framework.parallel.roles import MeshRoles
 
@@ -28,6 +28,8 @@ class Run:
     pp: Dict[str, int] = field(default_factory=dict)  # {"size", "rank"} on the pp dim, with pipeline parallelism
     stages: List[Tuple[int, Any]] = field(default_factory=list)  # this rank's (stage index, StageModule)
     model: Any = None  # what the loop calls: DataParallel's wrapper (replicate) or the model (fsdp, hsdp)
+    # how the DP strategy's gradient sync meets micro-batches and pipeline schedules (the DP stages set it)
+    gradient_sync: Any = field(default_factory=NoGradientSync)
     dataset: Any = None
     sampler: Any = None
     dataloader: Any = None

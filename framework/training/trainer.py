@@ -32,8 +32,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 from framework.data.batch import Batch
 from framework.data.loader import batches
 from framework.models.hf_export import save_hf_sharded
-from framework.parallel.data_parallel import DataParallel
-from framework.parallel.fully_shard import no_gradient_sync
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
 from framework.parallel.pipeline import Pipeline, gathered_over_stages, microbatches
 from framework.parallel.plan import final_output_layout
@@ -47,11 +45,6 @@ from framework.training.watchdog import StallWatchdog
 from framework.models.protocol import offered
 
 log = logging.getLogger("framework")
-
-
-def paused_gradient_sync(model):
-    """Micro-batches before the last add up their gradients without syncing them over DP."""
-    return model.no_sync() if isinstance(model, DataParallel) else no_gradient_sync(model)
 
 
 def local_value(loss: torch.Tensor) -> torch.Tensor:
@@ -121,8 +114,7 @@ class Trainer:
         """This rank's stages under parallel.pp_schedule. Each micro-batch's loss is already its
         share of the step's (micro_batch_loss), so the schedule does not rescale the gradients."""
         run, p = self.run, self.cfg.parallel
-        if isinstance(run.model, DataParallel):
-            run.model.sync_after_pipeline()
+        run.gradient_sync.sync_after_pipeline()
         n_stages = run.pp["size"] * p.pp_stages_per_rank
         self.microbatches = microbatches(p, n_stages)
         plan = OmegaConf.to_container(self.cfg.plan, resolve=True) if self.cfg.plan else {}
@@ -157,8 +149,7 @@ class Trainer:
         run = self.run
         with self.pipeline_context():
             total = self.pipeline.step(batch)
-        if isinstance(run.model, DataParallel):
-            run.model.sync_gradients()
+        run.gradient_sync.sync_gradients()
         return total
 
     # -- one step -----------------------------------------------------------------------
@@ -201,7 +192,8 @@ class Trainer:
         for i, micro_batch in enumerate(chunks):
             loss = self.compute_loss(micro_batch)
             self.step.loss = loss.detach() if self.step.loss is None else self.step.loss + loss.detach()
-            with nullcontext() if i == len(chunks) - 1 else paused_gradient_sync(self.run.model):
+            # micro-batches before the last add up their gradients without syncing them over DP
+            with nullcontext() if i == len(chunks) - 1 else self.run.gradient_sync.no_sync():
                 with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
                     loss.backward()
         return self.step.loss
