@@ -32,6 +32,7 @@ from framework.config.errors import ConfigError
 from framework.config.validate import check_model_and_plan, validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
+from framework.models.moe import Experts
 from framework.parallel.context_parallel import chunk_indices
 from framework.parallel.mesh import coordinates_on
 from framework.parallel.plan import matching_modules
@@ -94,7 +95,9 @@ def record_steps(cfg_container: dict, out_dir: str, one_process: bool = False) -
     order: List[str] = []
     hooks = []
     for name, module in model.named_modules():
-        if getattr(module, "layout_dependent_activations", False):  # (a rank's routed experts)
+        # its inputs are the token slots routed to this rank's experts, which depend on the layout:
+        # their parameters and gradients are compared, and the MoE block's input and output
+        if isinstance(module, Experts):
             continue
         # prepend: the input as it arrives, before a plan's PrepareModuleInput redistributes it
         hooks.append(module.register_forward_pre_hook(partial(_keep_input, inputs_seen, name), prepend=True))

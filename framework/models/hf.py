@@ -24,6 +24,7 @@ from framework.models.meta import SkipRandomInit
 from framework.models.lora import is_adapter
 from framework.models.transformer import Transformer
 from framework.models.protocol import offered
+from framework.parallel.dtensors import is_dtensor
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 # Files a Hugging Face model directory carries besides its weights (export copies them).
@@ -75,7 +76,7 @@ def expert_slices(stack: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
     holds of a stacked expert weight: all of a plain tensor's, a DTensor's local ones when it is
     sharded on the expert dim (expert parallelism, FSDP), so each rank reads and writes only
     its own experts."""
-    if not hasattr(stack, "to_local"):
+    if not is_dtensor(stack):
         return ((e, stack[e]) for e in range(len(stack)))
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # (what DCP uses)

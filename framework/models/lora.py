@@ -22,6 +22,7 @@ from torch import nn
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.models.protocol import from_hugging_face, offered
+from framework.parallel.dtensors import is_dtensor, whole
 
 ADAPTER_PARAMETERS = (".lora_A.", ".lora_B.")
 CHILDREN = ("lora_A", "lora_B", "lora_dropout")  # what add_adapters puts under a layer
@@ -99,7 +100,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 def _copy_placed(param: torch.Tensor, full: torch.Tensor) -> None:
     if param.is_meta:
         return
-    if hasattr(param, "device_mesh"):  # a DTensor (FSDP): this rank's shard of the whole
+    if is_dtensor(param):  # (FSDP): this rank's shard of the whole
         from torch.distributed.tensor import distribute_tensor
 
         full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
@@ -108,7 +109,7 @@ def _copy_placed(param: torch.Tensor, full: torch.Tensor) -> None:
 
 def adapter_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The adapters' parameters by name (full tensors)."""
-    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+    return {name: whole(p).detach()
             for name, p in model.named_parameters() if is_adapter(name)}
 
 
@@ -130,7 +131,7 @@ def adapters_set_aside(model: nn.Module) -> Iterator[None]:
         for layer, children in held:
             for name, child in children.items():
                 setattr(layer, name, child)
-            if hasattr(layer.weight, "device_mesh"):
+            if is_dtensor(layer.weight):
                 _place_for(layer)
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.config.errors import ConfigError
+from framework.parallel.dtensors import local_part
 
 
 def swiglu_per_expert(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
@@ -75,10 +76,6 @@ class Experts(nn.Module):
     [E, dim, hidden] (down), as Linear weights are laid out. Under expert parallelism the stacks
     are DTensors sharded on the expert dim; `local_weights` is this rank's experts."""
 
-    # its inputs are the token slots routed to this rank's experts, which depend on the layout:
-    # framework.verify compares its parameters and gradients, and the MoE block's input and output
-    layout_dependent_activations = True
-
     def __init__(self, n_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.n_experts = n_experts
@@ -90,7 +87,7 @@ class Experts(nn.Module):
                 nn.init.kaiming_uniform_(matrix, a=5 ** 0.5)
 
     def local_weights(self):
-        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        return tuple(local_part(w) for w in (self.w1, self.w2, self.w3))
 
     def forward(self, tokens: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """Each local expert on its consecutive run of `tokens` (sorted by expert; `counts` tokens

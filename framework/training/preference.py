@@ -87,9 +87,11 @@ class DirectPreference(Objective):
             raise RuntimeError("objective.reference=frozen_copy: no reference model (DirectPreference.setup builds it)")
         with torch.no_grad():
             if self.reference_model is not None:
+                from torch.distributed.fsdp import FSDPModule  # (the launcher imports this module: not at its top)
+
                 reference = self.reference_model(inputs)
-                if hasattr(self.reference_model, "reshard"):  # FSDP2 keeps a root unsharded after forward,
-                    self.reference_model.reshard()            # for the backward this model never has
+                if isinstance(self.reference_model, FSDPModule):  # FSDP2 keeps a root unsharded after
+                    self.reference_model.reshard()  # forward, for the backward this model never has
             else:
                 with adapters_disabled(model):
                     reference = model(inputs)

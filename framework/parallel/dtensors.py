@@ -1,0 +1,21 @@
+"""Whether a tensor is a DTensor, asked without importing torch.distributed.tensor: the launcher
+imports the models' and adapters' modules to validate a config and must not pay for DTensor's
+import (seconds); a DTensor exists only once that module is loaded, so until then none is one."""
+import sys
+
+import torch
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole on every rank; a plain tensor as it is."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
