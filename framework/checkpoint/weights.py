@@ -35,6 +35,12 @@ class Start:
         return self.kind == "resume" and "base" not in read_meta(self.path)
 
 
+def base_checkpoint(cfg: DictConfig, directory: str) -> Optional[str]:
+    """checkpoint.init_from's step dir (None without one): the weights under the run's, whether
+    it starts from them or resumes the adapters trained on them (and DPO's reference's)."""
+    return resolve(cfg.checkpoint.init_from, directory) if cfg.checkpoint.init_from else None
+
+
 def starting_point(cfg: DictConfig, directory: str, rank: int) -> Start:
     """Decided by rank 0 and shared: after an elastic restart the newest complete checkpoint in
     `directory`; else checkpoint.resume, else checkpoint.init_from."""
@@ -46,7 +52,7 @@ def starting_point(cfg: DictConfig, directory: str, rank: int) -> Start:
         if resume:
             choice = [Start("resume", resume)]
         elif c.init_from:
-            choice = [Start("init", resolve(c.init_from, directory))]
+            choice = [Start("init", base_checkpoint(cfg, directory))]
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     return choice[0]

@@ -17,11 +17,10 @@ from torch.utils.data import Dataset
 
 from framework.checkpoint.base_model import base_model
 from framework.checkpoint.compat import checkpoint_dir
-from framework.checkpoint.layout import resolve
 from framework.checkpoint.manager import Checkpointer
 from framework.config.schema import STAGES
 from framework.data.loader import build_dataloader, build_sampler
-from framework.checkpoint.weights import load_base, restart_count, starting_point
+from framework.checkpoint.weights import base_checkpoint, load_base, restart_count, starting_point
 from framework.models.lifecycle import adapt, allocate, new_model, on_meta
 from framework.models.lora import load_peft_adapter
 from framework.models.nf4 import quantize_base
@@ -183,9 +182,8 @@ def stage_weights(run: Run) -> None:
     allocate(run.module, cfg.mesh.device_type, cfg.trainer.seed)
     if run.start.replaces_base():
         return
-    init_from = run.start.path if run.start.kind == "init" else None
-    if run.start.kind == "resume" and cfg.checkpoint.init_from:  # adapters alone: their base first
-        init_from = resolve(cfg.checkpoint.init_from, directory)
+    # (a resume that does not replace the base holds adapters alone: their base first)
+    init_from = run.start.path if run.start.kind == "init" else base_checkpoint(cfg, directory)
     message = load_base(run.module, init_from, None if cfg.adapter.kind == "qlora" else offered(run.module).hf_path)
     if cfg.checkpoint.resume and run.start.kind == "fresh":
         message += f" (no checkpoint to resume in {directory})"

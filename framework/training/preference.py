@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from framework.atomic import atomic_file
-from framework.checkpoint.weights import load_base
+from framework.checkpoint.weights import base_checkpoint, load_base
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.data.tokens import IGNORE, PREFERENCE_DATASETS
@@ -140,6 +140,7 @@ def frozen_copy(run) -> nn.Module:
     """A second model from the policy's base (the seed, the Hugging Face files or
     checkpoint.init_from's weights, never a resumed policy's), through the same parallel stages
     (its TP plan, fsdp / hsdp), without adapters, frozen in eval mode: the module the loop would call."""
+    from framework.checkpoint.compat import checkpoint_dir
     from framework.training.builder import build_and_run
     from framework.training.run import Run
 
@@ -148,18 +149,10 @@ def frozen_copy(run) -> nn.Module:
                samples=run.samples, tp=run.tp)
     build_and_run(cfg, run.out_dir, start="model", through="fully_shard", run=copy)
     allocate(copy.module, cfg.mesh.device_type, cfg.trainer.seed)
-    load_base(copy.module, _init_from(cfg, run.out_dir), offered(copy.module).hf_path)
+    load_base(copy.module, base_checkpoint(cfg, checkpoint_dir(cfg, run.out_dir)), offered(copy.module).hf_path)
     for param in copy.module.parameters():
         param.requires_grad_(False)
     return copy.module.eval()
-
-
-def _init_from(cfg, out_dir: str) -> Optional[str]:
-    """checkpoint.init_from's step dir (the policy's base, also when the policy resumes)."""
-    from framework.checkpoint.compat import checkpoint_dir
-    from framework.checkpoint.layout import resolve
-
-    return resolve(cfg.checkpoint.init_from, checkpoint_dir(cfg, out_dir)) if cfg.checkpoint.init_from else None
 
 
 def reference_gone(path: str) -> ConfigError:
