@@ -309,16 +309,22 @@ class Trainer:
         if profiler:  # each rank's own log (rank 0's is also the console)
             log.info("profile of steps 2-%d:\n%s", trainer.profile_steps + 1,
                      "\n".join(format_summary(run.rank, summary(profiler), trace_path(run.out_dir, run.rank))))
+        self._finish(stopped)
+        return self.metrics.summary(state.history, stopped)
+
+    def _finish(self, stopped: Optional[str]) -> None:
+        """After the last step: the last async save finished, then checkpoint.final_hf's model
+        (the model at the end, not where a signal stopped it)."""
+        run = self.run
         self.watchdog.stage("waiting for the last checkpoint save")
-        run.checkpointer.close()  # the last async save finishes before the run ends
-        if self.cfg.checkpoint.final_hf and not stopped:  # the model at the end, not where a signal stopped it
+        run.checkpointer.close()
+        if self.cfg.checkpoint.final_hf and not stopped:
             self.watchdog.stage("writing the Hugging Face model")
             save_hf_sharded(run.module, os.path.join(run.out_dir, "hf"), run.rank)
             if run.rank == 0:
                 log.info("the final model as a Hugging Face directory (checkpoint.final_hf): %s",
                          os.path.join(run.out_dir, "hf"))
         self.watchdog.close()  # (a rank that raises exits, and its watchdog thread with it)
-        return self.metrics.summary(state.history, stopped)
 
     def _after_step(self, step: int, logging_step: bool, grad_norm: Optional[torch.Tensor],
                     stopping: bool = False) -> None:
