@@ -2,7 +2,7 @@
 of two TP ranks (mesh 2x2, the tiny LM with TP + SP inside each group).
 
 1. Overhead when nothing fails: the median steady step time of torchft's replica groups against
-   plain replicate on the same mesh, runs alternated.
+   plain replicate on the same mesh (--mesh 2x2, or 2x1: one rank per group), runs alternated.
 2. Chaos: one run of --steps steps with --kills kill -9s of a random rank of group 1 at random
    moments (each once it has rejoined; group 0, never killed, keeps its own step times: a healed
    group takes the history of the group it heals from). Per failure: the steps the
@@ -10,7 +10,7 @@ of two TP ranks (mesh 2x2, the tiny LM with TP + SP inside each group).
    steps it trained alone, and the victim's time from the kill to its heal; against today's
    restart, which loses the steps since the last checkpoint on every replica.
 
-    .venv/bin/python bench/ft.py [--steps 300] [--kills 3] [--repeats 2]
+    .venv/bin/python bench/ft.py [--steps 300] [--kills 3] [--repeats 2] [--mesh 2x1] [--detection]
 """
 import argparse
 import json
@@ -126,14 +126,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--detection", type=float, nargs="+", default=[5.0, 2.0], help="launcher.ft_detection_s")
+    parser.add_argument("--detection", type=float, nargs="*", default=[5.0, 2.0],
+                        help="launcher.ft_detection_s of each chaos run (none given: no chaos run)")
+    parser.add_argument("--mesh", default="2x2", help="the overhead runs' mesh: 2x2 (TP+SP in a group) or 2x1")
     parser.add_argument("--out", help="keep the runs here (default: a temporary dir)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = args.out or tmp
         for model in (["model=lm_tiny"], ["model=lm_small", "data.dataset.seq_len=128"])[: 2 if args.repeats else 0]:
-            times = overhead(model, 100, args.repeats, Path(tmp))
-            print(f"steady step (median of {args.repeats} runs' medians), mesh 2x2 {' '.join(model)} TP+SP: replicate "
+            mesh = [f"mesh={args.mesh}"] + (["plan=none"] if args.mesh == "2x1" else [])
+            times = overhead([*model, *mesh], 100, args.repeats, Path(tmp))
+            print(f"steady step (median of {args.repeats} runs' medians), {' '.join(model + mesh)}: replicate "
                   f"{times['replicate'] * 1e3:.1f} ms, torchft replica groups {times['torchft'] * 1e3:.1f} ms "
                   f"({times['torchft'] / times['replicate'] - 1:+.1%})")
         for detection_s in args.detection:
