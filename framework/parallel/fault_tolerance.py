@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map_only
 from urllib.parse import urlparse
 
 from framework.config.errors import ConfigError
+from framework.parallel.dtensors import whole
 from framework.parallel.roles import MeshRoles
 
 # (DTensor and the replica check are imported where they are used: validate imports this module
@@ -163,10 +164,7 @@ class ReplicaGroups:
 
     def ride(self, tail: torch.Tensor) -> None:
         """This group's share of the step's loss (so far: the last micro-batch's forward is done)."""
-        from torch.distributed.tensor import DTensor
-
-        loss = self._trainer.step.loss
-        tail.copy_(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+        tail.copy_(whole(self._trainer.step.loss))
 
     def arrived(self, tail: torch.Tensor) -> None:
         self._loss = tail[0].clone()
