@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from framework.config.errors import ConfigError  # noqa: E402
-from framework.data.tokenizer import EOS_CANDIDATES, load_tokenizer  # noqa: E402
+from framework.data.tokenizer import EOS_CANDIDATES, described, load_tokenizer  # noqa: E402
 from framework.data.tokens import FORMAT, MASK, META, OFFSETS, TOKENS  # noqa: E402
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -330,9 +330,7 @@ def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path
     meta = {
         "format": FORMAT, "kind": kind,
         "dtype": "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32",
-        "tokenizer": {"path": os.path.abspath(tokenizer.path) if tokenizer.path != "bytes" else "bytes",
-                      "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size,
-                      "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id},
+        "tokenizer": described(tokenizer),
         "documents": len(offsets) - 1, "tokens": count, "max_token_id": largest, "skipped_lines": skipped[0],
         "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in files],
         "seconds": time.perf_counter() - start,

@@ -17,9 +17,11 @@ How tests compare numbers (the rule for every new test):
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List
 
@@ -43,9 +45,18 @@ TINY_LM = ["recipe=lm_2d", "model=lm_tiny", "data.dataset.max_bytes=65536", "dat
 
 
 def pytest_configure(config):
+    # data=hf's document index and the datasets library's own cache: inside the session's temporary
+    # directory, never the user's home (each pytest process, and the runs it starts, share one)
+    config.scratch = tempfile.mkdtemp(prefix="framework-tests-")
+    os.environ.setdefault("FRAMEWORK_CACHE_DIR", os.path.join(config.scratch, "framework"))
+    os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(config.scratch, "datasets"))
     if os.environ.get("TOLERANCE_LOG"):
         import torch.testing
         torch.testing.assert_close = recording_assert_close(torch.testing.assert_close)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "scratch", ""), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
 """Every config file composes against the schema, and every shipped combination validates."""
+import os
 import shutil
 
 import pytest
@@ -38,6 +39,18 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
           **{("mesh", name): ["recipe=lm_2d", f"mesh={name}"] for name in ("1x2x1cp", "1x4x1cp", "1x2x2cp", "2x2x1cp")},
           ("data", "tokens"): ["recipe=lm_files"], ("data", "instructions"): ["recipe=lm_files", "data=instructions"],
           ("data", "random_tokens"): ["recipe=lm_2d", "data=random_tokens"],
+          ("data", "hf"): ["recipe=lm_files", "data=hf", "data.tokenizer=bytes", "data.path={root}/chat.jsonl",
+                           "data.dataset.text_field=response", "data.dataset.seq_len=16",
+                           "data.dataset.val_fraction=0.2"],
+          ("data", "hf_instructions"): ["recipe=lm_files", "data=hf_instructions", "data.tokenizer=bytes",
+                                        "data.path={root}/chat.jsonl"],
+          ("data", "hf_preferences"): ["recipe=lm_files", "data=hf_preferences", "adapter=lora", "data.tokenizer=bytes",
+                                       "data.path={root}/pairs.jsonl"],
+          ("data", "mixture"): ["recipe=lm_files", "data=mixture", "data.tokenizer=bytes", "data.dataset.seq_len=16",
+                                "+data.dataset.sources.text={{weight: 1, dataset: {{_target_: framework.data.TokenDataset, "
+                                "path: '{packed}'}}}}",
+                                "+data.dataset.sources.chat={{weight: 1, dataset: {{_target_: framework.data.HFTokenDataset, "
+                                "path: '{root}/chat.jsonl', tokenizer: bytes, text_field: prompt}}}}"],
           **{("model", name): ["recipe=lm_2d", f"model={name}", "data=random_tokens", "trainer.eval_every=null"]
              for name in ("llama3_8b", "llama3_70b")}}
 # Configs that read prepared token data: which kind (the `prepared` fixture's).
@@ -63,7 +76,9 @@ def data_path(group: str, option: str, request) -> list:
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_group_option_composes_and_validates(group, option, request):
-    cfg = compose_config([f"{group}={option}", *PAIRED.get((group, option), []), *data_path(group, option, request)])
+    prepared = request.getfixturevalue("prepared")
+    paired = [o.format(root=os.path.dirname(prepared["packed"]), **prepared) for o in PAIRED.get((group, option), [])]
+    cfg = compose_config([f"{group}={option}", *paired, *data_path(group, option, request)])
     if (group, option) == ("mesh", "auto"):  # chosen by framework.train alone (tests/test_planner.py)
         with pytest.raises(ConfigError, match=r"mesh='auto': is chosen by framework.train, self-launched or under torchrun"):
             validate(cfg)

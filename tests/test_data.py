@@ -290,7 +290,7 @@ def test_token_data_that_does_not_fit_the_run_is_refused_before_launch(tmp_path,
         ([f"data.path={data}", "model.vocab_size=200"],
          f"config error: model.vocab_size=200: the token data in {data} holds ids up to 121 (its tokenizer's vocabulary is 256); use at least 256"),
         ([f"data.path={data}", f"data.tokenizer={tokenizer_file}"],
-         f"config error: data.tokenizer='{tokenizer_file}': {data} was prepared with another tokenizer (bytes"),
+         f"config error: data.tokenizer='{tokenizer_file}': the token data in {data} comes from another tokenizer than data.tokenizer (bytes"),
         ([f"data.path={small}"], "config error: data.global_batch_size=8: the dataset's train split has only 3 samples; lower the batch "),
         ([f"data.path={tmp_path / 'nothing'}"], f"config error: data.path='{tmp_path / 'nothing'}': no meta.json there"),
     ]

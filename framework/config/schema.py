@@ -118,6 +118,8 @@ class DataConfig:
     num_workers: int = 0
     path: Optional[str] = None  # prepared token data (data=tokens / instructions): framework.prepare's --out
     tokenizer: Optional[str] = None  # the tokenizer.json the model is meant for: other data is refused
+    split: str = "train"  # data=hf: the dataset's split (a save_to_disk DatasetDict's, a Hub dataset's)
+    name: Optional[str] = None  # data=hf: a Hub dataset's configuration (load_dataset's `name`)
     document_masking: bool = False  # packed token data: attention within each document (data=tokens sets it)
     dataset: Any = None
 
@@ -282,14 +284,14 @@ def did_you_mean(key: str, known: List[str]) -> str:
     return f"{section or 'the config'} has {', '.join(known)}"
 
 
-def _tokens_vocab(path: Optional[str]) -> int:
+def _tokens_vocab(path: Optional[str], tokenizer: Optional[str] = None) -> int:
     from framework.data.tokens import tokens_vocab  # numpy and the dataset only when a config asks
 
-    return tokens_vocab(path)
+    return tokens_vocab(path, tokenizer)
 
 
 def register_schema() -> None:
-    """The schema, and the resolver configs may use: `${tokens_vocab:${data.path}}`."""
+    """The schema, and the resolver configs may use: `${tokens_vocab:${data.path},${data.tokenizer}}`."""
     ConfigStore.instance().store(name="config_schema", node=Config)
     if not OmegaConf.has_resolver("tokens_vocab"):
         OmegaConf.register_new_resolver("tokens_vocab", _tokens_vocab)

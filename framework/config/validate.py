@@ -16,7 +16,8 @@ from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.config.not_yet import check_not_yet
 from framework.config.trust import check_targets
-from framework.data.tokens import DATASETS, check_document_masking, check_responses, check_token_data, read_meta
+from framework.data.mixture import source_nodes
+from framework.data.tokens import check_document_masking, check_responses, check_token_data, tokenizer_of
 from framework.models.hf import check_length, check_model_path, check_vocab, check_weights
 from framework.models.meta import SkipRandomInit
 from framework.models.hf_export import check_hf_out
@@ -185,10 +186,11 @@ def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
     vocabulary and the sequence its positions (framework.models.hf, as framework.generate checks)."""
     check_weights(model)
     dataset = cfg.data.dataset
-    if dataset.get("_target_") in DATASETS:
-        prepared = read_meta(dataset.path)["tokenizer"]
-        check_vocab(model, prepared["vocab_size"], f"{prepared['path']}, which the token data in {dataset.path} "
-                                                   f"was prepared with")
+    for node in source_nodes(dataset).values():
+        tokenizer = tokenizer_of(node)
+        if tokenizer is not None:
+            check_vocab(model, tokenizer["vocab_size"], f"{tokenizer['path']}, which {tokenizer['source']} "
+                                                        f"comes from")
     if dataset.get("seq_len") is not None:
         check_length(model, "data.dataset.seq_len", dataset.seq_len, opt_out=True)
 

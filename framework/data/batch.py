@@ -1,7 +1,8 @@
 """One batch as the step consumes it: inputs, targets and, for packed windows of several
 documents (data.document_masking) or under context parallelism, each token's position in its
 document, which the model takes as a keyword (framework.models.documents); for DPO with
-objective.reference=precomputed, each pair's reference log-probabilities."""
+objective.reference=precomputed, each pair's reference log-probabilities; from a mixture
+(framework.data.mixture), each sample's source."""
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -12,12 +13,15 @@ class Batch(NamedTuple):
     targets: torch.Tensor
     positions: Optional[torch.Tensor] = None
     reference: Optional[torch.Tensor] = None
+    source: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, sample: Sequence[torch.Tensor], device) -> "Batch":
-        """A loader's batch (2 or 3 tensors, or a named tuple of this class's fields) on `device`."""
+        """A loader's batch (2 or 3 tensors, or a named tuple or dict of this class's fields) on `device`."""
         if hasattr(sample, "_asdict"):
-            return cls(**{name: t.to(device) for name, t in sample._asdict().items()})
+            sample = sample._asdict()
+        if isinstance(sample, dict):
+            return cls(**{name: t.to(device) for name, t in sample.items()})
         return cls(*(t.to(device) for t in sample))
 
     def split(self, size: int) -> List["Batch"]:

@@ -100,6 +100,13 @@ def _special_tokens_named_beside(path: str) -> dict:
     return named
 
 
+def described(tokenizer) -> dict:
+    """What prepared data records of its tokenizer (meta.json's "tokenizer"), and data=hf reports."""
+    return {"path": os.path.abspath(tokenizer.path) if tokenizer.path != BYTE_LEVEL else BYTE_LEVEL,
+            "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id}
+
+
 def load_tokenizer(path: Optional[str], eos_token: Optional[str] = None):
     """`bytes` (or None): the byte-level tokenizer; else a tokenizer.json, or a directory holding
     one (an HF model directory)."""

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from torch.utils.data import Dataset
 
 from framework.config.errors import ConfigError
@@ -62,17 +62,45 @@ def packed_windows(tokens: int, seq_len: int, val_fraction: float, split: str) -
     return max(0, (end - start - 1) // seq_len)
 
 
-class _Prepared(Dataset):
+class PreparedDocuments:
+    """A prepared directory's documents: the token stream, where each document starts, and for
+    instruction data which tokens are learned. The datasets below read documents through this
+    face, so data=hf (framework.data.hf) packs and masks exactly as prepared data does."""
+
+    def __init__(self, path: str, kind: str):
+        self.path = os.path.expanduser(path)
+        meta = read_meta(path)
+        if meta["kind"] != kind:
+            raise ConfigError("data.path", path, f"holds {meta['kind']} data; this dataset reads {kind} "
+                              f"data (data=tokens for packed, data=instructions for instruction data)")
+        self.tokenizer = meta["tokenizer"]  # path, identity, vocab_size, eos_id
+        self.stream = np.memmap(os.path.join(self.path, TOKENS), dtype=meta["dtype"], mode="r")
+        self.offsets = np.load(os.path.join(self.path, OFFSETS))
+        self.learned = np.memmap(os.path.join(self.path, MASK), dtype=np.uint8, mode="r") if kind != "packed" else None
+
+    def tokens(self, begin: int, end: int) -> np.ndarray:
+        return self.stream[begin:end].astype(np.int64)
+
+    def mask(self, begin: int, end: int) -> np.ndarray:
+        return self.learned[begin:end].astype(np.bool_)
+
+    def learned_at(self, positions: np.ndarray) -> np.ndarray:
+        return self.learned[positions] == 1
+
+    def prompt_lengths(self, first: int, end: int) -> np.ndarray:
+        """Documents [first, end)'s prompt tokens: the mask's 0s (its 1s come last)."""
+        begin, stop = int(self.offsets[first]), int(self.offsets[end])
+        responses = np.add.reduceat(self.learned[begin:stop], self.offsets[first:end] - begin, dtype=np.int64)
+        return np.diff(self.offsets[first:end + 1]) - responses
+
+
+class _Documents(Dataset):
     kind = ""
 
-    def __init__(self, path: str, seq_len: int, split: str, val_fraction: float):
-        self.path, self.seq_len = os.path.expanduser(path), seq_len
-        self.meta = read_meta(path)
-        if self.meta["kind"] != self.kind:
-            raise ConfigError("data.path", path, f"holds {self.meta['kind']} data; this dataset reads {self.kind} "
-                              f"data (data=tokens for packed, data=instructions for instruction data)")
-        self.tokens = np.memmap(os.path.join(self.path, TOKENS), dtype=self.meta["dtype"], mode="r")
-        self.vocab_size = self.meta["tokenizer"]["vocab_size"]
+    def _read(self, documents, seq_len: int, split: str, val_fraction: float) -> None:
+        self.documents, self.seq_len = documents, seq_len
+        self.path = documents.path
+        self.vocab_size = documents.tokenizer["vocab_size"]
         self.split, self.val_fraction = split, val_fraction
 
     def _check_not_empty(self) -> None:
@@ -91,7 +119,7 @@ def positions_in_documents(document_starts: np.ndarray, begin: int, length: int)
     return torch.from_numpy(index - np.maximum(starts, begin))
 
 
-class TokenDataset(_Prepared):
+class TokenDataset(_Documents):
     """With `document_masking` each sample also carries its tokens' positions in their documents
     (framework.models.documents): a token attends to its own document only, and its rotary
     angle counts from the document's start. The target of a document's last token (its EOS) is
@@ -101,33 +129,38 @@ class TokenDataset(_Prepared):
 
     def __init__(self, path: str, seq_len: int = 128, split: str = "train", val_fraction: float = 0.05,
                  document_masking: bool = False):
-        super().__init__(path, seq_len, split, val_fraction)
-        self.start, _ = split_range(len(self.tokens), val_fraction, split)
-        self.document_starts = np.load(os.path.join(self.path, OFFSETS))[:-1] if document_masking else None
+        self._windows(PreparedDocuments(path, self.kind), seq_len, split, val_fraction, document_masking)
+
+    def _windows(self, documents, seq_len: int, split: str, val_fraction: float, document_masking: bool) -> None:
+        self._read(documents, seq_len, split, val_fraction)
+        self.start, _ = split_range(int(documents.offsets[-1]), val_fraction, split)
+        self.document_starts = documents.offsets[:-1] if document_masking else None
         self._check_not_empty()
 
     def __len__(self) -> int:
-        return packed_windows(len(self.tokens), self.seq_len, self.val_fraction, self.split)
+        return packed_windows(int(self.documents.offsets[-1]), self.seq_len, self.val_fraction, self.split)
 
     def __getitem__(self, index: int):
         begin = self.start + index * self.seq_len
-        window = torch.from_numpy(self.tokens[begin: begin + self.seq_len + 1].astype(np.int64))
+        window = torch.from_numpy(self.documents.tokens(begin, begin + self.seq_len + 1))
         if self.document_starts is None:
             return window[:-1], window[1:]
         return window[:-1], window[1:], positions_in_documents(self.document_starts, begin, self.seq_len)
 
 
-class InstructionDataset(_Prepared):
+class InstructionDataset(_Documents):
     kind = "instruction"
     masked_targets = True
 
     def __init__(self, path: str, seq_len: int = 128, split: str = "train", val_fraction: float = 0.05,
                  pad_id: Optional[int] = None):
-        super().__init__(path, seq_len, split, val_fraction)
-        self.offsets = np.load(os.path.join(self.path, OFFSETS))
-        self.mask = np.memmap(os.path.join(self.path, MASK), dtype=np.uint8, mode="r")
+        self._examples(PreparedDocuments(path, self.kind), seq_len, split, val_fraction, pad_id)
+
+    def _examples(self, documents, seq_len: int, split: str, val_fraction: float, pad_id: Optional[int]) -> None:
+        self._read(documents, seq_len, split, val_fraction)
+        self.offsets = documents.offsets
         self.first, self.end = split_range(len(self.offsets) - 1, val_fraction, split)
-        self.pad_id = self.meta["tokenizer"]["eos_id"] if pad_id is None else pad_id
+        self.pad_id = documents.tokenizer["eos_id"] if pad_id is None else pad_id
         self._check_not_empty()
 
     def __len__(self) -> int:
@@ -140,8 +173,8 @@ class InstructionDataset(_Prepared):
         """Document `doc` as (inputs, targets): its prompt's and padding's targets ignored."""
         begin, end = int(self.offsets[doc]), int(self.offsets[doc + 1])
         end = min(end, begin + self.seq_len + 1)
-        tokens = torch.from_numpy(self.tokens[begin:end].astype(np.int64))
-        learn = torch.from_numpy(self.mask[begin:end].astype(np.bool_))
+        tokens = torch.from_numpy(self.documents.tokens(begin, end))
+        learn = torch.from_numpy(self.documents.mask(begin, end))
         inputs = torch.full((self.seq_len,), self.pad_id, dtype=torch.int64)
         targets = torch.full((self.seq_len,), IGNORE, dtype=torch.int64)
         inputs[: len(tokens) - 1] = tokens[:-1]
@@ -154,15 +187,12 @@ class InstructionDataset(_Prepared):
         tells: one byte read per example, not the whole mask."""
         starts, ends = self.offsets[self.first:self.end], self.offsets[self.first + 1:self.end + 1]
         last = starts + np.minimum(self.seq_len, ends - starts - 1)
-        return (last == starts) | (self.mask[last] == 0)
+        return (last == starts) | ~self.documents.learned_at(last)
 
     def longest_prompt(self) -> int:
         """The seq_len from which every example keeps a response token (at least 1); it reads
         the split's whole mask, so only once some example is known to lose its response."""
-        starts = self.offsets[self.first:self.end]
-        begin, end = int(starts[0]), int(self.offsets[self.end])
-        responses = np.add.reduceat(self.mask[begin:end], starts - begin, dtype=np.int64)
-        return max(1, int((np.diff(self.offsets[self.first:self.end + 1]) - responses).max()))
+        return max(1, int(self.documents.prompt_lengths(self.first, self.end).max()))
 
 
 class PreferencePair(NamedTuple):
@@ -180,9 +210,8 @@ class PreferenceDataset(InstructionDataset):
     kind = "preference"
     masked_targets = True
 
-    def __init__(self, path: str, seq_len: int = 128, split: str = "train", val_fraction: float = 0.05,
-                 pad_id: Optional[int] = None):
-        super().__init__(path, seq_len, split, val_fraction, pad_id)
+    def _examples(self, documents, seq_len: int, split: str, val_fraction: float, pad_id: Optional[int]) -> None:
+        super()._examples(documents, seq_len, split, val_fraction, pad_id)
         pairs = (len(self.offsets) - 1) // 2
         self.first, self.end = split_range(pairs, val_fraction, split)
         self.reference: Optional[np.ndarray] = None
@@ -212,45 +241,80 @@ class PreferenceDataset(InstructionDataset):
         return view
 
 
-INSTRUCTION_DATASETS = ("framework.data.InstructionDataset", f"{__name__}.InstructionDataset",
-                        "framework.data.PreferenceDataset", f"{__name__}.PreferenceDataset")
-PACKED_DATASETS = ("framework.data.TokenDataset", f"{__name__}.TokenDataset")
-PREFERENCE_DATASETS = ("framework.data.PreferenceDataset", f"{__name__}.PreferenceDataset")
-DATASETS = (*PACKED_DATASETS, *INSTRUCTION_DATASETS)
 VOCAB_MULTIPLE = 64  # a padded vocabulary divides by any TP size up to 64 (nanoGPT's 50257 -> 50304)
 
 
-def tokens_vocab(path: Optional[str]) -> int:
-    """`${tokens_vocab:${data.path}}`: the prepared data's vocabulary, rounded up to a multiple of
-    64 (rows past the tokenizer's are never a target)."""
-    vocab = read_meta(path)["tokenizer"]["vocab_size"]
+def kind_of(node) -> Optional[str]:
+    """The kind of documents a data.dataset config reads ("packed", "instruction", "preference"),
+    from its class alone; None for data of another sort (and for a mixture: framework.data.mixture)."""
+    target = node.get("_target_") if node is not None else None
+    try:
+        cls = get_class(target) if target else None
+    except Exception:  # (an unknown _target_ is instantiate's error to report)
+        return None
+    return cls.kind if isinstance(cls, type) and issubclass(cls, _Documents) else None
+
+
+def tokenizer_of(node) -> Optional[dict]:
+    """The tokenizer a documents config's tokens come from (meta.json's record of it, or data=hf's
+    own), with `source` (where the ids come from) and `max_token_id`; None for other data."""
+    if kind_of(node) is None:
+        return None
+    if "tokenizer" in inspect.signature(get_class(node["_target_"])).parameters:  # data=hf: tokenized as read
+        from framework.data.tokenizer import described, load_tokenizer
+
+        if not node.get("tokenizer"):
+            raise ConfigError("data.tokenizer", None, "data=hf tokenizes as it reads: name the model's tokenizer.json "
+                                                      "(or its directory), or 'bytes'")
+        found = described(load_tokenizer(node.tokenizer))
+        return {**found, "source": f"the tokenizer {node.tokenizer}", "max_token_id": found["vocab_size"] - 1}
+    meta = read_meta(node.path)
+    return {**meta["tokenizer"], "source": f"the token data in {node.path}", "max_token_id": meta["max_token_id"]}
+
+
+def tokens_vocab(path: Optional[str], tokenizer: Optional[str] = None) -> int:
+    """`${tokens_vocab:${data.path},${data.tokenizer}}`: the vocabulary of the prepared data at
+    `path` (or, for data=hf, of `tokenizer`), rounded up to a multiple of 64 (rows past the
+    tokenizer's are never a target)."""
+    if tokenizer and not os.path.isfile(os.path.join(os.path.expanduser(path or ""), META)):
+        from framework.data.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(tokenizer).vocab_size
+    else:
+        vocab = read_meta(path)["tokenizer"]["vocab_size"]
     return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def check_token_data(cfg) -> None:
-    """Before launch, from meta.json alone: the data was prepared with data.tokenizer (when one is
-    named) and its ids fit model.vocab_size. (That each split holds a global batch is
-    framework.config.validate's check_dataset, as for every dataset.)"""
-    dataset = cfg.data.dataset
-    if dataset is None or dataset.get("_target_") not in DATASETS:
-        return
-    path = dataset.path
-    meta = read_meta(path)
-    prepared = meta["tokenizer"]
-    if cfg.data.get("tokenizer"):
-        from framework.data.tokenizer import load_tokenizer
+    """Before launch, from meta.json (or data=hf's tokenizer) alone: every source's tokens come
+    from data.tokenizer (when one is named) and from one tokenizer, and fit model.vocab_size.
+    (That each split holds a global batch is framework.config.validate's check_dataset.)"""
+    from framework.data.mixture import source_nodes
 
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if tokenizer.identity != prepared["identity"]:
-            raise ConfigError("data.tokenizer", cfg.data.tokenizer,
-                              f"{path} was prepared with another tokenizer ({prepared['path']}, vocabulary "
-                              f"{prepared['vocab_size']}); prepare the data again with this one, or name that one")
-    vocab = cfg.model.get("vocab_size")
-    if vocab is not None and max(meta["max_token_id"] + 1, prepared["vocab_size"]) > vocab:
-        raise ConfigError("model.vocab_size", vocab,
-                          f"the token data in {path} holds ids up to {meta['max_token_id']} (its tokenizer's "
-                          f"vocabulary is {prepared['vocab_size']}); use at least {prepared['vocab_size']}, e.g. "
-                          "${tokens_vocab:${data.path}} as recipes/lm_files.yaml does")
+    named = None
+    if cfg.data.get("tokenizer"):
+        from framework.data.tokenizer import described, load_tokenizer
+
+        named = described(load_tokenizer(cfg.data.tokenizer))
+    found = {name: tokenizer_of(node) for name, node in source_nodes(cfg.data.dataset).items()}
+    found = {name: tokenizer for name, tokenizer in found.items() if tokenizer is not None}
+    for name, tokenizer in found.items():
+        key = f"data.dataset.sources.{name}" if name else "data.tokenizer"
+        if named is not None and tokenizer["identity"] != named["identity"]:
+            raise ConfigError(key, tokenizer["path"] if name else cfg.data.tokenizer,
+                              f"{tokenizer['source']} comes from another tokenizer than data.tokenizer "
+                              f"({tokenizer['path']}, vocabulary {tokenizer['vocab_size']}); prepare the data again "
+                              f"with {cfg.data.tokenizer}, or name that one")
+        first = next(iter(found.values()))
+        if tokenizer["identity"] != first["identity"]:
+            raise ConfigError(key, tokenizer["path"], f"{tokenizer['source']} and {first['source']} come from different "
+                                         f"tokenizers; a model reads one: use the same tokenizer for every source")
+        vocab = cfg.model.get("vocab_size")
+        if vocab is not None and max(tokenizer["max_token_id"] + 1, tokenizer["vocab_size"]) > vocab:
+            raise ConfigError("model.vocab_size", vocab,
+                              f"{tokenizer['source']} holds ids up to {tokenizer['max_token_id']} (its tokenizer's "
+                              f"vocabulary is {tokenizer['vocab_size']}); use at least {tokenizer['vocab_size']}, e.g. "
+                              "${tokens_vocab:${data.path},${data.tokenizer}} as recipes/lm_files.yaml does")
 
 
 def check_document_masking(c: Checked) -> None:
@@ -261,10 +325,13 @@ def check_document_masking(c: Checked) -> None:
     masking = bool(cfg.data.get("document_masking")) or bool(dataset.get("document_masking"))
     if not masking:
         return
-    if dataset.get("_target_") not in PACKED_DATASETS:
-        raise ConfigError("data.document_masking", True, f"{dataset.get('_target_')} has no document boundaries "
-                                                         f"(only packed token data, data=tokens, has); set "
-                                                         f"data.document_masking=false")
+    from framework.data.mixture import source_nodes
+
+    for node in source_nodes(dataset).values():
+        if kind_of(node) != "packed":
+            raise ConfigError("data.document_masking", True, f"{node.get('_target_')} has no document boundaries "
+                                                             f"(only packed token data, data=tokens or data=hf, has); "
+                                                             f"set data.document_masking=false")
     if "positions" not in inspect.signature(type(model).forward).parameters:
         raise ConfigError("data.document_masking", True, f"{type(model).__name__} takes no document positions "
                                                          f"(framework.models.Transformer does); set "
@@ -276,7 +343,7 @@ def check_responses(c: Checked) -> None:
     A split where none does would train (or evaluate) on a loss of 0 at every step: refused.
     Some that do not only add nothing to the loss: one warning line with their count."""
     cfg = c.cfg
-    if cfg.data.dataset.get("_target_") not in INSTRUCTION_DATASETS:
+    if kind_of(cfg.data.dataset) not in ("instruction", "preference"):
         return
     for split in ("train", "val") if cfg.trainer.eval_every else ("train",):
         data = instantiate(cfg.data.dataset, split=split)

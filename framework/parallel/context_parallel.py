@@ -16,7 +16,7 @@ gradient average and the loss's count span the DP dims and the cp dim together
 torch's own context_parallel has no CPU attention strategy in torch 2.13; this is plain SDPA
 with a mask over gathered keys, on every device.
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -52,8 +52,15 @@ class SequenceChunks(Dataset):
         return getattr(self.dataset, name)
 
     def __getitem__(self, index: int):
-        inputs, targets, *positions = self.dataset[index]
-        positions = positions[0] if positions else torch.arange(len(inputs))
+        sample = self.dataset[index]
+        if isinstance(sample, dict):  # a mixture's: its source kept
+            return {**sample, **dict(zip(("inputs", "targets", "positions"), self._cut(
+                sample["inputs"], sample["targets"], sample.get("positions"))))}
+        inputs, targets, *positions = sample
+        return self._cut(inputs, targets, positions[0] if positions else None)
+
+    def _cut(self, inputs: torch.Tensor, targets: torch.Tensor, positions: Optional[torch.Tensor]) -> tuple:
+        positions = torch.arange(len(inputs)) if positions is None else positions
         mine = chunk_indices(len(inputs), self.rank, self.size)
         return inputs[mine], targets[mine], positions[mine]
 

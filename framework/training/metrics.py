@@ -14,6 +14,8 @@ from tqdm import tqdm
 
 from framework.atomic import atomic_file
 from framework.checkpoint.layout import step_dir
+from framework.data.batch import Batch
+from framework.data.tokens import IGNORE
 from framework.checkpoint.weights import restart_count
 from framework.parallel.mesh import layout_table
 from framework.training.logger import TensorBoardLogger
@@ -78,6 +80,26 @@ class Metrics:
         self.first_step_s: Optional[float] = None
         self.first_step_unix: Optional[float] = None
         self.memory: Optional[dict] = None
+        # a mixture's sources (framework.data.mixture): learned tokens per source since the last logging step
+        self.source_names = list(getattr(run.dataset, "source_names", ()))
+        self.source_tokens = torch.zeros(len(self.source_names), device=cfg.mesh.device_type)
+
+    def taken(self, batch: Batch) -> Batch:
+        """A batch the loop takes: a mixture's counts its learned tokens per source."""
+        if batch.source is not None:
+            learned = (batch.targets != IGNORE).flatten(1).sum(1).float()
+            self.source_tokens += torch.bincount(batch.source, weights=learned, minlength=len(self.source_names))
+        return batch
+
+    def take_source_tokens(self) -> torch.Tensor:
+        tokens, self.source_tokens = self.source_tokens, torch.zeros_like(self.source_tokens)
+        return tokens
+
+    def source_shares(self, step: int, tokens: List[float]) -> None:
+        """Each source's share of the window's learned tokens (all DP replicas'), to TensorBoard."""
+        if tokens:
+            self.scalars(step, {f"data/share/{name}": count / max(sum(tokens), 1.0)
+                                for name, count in zip(self.source_names, tokens)})
 
     def scalars(self, step: int, values: dict) -> None:
         if self.tb:

@@ -39,7 +39,7 @@ from framework.atomic import atomic_file
 from framework.checkpoint.weights import base_checkpoint, load_base
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
-from framework.data.tokens import IGNORE, PREFERENCE_DATASETS
+from framework.data.tokens import IGNORE, kind_of
 from framework.models.lifecycle import allocate
 from framework.models.lora import adapters_disabled
 from framework.parallel.plan import final_output_layout
@@ -248,7 +248,7 @@ def check_preference(c: Checked) -> None:
     pairs are trained by DPO alone."""
     cfg, roles = c.cfg, c.roles
     objective, dataset = cfg.objective, cfg.data.dataset
-    pairs = dataset is not None and dataset.get("_target_") in PREFERENCE_DATASETS
+    pairs = kind_of(dataset) == "preference"
     dpo = objective.get("_target_") == f"{__name__}.DirectPreference"
     if pairs and not dpo:
         raise ConfigError("objective", objective.get("_target_"), "preference pairs (data=preferences) train under "

@@ -287,7 +287,7 @@ class Trainer:
                 step = state.step = state.step + 1
                 logging_step = step % trainer.log_every == 0 or step == trainer.max_steps
                 self.watchdog.stage(f"step {step}: data, forward and backward{self._pipeline_where()}")
-                batch = redo if redo is not None else Batch.of(next(data), self.device)
+                batch = redo if redo is not None else self.metrics.taken(Batch.of(next(data), self.device))
                 lr = run.optimizer.param_groups[0]["lr"]
                 loss, grad_norm = self.train_step(batch, logging_step, on_gradients=lambda: self.watchdog.stage(
                     f"step {step}: gradient norm, optimizer step"))
@@ -362,12 +362,15 @@ class Trainer:
 
     def _log_terms(self, step: int) -> None:
         """The step's terms the objective shows (auxiliary losses, DPO's rewards) as global-batch
-        values, like its loss, to TensorBoard: one all-reduce, on logging steps."""
+        values, like its loss, and a mixture's learned tokens per source since the last logging
+        step, to TensorBoard: one all-reduce, on logging steps."""
         tags = self.objective.logged_terms(self.run.module)
-        if tags:
-            values = torch.stack([local_value(torch.as_tensor(self.step.terms.get(name, 0.0), device=self.device))
-                                  for name in tags])
-            self.metrics.scalars(step, dict(zip(tags.values(), mean_over_dp(self.run, values))))
+        terms = [local_value(torch.as_tensor(self.step.terms.get(name, 0.0), device=self.device)) for name in tags]
+        tokens = self.metrics.take_source_tokens()
+        if terms or len(tokens):
+            values = mean_over_dp(self.run, torch.cat([torch.stack(terms) if terms else tokens[:0], tokens]))
+            self.metrics.scalars(step, dict(zip(tags.values(), values)))
+            self.metrics.source_shares(step, values[len(terms):])
 
     def _evaluate_and_log(self, step: int) -> float:
         """The validation loss at `step`, into the history and TensorBoard; returns its seconds."""
