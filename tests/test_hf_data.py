@@ -15,7 +15,8 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from framework.data import (HFInstructionDataset, HFPreferenceDataset, HFTokenDataset, InstructionDataset,
+from framework.data import (HFInstructionDataset, HFPreferenceDataset, HFTokenDataset, HFTokenStream,
+                            InstructionDataset,
                             Mixture, PreferenceDataset, TokenDataset)
 from framework.data.loader import build_sampler
 from framework.prepare import main as prepare_main
@@ -245,3 +246,47 @@ def test_bad_hf_and_mixture_data_is_refused_in_one_line_before_launch(tmp_path, 
         result = run_cli([*LM, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
         assert result.returncode == 2 and result.stderr.strip().startswith(message), (message, result.stderr[-1500:])
         assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_each_dp_replica_streams_its_own_records_packed_as_the_indexed_dataset_packs_them(
+        tmp_path, sources, tokenizer_file):  # noqa: F811
+    """Replica r of 2 reads records r, r+2, ... (one shard: split_dataset_by_node's stride),
+    and packs them as data=hf packs a file of just those records (held out: none)."""
+    rows = [json.loads(line) for line in open(sources["jsonl"])]
+    for rank in range(2):
+        mine = tmp_path / f"replica{rank}.jsonl"
+        mine.write_text("".join(json.dumps(row) + "\n" for row in rows[rank::2]))
+        stream = HFTokenStream(sources["jsonl"], tokenizer_file, seq_len=16, document_masking=True)
+        stream.for_replica(rank, 2)
+        indexed = HFTokenDataset(str(mine), tokenizer_file, seq_len=16, val_fraction=0.0, document_masking=True)
+        same_samples(list(stream), indexed)
+
+
+STREAM = [*LM, "data=hf", "data.streaming=true", "trainer.eval_every=null", "checkpoint.every=3"]
+
+
+def test_a_stream_trains_as_the_indexed_dataset_on_one_replica_and_resumes_exactly_across_its_end(
+        tmp_path, sources, tokenizer_file, small_source):  # noqa: F811
+    one = ["mesh=1x1", "data.num_workers=0", "sampler.shuffle=false", f"data.path={sources['jsonl']}"]
+    runs = {}
+    for name, extra in {"indexed": ["data.streaming=false", "+data.dataset.val_fraction=0"], "stream": []}.items():
+        result = run_cli([*STREAM, *one, *extra, f"data.tokenizer={tokenizer_file}", f"hydra.run.dir={tmp_path / name}"])
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs[name] = losses(tmp_path / name)[0]
+    assert runs["stream"] == runs["indexed"]  # the same windows in the same order, bitwise
+    # 2 replicas x 2 loader workers on the 40-record source: 28 windows a replica, an epoch of 7
+    # steps; resumed at step 6, the run crosses the stream's end as the uninterrupted one did
+    two = [*STREAM, "mesh=2x1", "data.num_workers=2", f"data.path={small_source}", f"data.tokenizer={tokenizer_file}",
+           "trainer.max_steps=10"]
+    result = run_cli([*two, f"hydra.run.dir={tmp_path / 'two'}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    step_6 = tmp_path / "two" / "checkpoints" / "step_6"
+    final = json.loads((tmp_path / "two" / "checkpoints" / "step_10" / "framework.json").read_text())["data"]
+    assert (final["epoch"], final["samples"]) == (1, 24)  # 7 steps of 8 in the first epoch, 3 in the next
+    result = run_cli([*two, f"checkpoint.resume={step_6}", f"hydra.run.dir={tmp_path / 'resumed'}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert losses(tmp_path / "resumed")[0] == losses(tmp_path / "two")[0]
+    result = run_cli([*two, "mesh=1x1", f"checkpoint.resume={step_6}", f"hydra.run.dir={tmp_path / 'other'}"])
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"config error: mesh.shape=[1, 1]: checkpoint {step_6} holds each rank's place in a stream (data.streaming) "
+        f"for the mesh [2, 1]; resume it on that mesh, or set checkpoint.reset_data=true to start the stream again")

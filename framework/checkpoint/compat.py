@@ -16,7 +16,8 @@ from framework.config.checked import Checked
 from framework.models.protocol import offered
 
 # Keys whose change reorders the global batches a resumed position points into.
-DATA_ORDER_KEYS = ("data.global_batch_size", "data.dataset", "sampler.seed", "sampler.shuffle", "sampler.drop_last")
+DATA_ORDER_KEYS = ("data.global_batch_size", "data.dataset", "data.streaming", "sampler.seed", "sampler.shuffle",
+                   "sampler.drop_last")
 
 
 def check_checkpoint_keys(cfg: DictConfig) -> None:
@@ -100,6 +101,11 @@ def nothing_to_train(cfg: DictConfig, checkpoint_dir: str) -> Optional[str]:
 
 def check_data_order(cfg: DictConfig, path: str, saved_config: dict) -> None:
     saved = OmegaConf.create(saved_config)
+    if cfg.data.get("streaming") and list(saved.mesh.shape) != list(cfg.mesh.shape):
+        raise ConfigError("mesh.shape", list(cfg.mesh.shape),
+                          f"checkpoint {path} holds each rank's place in a stream (data.streaming) for the mesh "
+                          f"{list(saved.mesh.shape)}; resume it on that mesh, or set checkpoint.reset_data=true to "
+                          f"start the stream again")
     for key in DATA_ORDER_KEYS:
         now, then = (OmegaConf.select(c, key) for c in (cfg, saved))
         now, then = (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for v in (now, then))

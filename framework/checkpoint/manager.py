@@ -14,6 +14,7 @@ Saves are synchronous or, with checkpoint.async_save, DCP's async_save over a gl
 their own (a background thread's collectives must not interleave with the training step's):
 at most one is in flight, and the last one finishes before the run ends.
 """
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -101,11 +102,13 @@ class Checkpointer:
     """Saves and loads the parts given: `model` (the module inside any DP wrapper), `optimizer`,
     `scheduler` and `state`; the only writer of checkpoints and of their records. With `base`
     (a LoRA run: its base model's identity, framework.checkpoint.base_model) a checkpoint holds
-    the adapters alone and names that base."""
+    the adapters alone and names that base. With `stream` (the loader of a streamed dataset,
+    framework.data.stream) each rank's place in its stream is saved too, as its RNG state is."""
 
     def __init__(self, cfg: DictConfig, out_dir: str, rank: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, base: Optional[dict] = None):
-        self.cfg, self.rank, self.base = cfg, rank, base
+                 optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, base: Optional[dict] = None,
+                 stream: Any = None):
+        self.cfg, self.rank, self.base, self.stream = cfg, rank, base, stream
         self.model, self.optimizer = ModelState(model, adapters_only=base is not None), OptimizerState(model, optimizer)
         self.scheduler, self.state = scheduler, state
         self.every = cfg.checkpoint.every
@@ -167,7 +170,11 @@ class Checkpointer:
         log.info("checkpoint %s saved%s", final, f"; removed {removed}" if removed else "")
 
     def _dcp_state(self) -> Dict[str, Any]:
-        return {"model": self.model, "optim": self.optimizer, f"rng.rank{self.rank}": torch.get_rng_state()}
+        state = {"model": self.model, "optim": self.optimizer, f"rng.rank{self.rank}": torch.get_rng_state()}
+        if self.stream is not None:
+            # one JSON string: DCP would flatten a dict into keys a fresh loader's state lacks
+            state[f"stream.rank{self.rank}"] = json.dumps(self.stream.state_dict())
+        return state
 
     def _meta(self) -> dict:
         cfg, state = self.cfg, self.state.state_dict()
@@ -202,11 +209,19 @@ class Checkpointer:
         state["model"] = ModelState(self.model.model, adapters_only="base" in meta)
         if not same_world:
             del state[f"rng.rank{self.rank}"]
+            if self.stream is not None and not self.cfg.checkpoint.reset_data:
+                raise CheckpointError(path, f"holds each rank's place in a stream (data.streaming) for the mesh "
+                                            f"{meta['mesh']['shape']}; resume it on that mesh, or set checkpoint."
+                                            f"reset_data=true to start the stream again")
+        if self.stream is not None and self.cfg.checkpoint.reset_data:
+            del state[f"stream.rank{self.rank}"]
         if not optimizer_saved_flat(path):
             state["optim"] = OptimizerState(self.optimizer.model, self.optimizer.optimizer, flat=False)
         load_checkpoint(state, path)
         if same_world:
             torch.set_rng_state(state[f"rng.rank{self.rank}"])
+        if self.stream is not None and not self.cfg.checkpoint.reset_data:
+            self.stream.load_state_dict(json.loads(state[f"stream.rank{self.rank}"]))
         self.scheduler.load_state_dict(meta["scheduler"])
         self.state.load_state_dict(meta)
         if self.cfg.checkpoint.reset_data:

@@ -69,6 +69,12 @@ NOT_YET = [
     NotYet("adapter.dropout", "tensor parallelism (parallel.tp_dim)",
            lambda cfg, roles: _adapter(cfg) and cfg.adapter.dropout > 0 and roles.tp_size > 1,
            "each TP rank would draw its own mask of the adapter's input; use adapter.dropout=0 or a mesh without TP"),
+    NotYet("data.streaming", "context parallelism (parallel.cp_dim)",
+           lambda cfg, roles: bool(cfg.data.get("streaming")) and roles.cp_size > 1,
+           "a stream's windows are not cut into CP chunks here; use data.streaming=false (the same records, indexed)"),
+    NotYet("data.streaming", "launcher.fault_tolerance=torchft",
+           lambda cfg, roles: bool(cfg.data.get("streaming")) and _torchft(cfg),
+           "a healed replica group would not receive the live group's place in its stream; use data.streaming=false"),
     NotYet("checkpoint.final_hf", "adapter=lora / qlora",
            lambda cfg, roles: _adapter(cfg) and bool(cfg.checkpoint.final_hf),
            "the run writes no merged model itself; export its checkpoint: python -m framework.export CKPT OUT "

@@ -120,6 +120,7 @@ class DataConfig:
     tokenizer: Optional[str] = None  # the tokenizer.json the model is meant for: other data is refused
     split: str = "train"  # data=hf: the dataset's split (a save_to_disk DatasetDict's, a Hub dataset's)
     name: Optional[str] = None  # data=hf: a Hub dataset's configuration (load_dataset's `name`)
+    streaming: bool = False  # data=hf: read record by record (framework.data.stream) instead of indexed
     document_masking: bool = False  # packed token data: attention within each document (data=tokens sets it)
     dataset: Any = None
 
@@ -290,8 +291,15 @@ def _tokens_vocab(path: Optional[str], tokenizer: Optional[str] = None) -> int:
     return tokens_vocab(path, tokenizer)
 
 
+def _hf_text_reader(streaming: bool) -> str:
+    """`${hf_text_reader:${data.streaming}}`: data=hf's dataset class, indexed or streamed."""
+    return "framework.data.HFTokenStream" if streaming else "framework.data.HFTokenDataset"
+
+
 def register_schema() -> None:
     """The schema, and the resolver configs may use: `${tokens_vocab:${data.path},${data.tokenizer}}`."""
     ConfigStore.instance().store(name="config_schema", node=Config)
     if not OmegaConf.has_resolver("tokens_vocab"):
         OmegaConf.register_new_resolver("tokens_vocab", _tokens_vocab)
+    if not OmegaConf.has_resolver("hf_text_reader"):
+        OmegaConf.register_new_resolver("hf_text_reader", _hf_text_reader)

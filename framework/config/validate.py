@@ -6,6 +6,7 @@ import os
 from typing import Any, Callable, Optional, Tuple
 
 import torch
+from torch.utils.data import IterableDataset
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -257,7 +258,7 @@ def _refusal(optimizer: type, options: dict) -> Optional[str]:
 
 
 def check_dataset(c: Checked) -> None:
-    """Each split used fills at least one global batch."""
+    """Each split used fills at least one global batch (a stream's length is unknown)."""
     cfg = c.cfg
     splits = {"train": {}}
     if cfg.trainer.eval_every:
@@ -267,7 +268,10 @@ def check_dataset(c: Checked) -> None:
                               f"set trainer.eval_every=null or use a dataset with a val split")
         splits["val"] = {"split": "val"}
     for name, kwargs in splits.items():
-        size = len(instantiate_checked(cfg.data.dataset, **kwargs))
+        dataset = instantiate_checked(cfg.data.dataset, **kwargs)
+        if isinstance(dataset, IterableDataset):  # a stream (its fields are checked as it opens): no length
+            continue
+        size = len(dataset)
         if size < cfg.data.global_batch_size:
             raise ConfigError("data.global_batch_size", cfg.data.global_batch_size,
                               f"the dataset's {name} split has only {size} samples; lower the batch or give "

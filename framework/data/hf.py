@@ -27,6 +27,7 @@ from framework.data.tokens import InstructionDataset, PreferenceDataset, TokenDa
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
 SAVED = ("dataset_dict.json", "state.json")  # what save_to_disk writes (a DatasetDict, a Dataset)
 INDEX_BATCH = 1024
+STREAM_SHARDS = 64  # a save_to_disk dataset streamed: shards the DP ranks and loader workers share out
 
 
 def _datasets():
@@ -43,9 +44,10 @@ def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def open_dataset(path: Optional[str], split: str = "train", name: Optional[str] = None):
+def open_dataset(path: Optional[str], split: str = "train", name: Optional[str] = None, streaming: bool = False):
     """The `datasets.Dataset` at `path`: a save_to_disk directory (its `split` when it holds
-    several), data files (a file, or a folder's files of one format, sorted), or a Hub name."""
+    several), data files (a file, or a folder's files of one format, sorted), or a Hub name;
+    `streaming`: a `datasets.IterableDataset` over it instead, read record by record."""
     if not path:
         raise ConfigError("data.path", path, "name a dataset: a save_to_disk directory, a folder or file of "
                                              ".parquet / .jsonl / .json / .arrow / .csv, or a Hub name")
@@ -57,7 +59,7 @@ def open_dataset(path: Optional[str], split: str = "train", name: Optional[str] 
             if split not in loaded:
                 raise ConfigError("data.split", split, f"{path} holds the splits {sorted(loaded)}; name one of them")
             loaded = loaded[split]
-        return loaded
+        return loaded.to_iterable_dataset(num_shards=min(len(loaded), STREAM_SHARDS)) if streaming else loaded
     if local.exists():
         files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.suffix in FORMATS)
         formats = sorted({FORMATS.get(p.suffix) for p in files})
@@ -67,16 +69,39 @@ def open_dataset(path: Optional[str], split: str = "train", name: Optional[str] 
             raise ConfigError("data.path", path, f"holds files of several formats ({', '.join(formats)}); give a "
                                                  f"folder of one")
         try:
-            return datasets.load_dataset(formats[0], data_files=[str(p) for p in files], split="train")
+            return datasets.load_dataset(formats[0], data_files=[str(p) for p in files], split="train",
+                                         streaming=streaming)
         except Exception as error:  # a file the format's reader cannot parse
             raise ConfigError("data.path", path, f"cannot be read as {formats[0]}: {_first_line(error)}") from None
     if path.startswith((".", "/", "~")) or path.count("/") > 1:  # a Hub name is NAME or OWNER/NAME
         raise ConfigError("data.path", path, "no such file or directory")
     try:
-        return datasets.load_dataset(path, name, split=split)
+        return datasets.load_dataset(path, name, split=split, streaming=streaming)
     except Exception as error:  # no network, no such dataset, no such split
         raise ConfigError("data.path", path, f"is no local path, and loading it from the Hugging Face Hub failed: "
                                              f"{_first_line(error)}") from None
+
+
+def field_keys(count: int) -> List[str]:
+    """The config keys naming a record's 1 (text), 2 (instruction) or 3 (preference) fields."""
+    names = {1: ["text_field"], 2: ["prompt_field", "response_field"],
+             3: ["prompt_field", "chosen_field", "rejected_field"]}[count]
+    return [f"data.dataset.{name}" for name in names]
+
+
+def check_fields(dataset, path: str, fields: Sequence[str]) -> None:
+    """Each field is a column of text. A stream whose schema shows only once read (JSON) is
+    judged by its first record."""
+    if dataset.features is None:
+        first = next(iter(dataset.take(1)), {})
+        kinds = {name: "string" if isinstance(value, str) else type(value).__name__ for name, value in first.items()}
+    else:
+        kinds = {name: getattr(feature, "dtype", type(feature).__name__) for name, feature in dataset.features.items()}
+    for key, field in zip(field_keys(len(fields)), fields):
+        if field not in kinds:
+            raise ConfigError(key, field, f"is not a column of {path}; its columns are {list(kinds)}")
+        if kinds[field] not in ("string", "large_string"):
+            raise ConfigError(key, field, f"is a column of {kinds[field]} in {path}, not of text")
 
 
 def _cache_dir() -> Path:
@@ -95,7 +120,7 @@ class HFDocuments:
                                                            "tokenizer.json (or its directory), or 'bytes'")
         self.path, self.fields = path, list(fields)
         self.dataset = open_dataset(path, split, name)
-        self._check_fields()
+        check_fields(self.dataset, path, self.fields)
         self.text = load_tokenizer(tokenizer)
         self.tokenizer = described(self.text)
         lengths, self.prompts = self._index()
@@ -105,21 +130,6 @@ class HFDocuments:
     @property
     def pairs(self) -> bool:
         return len(self.fields) == 3
-
-    def _check_fields(self) -> None:
-        columns = self.dataset.column_names
-        for key, field in zip(self._keys(), self.fields):
-            if field not in columns:
-                raise ConfigError(key, field, f"is not a column of {self.path}; its columns are {columns}")
-            kind = getattr(self.dataset.features[field], "dtype", None)
-            if kind not in ("string", "large_string"):
-                raise ConfigError(key, field, f"is a column of {kind or type(self.dataset.features[field]).__name__} "
-                                              f"in {self.path}, not of text")
-
-    def _keys(self) -> List[str]:
-        names = {1: ["text_field"], 2: ["prompt_field", "response_field"],
-                 3: ["prompt_field", "chosen_field", "rejected_field"]}[len(self.fields)]
-        return [f"data.dataset.{name}" for name in names]
 
     def _encode(self, records: dict) -> tuple:
         """Records (columns of lists) as documents: (each one's ids with EOS, each one's prompt length)."""

@@ -13,15 +13,34 @@ from typing import Iterator
 
 import torch
 
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 
+class StreamEpochs:
+    """A stream's (framework.data.stream) stand-in for the sampler: its replica's records, and
+    the epoch. Where an epoch stands is the loader's own state, which the checkpoint saves per
+    rank, not a global position."""
+
+    def __init__(self, stream, dp_size: int, dp_rank: int):
+        self.stream, self.num_replicas = stream, dp_size
+        stream.for_replica(dp_rank, dp_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.stream.set_epoch(epoch)
+
+    def load_state_dict(self, state: dict) -> None:
+        """(A resumed stream continues from the loader's state instead.)"""
+
+
 def build_sampler(dataset: Dataset, dp_size: int, dp_rank: int, shuffle: bool, seed: int,
-                  drop_last: bool) -> StatefulDistributedSampler:
+                  drop_last: bool):
     """torchdata's DistributedSampler that can start an epoch part-way (load_state_dict's
-    `yielded`): a resumed run skips this replica's share of the samples already consumed."""
+    `yielded`): a resumed run skips this replica's share of the samples already consumed. A
+    stream is split among the replicas by itself."""
+    if isinstance(dataset, IterableDataset):
+        return StreamEpochs(dataset, dp_size, dp_rank)
     return StatefulDistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle,
                                       seed=seed, drop_last=drop_last)
 
@@ -35,7 +54,8 @@ def build_dataloader(dataset: Dataset, sampler: DistributedSampler, per_replica_
     the global RNG, and a resumed run's RNG stream would drift from the uninterrupted run's."""
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        return StatefulDataLoader(dataset, batch_size=per_replica_batch, sampler=sampler, drop_last=True,
+        return StatefulDataLoader(dataset, batch_size=per_replica_batch, drop_last=True,
+                                  sampler=None if isinstance(sampler, StreamEpochs) else sampler,
                                   num_workers=num_workers, generator=torch.Generator().manual_seed(0))
 
 

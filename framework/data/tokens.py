@@ -246,13 +246,14 @@ VOCAB_MULTIPLE = 64  # a padded vocabulary divides by any TP size up to 64 (nano
 
 def kind_of(node) -> Optional[str]:
     """The kind of documents a data.dataset config reads ("packed", "instruction", "preference"),
-    from its class alone; None for data of another sort (and for a mixture: framework.data.mixture)."""
+    from its class's `kind` alone (the datasets here, data=hf's, its stream's); None for data of
+    another sort (and for a mixture: framework.data.mixture)."""
     target = node.get("_target_") if node is not None else None
     try:
         cls = get_class(target) if target else None
     except Exception:  # (an unknown _target_ is instantiate's error to report)
         return None
-    return cls.kind if isinstance(cls, type) and issubclass(cls, _Documents) else None
+    return getattr(cls, "kind", None) if isinstance(cls, type) and issubclass(cls, Dataset) else None
 
 
 def tokenizer_of(node) -> Optional[dict]:

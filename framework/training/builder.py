@@ -19,7 +19,7 @@ from framework.checkpoint.base_model import base_model
 from framework.checkpoint.compat import checkpoint_dir
 from framework.checkpoint.manager import Checkpointer
 from framework.config.schema import STAGES
-from framework.data.loader import build_dataloader, build_sampler
+from framework.data.loader import StreamEpochs, build_dataloader, build_sampler
 from framework.checkpoint.weights import base_checkpoint, load_base, restart_count, starting_point
 from framework.models.lifecycle import adapt, allocate, new_model, on_meta
 from framework.models.lora import load_peft_adapter
@@ -239,8 +239,9 @@ def stage_checkpoint(run: Run) -> None:
     run.state = TrainState()
     base = base_model(run.cfg, checkpoint_dir(run.cfg, run.out_dir), offered(run.module).hf_path) \
         if run.cfg.adapter.kind != "none" else None
+    stream = run.dataloader if isinstance(run.sampler, StreamEpochs) else None
     run.checkpointer = Checkpointer(run.cfg, run.out_dir, run.rank, run.module, run.optimizer, run.scheduler,
-                                    run.state, base)
+                                    run.state, base, stream)
     run.checkpointer.remove_partial()
     if run.start.kind == "resume":
         run.resumed = run.checkpointer.load(run.start.path)
