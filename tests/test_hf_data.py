@@ -20,7 +20,9 @@ from framework.data import (HFInstructionDataset, HFPreferenceDataset, HFTokenDa
                             Mixture, PreferenceDataset, TokenDataset)
 from framework.data.loader import build_sampler
 from framework.prepare import main as prepare_main
-from tests.conftest import QUIET, run_cli
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
+from tests.conftest import QUIET, compose_config, run_cli
 from tests.test_data import sentence, tokenizer_file  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(300)
@@ -86,7 +88,7 @@ def losses(run_dir) -> tuple:
     return summary["losses"], summary["val_losses"]
 
 
-@pytest.mark.parametrize("mesh", ["1x1", "2x1"])
+@pytest.mark.parametrize("mesh", ["1x1", pytest.param("2x1", marks=pytest.mark.integration)])
 def test_training_on_an_hf_dataset_is_training_on_its_prepared_tokens(tmp_path, sources, tokenizer_file, mesh):  # noqa: F811
     """Bitwise: the same windows in the same order, whatever reads them; on 2x1 each DP rank's
     two loader workers tokenize its samples."""
@@ -177,6 +179,7 @@ def hydra_value(value) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value)
 
 
+@pytest.mark.integration  # (make test: the draws against counts by hand, the DP split for 1, 2 and 4 replicas)
 def test_a_mixture_trains_the_same_on_every_mesh_resumes_exactly_and_logs_each_sources_share(
         tmp_path, sources, tokenizer_file, small_source):  # noqa: F811
     base = [*MIX, *mixture_overrides(sources, tokenizer_file)]
@@ -242,10 +245,14 @@ def test_bad_hf_and_mixture_data_is_refused_in_one_line_before_launch(tmp_path, 
          "config error: data.dataset.sources.small='bytes': the tokenizer bytes and the token data in "
          f"{sources['packed']} come from different tokenizers"),
     ]
-    for overrides, message in cases:
-        result = run_cli([*LM, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
-        assert result.returncode == 2 and result.stderr.strip().startswith(message), (message, result.stderr[-1500:])
-        assert not (tmp_path / "run" / "logs").exists()
+    for overrides, message in cases:  # what the launcher checks before it starts a rank
+        with pytest.raises(ConfigError) as refused:
+            validate(compose_config([*LM, *overrides]))
+        assert str(refused.value).startswith(message), (message, str(refused.value))
+    # on the command line: that one line, exit 2, and no rank started
+    result = run_cli([*LM, *cases[0][0], f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().startswith(cases[0][1]), result.stderr[-1500:]
+    assert not (tmp_path / "run" / "logs").exists()
 
 
 def test_each_dp_replica_streams_its_own_records_packed_as_the_indexed_dataset_packs_them(
