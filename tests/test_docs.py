@@ -3,9 +3,11 @@ commands, and every command still runs as written: the configs of framework.trai
 verify, inspect and planner compose and pass validation (with the docs' placeholder paths
 standing for test data), and every flag of the other commands is one their --help lists."""
 import glob
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,7 +98,13 @@ def placeholders(hf_dirs, prepared, tmp_path_factory) -> Dict[str, str]:
                     "--tokenizer", model, "--out", str(root / "prefs")]) == 0
     (root / "text.txt").write_text("".join(f"line {i}: the mesh trains one model\n" for i in range(8000)))
     assert prepare([str(root / "text.txt"), "--tokenizer", model, "--out", str(root / "qwen_tokens")]) == 0
+    (root / "my_docs").mkdir()  # data=hf: a folder of JSONL records with a text field
+    (root / "my_docs" / "part-0.jsonl").write_text("".join(json.dumps({"text": f"record {i}: the mesh trains one "
+                                                                               f"model on its data " * 4}) + "\n"
+                                                           for i in range(600)))
+    shutil.copy(os.path.join(os.path.dirname(prepared["instruction"]), "chat.jsonl"), root / "chats.jsonl")
     return {"/models/Qwen2.5-0.5B": model, "data/qwen_tokens": str(root / "qwen_tokens"),
+            "my_docs/": str(root / "my_docs"), "chats.jsonl": str(root / "chats.jsonl"),
             "data/my_tokens": prepared["packed"], "data/my_sft": prepared["instruction"],
             "data/prefs": str(root / "prefs"), "$HOME/my_texts": str(root / "my_texts")}
 
