@@ -224,6 +224,8 @@ def test_bad_hf_and_mixture_data_is_refused_in_one_line_before_launch(tmp_path, 
     zero = {name: {**source, "weight": 0} for name, source in node["sources"].items()}
     other = {**node["sources"], "small": {**node["sources"]["small"], "dataset": {
         "_target_": "framework.data.HFTokenDataset", "path": jsonl, "tokenizer": "bytes"}}}
+    streamed = {**node["sources"], "small": {**node["sources"]["small"], "dataset": {
+        "_target_": "framework.data.HFTokenStream", "path": jsonl, "tokenizer": tokenizer_file}}}
     hf = ["data=hf", f"data.tokenizer={tokenizer_file}"]
     cases = [
         ([*hf, f"data.path={missing}"], f"config error: data.path='{missing}': no such file or directory"),
@@ -241,6 +243,11 @@ def test_bad_hf_and_mixture_data_is_refused_in_one_line_before_launch(tmp_path, 
          "config error: data.dataset.sources.small.weight=-1: give each source a weight >= 0"),
         (["data=mixture", f"data.tokenizer={tokenizer_file}", *source_overrides(zero)],
          "config error: data.dataset.sources=[0.0, 0.0]: the weights are all 0; give a source a positive weight"),
+        (["data=hf_instructions", f"data.tokenizer={tokenizer_file}", f"data.path={jsonl}", "data.streaming=true"],
+         "config error: data.streaming=True: framework.data.HFInstructionDataset is read indexed: streaming reads "
+         "text records (data=hf) only; set data.streaming=false"),
+        (["data=mixture", f"data.tokenizer={tokenizer_file}", *source_overrides(streamed)],
+         "config error: data.dataset.sources.small.dataset='HFTokenStream': a streamed source has no sample j to draw"),
         (["data=mixture", "model.vocab_size=512", *source_overrides(other)],
          "config error: data.dataset.sources.small='bytes': the tokenizer bytes and the token data in "
          f"{sources['packed']} come from different tokenizers"),

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from framework.config.errors import ConfigError
 
@@ -61,6 +61,10 @@ class Mixture(Dataset):
         self.weights = tuple(float(w) for w in weights / weights.sum())
         self.sources = [_instantiate(name, sources[name], seq_len=seq_len, split=split,
                                      document_masking=document_masking) for name in self.source_names]
+        for name, source in zip(self.source_names, self.sources):
+            if isinstance(source, IterableDataset):
+                raise ConfigError(f"data.dataset.sources.{name}.dataset", type(source).__name__,
+                                  "a streamed source has no sample j to draw; mix it indexed (HFTokenDataset)")
         kinds = {type(source).kind if hasattr(type(source), "kind") else None for source in self.sources}
         self.masked_targets = any(getattr(source, "masked_targets", False) for source in self.sources)
         if len(kinds) > 1:

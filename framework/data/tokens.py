@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 from hydra.utils import get_class, instantiate
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
@@ -292,6 +292,9 @@ def check_token_data(cfg) -> None:
     (That each split holds a global batch is framework.config.validate's check_dataset.)"""
     from framework.data.mixture import source_nodes
 
+    if cfg.data.get("streaming") and not issubclass(get_class(cfg.data.dataset._target_), IterableDataset):
+        raise ConfigError("data.streaming", True, f"{cfg.data.dataset._target_} is read indexed: streaming reads text "
+                                                  f"records (data=hf) only; set data.streaming=false")
     named = None
     if cfg.data.get("tokenizer"):
         from framework.data.tokenizer import described, load_tokenizer
