@@ -205,8 +205,26 @@ class AdapterConfig:
 
 
 @dataclass
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "framework"
+    name: Optional[str] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: Optional[str] = None
+    experiment: Optional[str] = None
+    log_checkpoints: bool = False
+
+
+@dataclass
 class LoggerConfig:
-    tensorboard: bool = True
+    tensorboard: bool = False  # conf/logger/tensorboard.yaml turns it on (the default group option)
+    wandb: Optional[WandbConfig] = None  # logger=[...,wandb]
+    mlflow: Optional[MlflowConfig] = None  # logger=[...,mlflow]
 
 
 @dataclass
@@ -234,7 +252,7 @@ class Config:
 
 
 # Keys the launcher adds to the config it hands the ranks (framework.launch.handoff).
-HANDED_TO_RANKS = ("overrides",)
+HANDED_TO_RANKS = ("overrides", "job")
 
 
 def _unknown_in(node: Any, schema: type, path: str) -> Optional[Tuple[str, List[str]]]:

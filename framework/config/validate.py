@@ -18,6 +18,7 @@ from framework.config.errors import ConfigError
 from framework.config.not_yet import check_not_yet
 from framework.config.trust import check_targets
 from framework.data.mixture import source_nodes
+from framework.training.logger import check_loggers
 from framework.data.tokens import check_document_masking, check_responses, check_token_data, tokenizer_of
 from framework.models.hf import check_length, check_model_path, check_vocab, check_weights
 from framework.models.meta import SkipRandomInit
@@ -338,6 +339,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     check_model_path(cfg)  # before check_token_data reads data.tokenizer, often ${model.path}
     check_token_data(cfg)
     check_checkpoint_keys(cfg)
+    check_loggers(cfg)
     if deep:
         model = check_model_and_plan(cfg)
         check_adapter(cfg, model)  # on the base model; then the run's adapters, as the adapters stage adds them

@@ -1,19 +1,48 @@
-"""Rank 0's TensorBoard writer: scalars per logged step, config and mesh layout as text,
-hparams (mesh shape, plan, ...) with the final metrics so sweeps compare in the HPARAMS tab."""
-import json
-from typing import Any, Dict, Mapping, Optional
+"""Rank 0's loggers: TensorBoard, Weights & Biases, MLflow, any of them (`logger=[tensorboard,
+wandb,mlflow]`), each given the same scalars at the same steps, the same text, the composed
+config (flattened) and summary.json's figures at the end.
 
-from torch.utils.tensorboard import SummaryWriter
-from torch.utils.tensorboard.summary import hparams
+- TensorBoard: events under <job dir>/tb; hparams (mesh shape, plan, ...) with the final metrics
+  so sweeps compare in the HPARAMS tab.
+- W&B (the `tracking` extra): offline by default, files under <job dir>/wandb that `wandb sync`
+  uploads later; the group is the sweep's name in a multirun.
+- MLflow (the `tracking` extra): a tracking URI (by default a sqlite file beside the job dir, one
+  for a whole sweep) or a server's; the experiment is the sweep's or the recipe's name; the final
+  checkpoint and Hugging Face export as artifacts with `logger.mlflow.log_checkpoints`.
+"""
+import importlib.util
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config.errors import ConfigError
+
+
+def flattened(config: Mapping, prefix: str = "") -> Dict[str, Any]:
+    """{"trainer.max_steps": 20, ...}: a nested config as the flat parameters trackers show."""
+    flat: Dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(flattened(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 class TensorBoardLogger:
     def __init__(self, log_dir: str, purge_step: Optional[int] = None):
+        from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
-    def log_text(self, tag: str, text: str) -> None:
+    def log_text(self, tag: str, text: str, step: int = 0) -> None:
         # Markdown: indent four spaces so YAML and tables keep their layout.
-        self.writer.add_text(tag, "\n".join("    " + line for line in text.splitlines()))
+        self.writer.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         for tag, value in scalars.items():
@@ -22,10 +51,157 @@ class TensorBoardLogger:
     def log_hparams(self, hparam_values: Dict[str, Any], final_metrics: Dict[str, float], step: int) -> None:
         """Write the hparams summary into this run's own event file (not a sub-run), then the
         metrics as scalars under the same tags, which is what the HPARAMS tab reads."""
+        from torch.utils.tensorboard.summary import hparams
+
         clean = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v) for k, v in hparam_values.items()}
         for summary in hparams(clean, final_metrics):
             self.writer.file_writer.add_summary(summary)
         self.log_scalars(step, final_metrics)
 
+    def log_summary(self, summary: dict, out_dir: str) -> None:
+        """(TensorBoard's part of the summary is the hparams and final metrics above.)"""
+
     def close(self) -> None:
         self.writer.close()
+
+
+def _numbers(summary: dict) -> Dict[str, float]:
+    """summary.json's figures that are one number each (lists and sections stay in the file)."""
+    return {key: float(value) for key, value in summary.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+class WandbLogger:
+    def __init__(self, options: DictConfig, cfg: dict, out_dir: str, job: dict):
+        import wandb
+
+        self.run = wandb.init(mode=options.mode, project=options.project, dir=out_dir,
+                              name=options.name or _job_name(out_dir, job), group=options.group or job.get("sweep"),
+                              tags=list(options.tags), config=flattened(cfg), reinit="finish_previous",
+                              settings=wandb.Settings(silent=True))  # the console is the run's log
+
+    def log_text(self, tag: str, text: str, step: int = 0) -> None:
+        self.run.summary[f"text/{tag}"] = text
+
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.run.log(dict(scalars), step=step)
+
+    def log_hparams(self, hparam_values: Dict[str, Any], final_metrics: Dict[str, float], step: int) -> None:
+        self.run.summary.update(final_metrics)
+
+    def log_summary(self, summary: dict, out_dir: str) -> None:
+        self.run.summary.update({f"summary/{key}": value for key, value in _numbers(summary).items()})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowLogger:
+    def __init__(self, options: DictConfig, cfg: dict, out_dir: str, job: dict):
+        import mlflow
+
+        self.mlflow, self.options = mlflow, options
+        mlflow.set_tracking_uri(tracking_uri(options, out_dir))
+        experiment = options.experiment or job.get("sweep") or job.get("recipe") or "framework"
+        if options.tracking_uri is None and mlflow.get_experiment_by_name(experiment) is None:
+            # artifacts beside the database, not in ./mlruns under whatever directory the run started in
+            root = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "mlartifacts", experiment.replace("/", "_"))
+            mlflow.create_experiment(experiment, artifact_location=Path(root).as_uri())
+        mlflow.set_experiment(experiment)
+        self.run = mlflow.start_run(run_name=_job_name(out_dir, job), tags={"framework.job_dir": out_dir})
+        params = {key: json.dumps(value) if not isinstance(value, (int, float, str, bool, type(None))) else value
+                  for key, value in flattened(cfg).items()}
+        keys = sorted(params)
+        for start in range(0, len(keys), 100):  # MLflow takes at most 100 parameters a call
+            mlflow.log_params({key: params[key] for key in keys[start:start + 100]})
+
+    def log_text(self, tag: str, text: str, step: int = 0) -> None:
+        self.mlflow.log_text(text, f"text/{tag}.txt")
+
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.mlflow.log_metrics({tag.replace("@", "_"): float(value) for tag, value in scalars.items()}, step=step)
+
+    def log_hparams(self, hparam_values: Dict[str, Any], final_metrics: Dict[str, float], step: int) -> None:
+        self.log_scalars(step, final_metrics)
+
+    def log_summary(self, summary: dict, out_dir: str) -> None:
+        """summary.json's numbers as metrics, the file itself, and with log_checkpoints the
+        final checkpoint and the Hugging Face export (checkpoint.final_hf) as artifacts."""
+        self.mlflow.log_metrics({f"summary/{key}": value for key, value in _numbers(summary).items()})
+        self.mlflow.log_dict(summary, "summary.json")
+        if self.options.log_checkpoints:
+            saved = summary.get("checkpoints") or []
+            final = os.path.join(out_dir, "checkpoints", f"step_{saved[-1]['step']}") if saved else None
+            for path, name in ((final, "checkpoint"), (os.path.join(out_dir, "hf"), "hf")):
+                if path and os.path.isdir(path):
+                    self.mlflow.log_artifacts(path, name)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def _job_name(out_dir: str, job: dict) -> str:
+    """The job dir below its sweep dir (a multirun's job number), else its last two parts (DATE/TIME)."""
+    if job.get("sweep_dir"):
+        return os.path.relpath(out_dir, job["sweep_dir"])
+    return "/".join(os.path.normpath(out_dir).split(os.sep)[-2:])
+
+
+def tracking_uri(options: DictConfig, out_dir: str) -> str:
+    """logger.mlflow.tracking_uri, or a sqlite file in the job dir's parent (a sweep's: one for all its jobs)."""
+    return options.tracking_uri or f"sqlite:///{os.path.join(os.path.dirname(os.path.abspath(out_dir)), 'mlflow.db')}"
+
+
+class Loggers:
+    """Every configured logger, called alike (rank 0's; other ranks hold none)."""
+
+    def __init__(self, loggers: List[Any]):
+        self.loggers = loggers
+
+    def __bool__(self) -> bool:
+        return bool(self.loggers)
+
+    def __getattr__(self, method: str):
+        def each(*args, **kwargs) -> None:
+            for logger in self.loggers:
+                getattr(logger, method)(*args, **kwargs)
+        return each
+
+
+def build_loggers(cfg: DictConfig, out_dir: str, purge_step: Optional[int]) -> Loggers:
+    """The loggers cfg.logger names. `purge_step` (a resumed run's first step): TensorBoard hides
+    what a crashed attempt logged past the checkpoint."""
+    options = cfg.logger
+    plain = {key: value for key, value in OmegaConf.to_container(cfg, resolve=True).items() if key != "job"}
+    job = dict(cfg.get("job") or {})
+    loggers: List[Any] = []
+    if options.tensorboard:
+        loggers.append(TensorBoardLogger(os.path.join(out_dir, "tb"), purge_step=purge_step))
+    if options.get("wandb") is not None:
+        loggers.append(WandbLogger(options.wandb, plain, out_dir, job))
+    if options.get("mlflow") is not None:
+        loggers.append(MlflowLogger(options.mlflow, plain, out_dir, job))
+    return Loggers(loggers)
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def check_loggers(cfg: DictConfig) -> None:
+    """Before launch: each logger's package is installed, W&B's mode is one it has, an MLflow
+    server answers."""
+    options = cfg.logger
+    for name, package in (("wandb", "wandb"), ("mlflow", "mlflow")):
+        if options.get(name) is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError("logger", name, f"logs with the `{package}` package, not installed here; pip install "
+                                              f"'.[tracking]' (or drop {name} from logger=[...])")
+    if options.get("wandb") is not None and options.wandb.mode not in WANDB_MODES:
+        raise ConfigError("logger.wandb.mode", options.wandb.mode, f"use one of {', '.join(WANDB_MODES)}")
+    uri = options.mlflow.tracking_uri if options.get("mlflow") is not None else None
+    if uri and uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=5).close()
+        except (urllib.error.URLError, OSError) as error:
+            raise ConfigError("logger.mlflow.tracking_uri", uri, f"no MLflow server answers there "
+                                                                 f"({getattr(error, 'reason', error)}); start it "
+                                                                 f"(mlflow server --host ...) or use a sqlite:/// URI") from None

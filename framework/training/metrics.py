@@ -18,7 +18,7 @@ from framework.data.batch import Batch
 from framework.data.tokens import IGNORE
 from framework.checkpoint.weights import restart_count
 from framework.parallel.mesh import layout_table
-from framework.training.logger import TensorBoardLogger
+from framework.training.logger import Loggers, build_loggers
 from framework.training.memory import state_bytes
 from framework.training.run import Run
 from framework.models.protocol import offered
@@ -62,12 +62,10 @@ class Metrics:
     def __init__(self, run: Run, first: int, step_times: List[float]):
         cfg = run.cfg
         self.run, self.first, self.step_times = run, first, step_times
-        self.tb = None
-        if run.rank == 0 and cfg.logger.tensorboard:
-            # purge_step hides events a crashed attempt logged past the checkpoint: no duplicate points.
-            self.tb = TensorBoardLogger(os.path.join(run.out_dir, "tb"), purge_step=first if run.resumed else None)
-            self.tb.log_text("config", OmegaConf.to_yaml(cfg))
-            self.tb.log_text("mesh_layout", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, run.roles.spans()))
+        # rank 0's; purge_step hides events a crashed attempt logged past the checkpoint: no duplicate points
+        self.loggers = build_loggers(cfg, run.out_dir, first if run.resumed else None) if run.rank == 0 else Loggers([])
+        self.loggers.log_text("config", OmegaConf.to_yaml(cfg))
+        self.loggers.log_text("mesh_layout", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, run.roles.spans()))
         self.progress = tqdm(total=cfg.trainer.max_steps, initial=first - 1, desc="train",
                              disable=not (run.rank == 0 and cfg.trainer.progress_bar))
         self.global_batch = cfg.data.global_batch_size
@@ -102,8 +100,7 @@ class Metrics:
                                 for name, count in zip(self.source_names, tokens)})
 
     def scalars(self, step: int, values: dict) -> None:
-        if self.tb:
-            self.tb.log_scalars(step, values)
+        self.loggers.log_scalars(step, values)
 
     def exclude(self, seconds: float) -> None:
         """Time spent outside training (evaluation): kept out of step times and throughput."""
@@ -143,8 +140,8 @@ class Metrics:
         self.scalars(step, values)
 
     def summary(self, history: dict, stopped_by: Optional[str] = None) -> dict:
-        """The attempt's summary; rank 0 also logs it, closes TensorBoard with the hparams and
-        writes summary.json. `stopped_by`: the signal that ended the run before max_steps."""
+        """The attempt's summary; rank 0 also logs it, gives the loggers the hparams and the
+        summary's figures, closes them and writes summary.json. `stopped_by`: the signal that ended the run before max_steps."""
         cfg, run = self.run.cfg, self.run
         last = run.state.step  # trainer.max_steps, or where a signal stopped the run
         self.progress.close()
@@ -186,8 +183,8 @@ class Metrics:
         cfg, samples_per_s = self.run.cfg, summary["samples_per_s"]
         throughput = f"{samples_per_s:.1f} samples/s" if samples_per_s else "samples/s not measured (only a first step)"
         log.info("final loss %.6f after %d steps, %s", summary["final_loss"], summary["steps"], throughput)
-        if self.tb:
-            self.tb.log_hparams(
+        if self.loggers:
+            self.loggers.log_hparams(
                 {"mesh": "x".join(map(str, cfg.mesh.shape)), "dim_names": list(cfg.mesh.dim_names),
                  "plan": summary["plan"], "global_batch_size": self.global_batch, "max_steps": cfg.trainer.max_steps,
                  **dict(override.split("=", 1) for override in summary["overrides"] if "=" in override)},
@@ -195,6 +192,7 @@ class Metrics:
                  **({"final/samples_per_s": samples_per_s} if samples_per_s else {})},
                 summary["steps"],
             )
-            self.tb.close()
+            self.loggers.log_summary(summary, self.run.out_dir)
+            self.loggers.close()
         with atomic_file(os.path.join(self.run.out_dir, "summary.json")) as f:
             json.dump(summary, f, indent=2)
