@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from framework.checkpoint.compat import checkpoint_dir
 from framework.checkpoint.layout import (
+    CheckpointError,
     keep_newest,
     partial_dir,
     read_meta,
