@@ -207,7 +207,7 @@ def test_token_data_of_a_tokenizer_larger_than_the_model_is_refused_before_launc
     cfg = compose_config(["recipe=finetune_hf", f"model.path={path}", f"data.path={tokens}", "data.dataset.seq_len=64"])
     with pytest.raises(ConfigError, match=re.escape(
             f"model.path='{path}': config.json's vocab_size=256 is smaller than the vocabulary (512) of "
-            f"{path}/tokenizer.json, which the token data in {tokens} was prepared with: its ids from 256 on have no "
+            f"{path}/tokenizer.json, which the token data in {tokens} comes from: its ids from 256 on have no "
             f"embedding; use a tokenizer of at most 256 tokens, the one the model was trained with")):
         validate(cfg)
 

@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from framework.data import (HFInstructionDataset, HFPreferenceDataset, HFTokenDataset, HFTokenStream,
                             InstructionDataset,
                             Mixture, PreferenceDataset, TokenDataset)
-from framework.data.loader import build_sampler
+from framework.data.loader import build_dataloader, build_sampler
 from framework.prepare import main as prepare_main
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
@@ -276,9 +276,33 @@ def test_each_dp_replica_streams_its_own_records_packed_as_the_indexed_dataset_p
         same_samples(list(stream), indexed)
 
 
+def test_a_streams_loader_resumed_from_its_state_continues_with_the_batches_it_would_have_given(
+        sources, tokenizer_file):  # noqa: F811
+    """torchdata's loader state over the stream (2 workers, one replica of 2): a new loader given
+    the state after 5 batches yields the uninterrupted loader's batches 6 on, bitwise."""
+    def loader(state=None):
+        stream = HFTokenStream(sources["jsonl"], tokenizer_file, seq_len=16, document_masking=True)
+        sampler = build_sampler(stream, 2, 1, shuffle=True, seed=0, drop_last=True)
+        built = build_dataloader(stream, sampler, 4, 2)
+        if state is not None:
+            built.load_state_dict(state)
+        return built
+
+    whole = list(loader())
+    first = loader()
+    batches = iter(first)
+    for _ in range(5):
+        next(batches)
+    resumed = list(loader(json.loads(json.dumps(first.state_dict()))))  # as the checkpoint stores it
+    assert len(whole) > 10 and len(resumed) == len(whole) - 5
+    for mine, theirs in zip(resumed, whole[5:]):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
 STREAM = [*LM, "data=hf", "data.streaming=true", "trainer.eval_every=null", "checkpoint.every=3"]
 
 
+@pytest.mark.integration  # (make test: the loader's state resumed in-process, each replica's records)
 def test_a_stream_trains_as_the_indexed_dataset_on_one_replica_and_resumes_exactly_across_its_end(
         tmp_path, sources, tokenizer_file, small_source):  # noqa: F811
     one = ["mesh=1x1", "data.num_workers=0", "sampler.shuffle=false", f"data.path={sources['jsonl']}"]

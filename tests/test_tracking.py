@@ -150,6 +150,7 @@ def mlflow_server(tmp_path):
         server.wait(timeout=30)
 
 
+@pytest.mark.integration  # (make test: the sqlite store, read back the same way)
 @pytest.mark.timeout(400)
 def test_mlflow_logs_to_a_real_tracking_server(tmp_path, mlflow_server):
     job = tmp_path / "job"
