@@ -48,6 +48,7 @@ def test_without_a_failure_the_groups_train_what_one_process_trains(mesh, tmp_pa
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.integration  # (make test: the groups train what one process trains, no failure)
 @pytest.mark.timeout(300)
 def test_a_killed_group_leaves_the_other_going_and_rejoins_with_its_state(tmp_path):
     """Group 1's rank dies by SIGKILL in step 10. Group 0 does not commit step 10, runs it again

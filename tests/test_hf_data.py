@@ -88,7 +88,8 @@ def losses(run_dir) -> tuple:
     return summary["losses"], summary["val_losses"]
 
 
-@pytest.mark.parametrize("mesh", ["1x1", pytest.param("2x1", marks=pytest.mark.integration)])
+@pytest.mark.integration  # (make test: the samples against prepare + the prepared datasets, bitwise)
+@pytest.mark.parametrize("mesh", ["1x1", "2x1"])
 def test_training_on_an_hf_dataset_is_training_on_its_prepared_tokens(tmp_path, sources, tokenizer_file, mesh):  # noqa: F811
     """Bitwise: the same windows in the same order, whatever reads them; on 2x1 each DP rank's
     two loader workers tokenize its samples."""
