@@ -40,35 +40,54 @@ OPTION_RULES = [("max_new_tokens", lambda n: n >= 1, "must be >= 1"),
                 ("top_p", lambda p: 0 < p <= 1, "must be in (0, 1]")]
 
 
-def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+def next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `logits` (rows, vocab): the most likely (temperature 0), else sampled
+    from the smallest set of most likely tokens whose probability reaches top_p."""
     if temperature == 0:
-        return int(logits.argmax())
+        return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    ordered, order = probs.sort(descending=True)
-    # keep the smallest set of most likely tokens whose probability reaches top_p
+    ordered, order = probs.sort(dim=-1, descending=True)
     outside = ordered.cumsum(-1) - ordered >= top_p
     ordered[outside] = 0
-    return int(order[torch.multinomial(ordered, 1, generator=generator)])
+    return order.gather(-1, torch.multinomial(ordered.cpu(), 1, generator=generator).to(order.device)).squeeze(-1)
 
 
 @torch.no_grad()
+def generate_group(model: nn.Module, prompt: List[int], n: int, max_new_tokens: int, temperature: float,
+                   top_p: float, generator: torch.Generator, stop: Set[int], pad_id: int,
+                   device: Optional[torch.device] = None, stop_early: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`n` continuations of `prompt` decoded side by side with a KV cache: (tokens (n,
+    max_new_tokens), each row ending at its first stop id and padded with pad_id after it;
+    lengths (n,), the stop id counted). `stop_early` False decodes all max_new_tokens positions
+    even when every row has stopped: a model sharded over ranks (FSDP2) gathers its weights in
+    every forward, so every rank must run as many."""
+    cache = [LayerCache(len(prompt) + max_new_tokens) for _ in model.layers]
+    logits = model(torch.tensor([prompt] * n, device=device), cache)[:, -1]
+    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.int64, device=logits.device)
+    lengths = torch.zeros(n, dtype=torch.int64, device=logits.device)
+    done = torch.zeros(n, dtype=torch.bool, device=logits.device)
+    stops = torch.tensor(sorted(stop), dtype=torch.int64, device=logits.device)
+    for position in range(max_new_tokens):
+        new = torch.where(done, pad_id, next_tokens(logits, temperature, top_p, generator))
+        tokens[:, position] = new
+        lengths += (~done).long()
+        done |= torch.isin(new, stops)
+        if position == max_new_tokens - 1 or (stop_early and bool(done.all())):
+            break
+        logits = model(new[:, None], cache)[:, -1]
+    return tokens, lengths
+
+
 def generate(model: nn.Module, prompt: List[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, stop: Optional[Set[int]] = None) -> List[int]:
     """The new token ids after `prompt` (the last one a stop id, or max_new_tokens of them)."""
     model.eval()
-    cache = [LayerCache(len(prompt) + max_new_tokens) for _ in model.layers]
-    generator = torch.Generator().manual_seed(seed)
-    logits = model(torch.tensor([prompt]), cache)[0, -1]
-    new: List[int] = []
-    while len(new) < max_new_tokens:
-        new.append(_next_token(logits, temperature, top_p, generator))
-        if new[-1] in (stop or ()):
-            break
-        logits = model(torch.tensor([[new[-1]]]), cache)[0, -1]
-    return new
+    tokens, lengths = generate_group(model, prompt, 1, max_new_tokens, temperature, top_p,
+                                     torch.Generator().manual_seed(seed), stop or set(), pad_id=0)
+    return tokens[0, :int(lengths[0])].tolist()
 
 
-def _stop_ids(model_dir: Optional[str], tokenizer) -> Set[int]:
+def stop_ids(model_dir: Optional[str], tokenizer) -> Set[int]:
     """The model's own end-of-text ids (generation_config.json, else config.json), else the tokenizer's."""
     for name in ("generation_config.json", "config.json"):
         file = os.path.join(model_dir or "", name)
@@ -101,7 +120,7 @@ def _hf_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, 
     load_base(model, None, model.hf_path)
     if adapter:
         load_peft_adapter(model, adapter)
-    return model, tokenizer, _stop_ids(model.hf_path, tokenizer)
+    return model, tokenizer, stop_ids(model.hf_path, tokenizer)
 
 
 def _checkpoint_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, Set[int]]:
@@ -126,7 +145,7 @@ def _checkpoint_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, 
     model_dir = offered(model).hf_path
     with saved_config_errors(path):
         tokenizer = _tokenizer(model, model_dir or (cfg.get("data") or {}).get("tokenizer"))
-    return model, tokenizer, _stop_ids(model_dir, tokenizer)
+    return model, tokenizer, stop_ids(model_dir, tokenizer)
 
 
 def load_source(source: str, adapter: Optional[str] = None) -> Tuple[nn.Module, object, Set[int]]:

@@ -7,8 +7,10 @@ kinds are skipped and named in one line): `.txt` (one document per file, or per 
 read in record batches), all UTF-8. With --prompt-field and --response-field, JSONL / Parquet
 records become instruction examples whose prompt tokens are masked out of the loss; with
 --prompt-field, --chosen-field and --rejected-field, preference pairs (DPO): each record's prompt +
-chosen and prompt + rejected, two instruction examples side by side. Documents keep their input
-order; each ends with the tokenizer's EOS.
+chosen and prompt + rejected, two instruction examples side by side; with --prompt-field alone (and
+optionally --answer-field), prompts for online RL (GRPO): each record's prompt + answer ("" without
+--answer-field), stored as an instruction example, its prompt non-empty. Documents keep their
+input order; each ends with the tokenizer's EOS (after the response or answer, never in a prompt).
 
 Memory stays bounded as inputs grow: records stream in chunks, at most two chunks per worker
 are in flight, and tokens are appended to the file as they come (only document offsets stay in
@@ -65,16 +67,23 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--response-field", help="instruction data: the response's field / column")
     parser.add_argument("--chosen-field", help="preference data: the preferred response's field / column")
     parser.add_argument("--rejected-field", help="preference data: the other response's field / column")
+    parser.add_argument("--answer-field", help="prompts data (with --prompt-field alone): a reference answer's "
+                        "field / column, for a reward that compares")
     parser.add_argument("--skip-bad-lines", action="store_true",
-                        help="JSONL lines that are not JSON or lack a field: skip and count them")
+                        help="JSONL lines that are not JSON, lack a field or (prompts data) leave the prompt "
+                        "empty: skip and count them")
     args = parser.parse_args(argv)
     pairs = args.chosen_field is not None or args.rejected_field is not None
+    if args.answer_field is not None and (args.prompt_field is None or args.response_field is not None or pairs):
+        raise InputError("--prompt-field / --answer-field", "give --answer-field with --prompt-field alone, for "
+                         "prompts data (no --response-field, --chosen-field or --rejected-field)")
     if pairs and (args.prompt_field is None or args.chosen_field is None or args.rejected_field is None
                   or args.response_field is not None):
         raise InputError("--prompt-field / --chosen-field / --rejected-field",
                          "give all three for preference data (and no --response-field)")
-    if not pairs and (args.prompt_field is None) != (args.response_field is None):
-        raise InputError("--prompt-field / --response-field", "give both for instruction data, or neither")
+    if args.response_field is not None and args.prompt_field is None:
+        raise InputError("--prompt-field / --response-field", "give both for instruction data (--prompt-field "
+                         "alone is prompts data)")
     if args.workers < 1:
         raise InputError("--workers", f"{args.workers}: use 1 or more")
     return args
@@ -104,13 +113,29 @@ def _say_skipped(directory: str, skipped: List[Path], shown: int = 3) -> None:
               f"{names}", file=sys.stderr)
 
 
+def kind(args: argparse.Namespace) -> str:
+    """What the inputs become (meta.json's kind): packed text, instruction examples, preference
+    pairs, or prompts."""
+    if not args.prompt_field:
+        return "packed"
+    return "preference" if args.chosen_field else "instruction" if args.response_field else "prompts"
+
+
 def _fields(args: argparse.Namespace) -> List[str]:
     if args.chosen_field:
         return [args.prompt_field, args.chosen_field, args.rejected_field]
+    if kind(args) == "prompts":
+        return [args.prompt_field] + ([args.answer_field] if args.answer_field else [])
     return [args.prompt_field, args.response_field] if args.prompt_field else [args.text_field]
 
 
-def _jsonl_problem(line: bytes, fields: List[str]):
+def _not_empty(args: argparse.Namespace) -> List[str]:
+    """The fields a record must not leave empty: a prompt to continue, for prompts data (an empty
+    prompt gives the policy nothing to condition on)."""
+    return [args.prompt_field] if kind(args) == "prompts" else []
+
+
+def _jsonl_problem(line: bytes, fields: List[str], not_empty: List[str] = ()):
     """(the record's values, None) or (None, what is wrong with the line)."""
     try:
         record = json.loads(line.decode("utf-8"))
@@ -124,7 +149,14 @@ def _jsonl_problem(line: bytes, fields: List[str]):
     values = [record[field] for field in fields]
     if _not_strings(fields, values):
         return None, f"its {_named(_not_strings(fields, values))} is not a string"
+    empty = _empty(not_empty, record)
+    if empty:
+        return None, f"its {_named(empty)} is empty"
     return values, None
+
+
+def _empty(fields: List[str], record: dict) -> List[str]:
+    return [field for field in fields if record[field] == ""]
 
 
 def _not_strings(fields: List[str], values: list) -> List[str]:
@@ -135,12 +167,12 @@ def _named(fields: List[str]) -> str:
     return " / ".join(map(repr, fields))
 
 
-def _jsonl_records(path: Path, fields: List[str], skip_bad: bool, skipped: List[int]) -> Iterator:
+def _jsonl_records(path: Path, fields: List[str], not_empty: List[str], skip_bad: bool, skipped: List[int]) -> Iterator:
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            values, problem = _jsonl_problem(line, fields)
+            values, problem = _jsonl_problem(line, fields, not_empty)
             if problem and skip_bad:
                 skipped[0] += 1
                 continue
@@ -150,7 +182,7 @@ def _jsonl_records(path: Path, fields: List[str], skip_bad: bool, skipped: List[
             yield values if len(values) > 1 else values[0]
 
 
-def _parquet_records(path: Path, fields: List[str]) -> Iterator:
+def _parquet_records(path: Path, fields: List[str], not_empty: List[str]) -> Iterator:
     import pyarrow as pa
     import pyarrow.parquet as pq  # the `data` extra
 
@@ -167,19 +199,31 @@ def _parquet_records(path: Path, fields: List[str]) -> Iterator:
             if _not_strings(fields, values):
                 raise InputError(f"{path}: row {row}", f"its {_named(_not_strings(fields, values))} is not a string "
                                  f"({next(v for v in values if not isinstance(v, str))!r})")
+            empty = _empty(not_empty, dict(zip(fields, values)))
+            if empty:
+                raise InputError(f"{path}: row {row}", f"its {_named(empty)} is empty")
             row += 1
             yield list(values) if len(values) > 1 else values[0]
 
 
 def records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> Iterator:
-    """Every document (a text, [prompt, response], or [prompt, chosen, rejected]) of the inputs, in order."""
+    """Every document (a text, [prompt, response], [prompt, chosen, rejected], or prompts data's
+    [prompt, answer]) of the inputs, in order."""
+    read = _records(files, args, skipped)
+    if kind(args) == "prompts" and not args.answer_field:
+        return ([prompt, ""] for prompt in read)
+    return read
+
+
+def _records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> Iterator:
     for path in files:
         if path.suffix == ".jsonl":
-            yield from _jsonl_records(path, _fields(args), args.skip_bad_lines, skipped)
+            yield from _jsonl_records(path, _fields(args), _not_empty(args), args.skip_bad_lines, skipped)
         elif path.suffix == ".parquet":
-            yield from _parquet_records(path, _fields(args))
+            yield from _parquet_records(path, _fields(args), _not_empty(args))
         elif args.prompt_field:
-            raise InputError(str(path), "instruction and preference data come from .jsonl or .parquet, not .txt")
+            raise InputError(str(path), "instruction, preference and prompts data come from .jsonl or .parquet, "
+                             "not .txt")
         elif args.txt_lines:
             yield from _txt_lines(path)
         else:
@@ -229,8 +273,9 @@ def _load(path: str, eos_token: Optional[str]) -> None:
 
 def tokenize(chunk: list) -> tuple:
     """A chunk's documents as (tokens, per-document lengths, mask or None): each document is
-    its ids and EOS; for [prompt, response] records the mask is 1 on the response and EOS; a
-    [prompt, chosen, rejected] record is the two documents [prompt, chosen], [prompt, rejected]."""
+    its ids and EOS; for [prompt, response] records (prompts data's [prompt, answer] too) the mask
+    is 1 on the response and EOS, so a prompt is exactly its ids; a [prompt, chosen, rejected]
+    record is the two documents [prompt, chosen], [prompt, rejected]. No BOS is added anywhere."""
     eos, dtype = _tokenizer.eos_id, np.uint16 if _tokenizer.vocab_size <= 1 << 16 else np.uint32
     if not isinstance(chunk[0], str) and len(chunk[0]) == 3:
         chunk = [[prompt, response] for prompt, chosen, rejected in chunk for response in (chosen, rejected)]
@@ -309,7 +354,6 @@ def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path
     start = time.perf_counter()
     progress = tqdm(unit=" docs", desc="prepare", disable=None)
     instruction = bool(args.prompt_field)
-    kind = "preference" if args.chosen_field else "instruction" if instruction else "packed"
     with open(partial / TOKENS, "wb") as tokens_file, open(partial / MASK, "wb") if instruction else \
             open(os.devnull, "wb") as mask_file:
         for tokens, doc_lengths, mask in ordered_map(tokenize, chunked(records(files, args, skipped)),
@@ -328,7 +372,7 @@ def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path
         raise InputError(" ".join(args.inputs), "holds no document")
     np.save(partial / OFFSETS, offsets)
     meta = {
-        "format": FORMAT, "kind": kind,
+        "format": FORMAT, "kind": kind(args),
         "dtype": "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32",
         "tokenizer": described(tokenizer),
         "documents": len(offsets) - 1, "tokens": count, "max_token_id": largest, "skipped_lines": skipped[0],

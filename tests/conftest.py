@@ -63,7 +63,7 @@ def pytest_unconfigure(config):
 def prepared(tmp_path_factory) -> Dict[str, str]:
     """Byte-level token data as framework.prepare writes it: "packed" (about 80 KB of text) and
     "instruction" (400 prompt / response records), "preference" (400 prompt / chosen / rejected
-    records)."""
+    records), "prompts" (400 prompt / answer records)."""
     from framework.prepare import main as prepare
 
     root = tmp_path_factory.mktemp("prepared")
@@ -77,8 +77,12 @@ def prepared(tmp_path_factory) -> Dict[str, str]:
                                                           "rejected": "b" * (i % 3 + 1)}) + "\n" for i in range(400)))
     assert prepare([str(root / "pairs.jsonl"), "--out", str(root / "preference"), "--prompt-field", "prompt",
                     "--chosen-field", "chosen", "--rejected-field", "rejected"]) == 0
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}?", "answer": str(i % 7)}) + "\n"
+                                                for i in range(400)))
+    assert prepare([str(root / "prompts.jsonl"), "--out", str(root / "prompts"), "--prompt-field", "prompt",
+                    "--answer-field", "answer"]) == 0
     return {"packed": str(root / "packed"), "instruction": str(root / "instruction"),
-            "preference": str(root / "preference")}
+            "preference": str(root / "preference"), "prompts": str(root / "prompts")}
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,9 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
           ("adapter", "qlora"): ["recipe=lm_2d", "mesh=2x1", "plan=none"],
           ("data", "preferences"): ["recipe=lm_files", "data=preferences", "adapter=lora"],
           ("objective", "dpo"): ["recipe=lm_files", "data=preferences", "adapter=lora"],
+          **{key: ["recipe=lm_files", "data=prompts", "reward=exact_match", "mesh=2x1", "plan=none",
+                   "trainer.eval_every=null", "objective.max_new_tokens=8"]
+             for key in [("data", "prompts"), ("objective", "grpo")]},
           **{("mesh", name): ["recipe=lm_3d", f"mesh={name}"] for name in ("pp2x1x1", "pp2x2x1", "pp2x1x2", "pp2x2x2",
                                                                              "pp2x1x2x1cp")},
           **{("mesh", name): ["recipe=lm_2d", f"mesh={name}"] for name in ("1x2x1cp", "1x4x1cp", "1x2x2cp", "2x2x1cp")},
@@ -55,14 +58,17 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
              for name in ("llama3_8b", "llama3_70b")}}
 # Configs that read prepared token data: which kind (the `prepared` fixture's).
 PREPARED = {("data", "tokens"): "packed", ("data", "instructions"): "instruction", ("recipe", "lm_files"): "packed",
-            ("data", "preferences"): "preference", ("objective", "dpo"): "preference"}
+            ("data", "preferences"): "preference", ("objective", "dpo"): "preference", ("data", "prompts"): "prompts",
+            ("objective", "grpo"): "prompts", ("recipe", "grpo_lm"): "prompts"}
 # Configs of a Hugging Face model: the `hf_dirs` fixture's keys they need, as overrides.
 HF = {("model", "hf"): ["recipe=lm_2d", "model.path={llama}"],
       ("plan", "qk_norm_tp_sp"): ["recipe=lm_2d", "model=hf", "model.path={qwen3}"],
       ("recipe", "finetune_hf"): ["model.path={llama}", "data.path={tokens}", "data.dataset.seq_len=64"],
       ("recipe", "lora_hf"): ["model.path={llama}", "data.path={tokens}", "data.dataset.seq_len=64"],
       ("recipe", "dpo_hf"): ["model.path={llama}", "data.path={preference}", "data.tokenizer=null",
-                             "data.dataset.seq_len=64"]}
+                             "data.dataset.seq_len=64"],
+      ("recipe", "grpo_hf"): ["model.path={llama}", "data.path={prompts}", "data.tokenizer=null",
+                              "data.dataset.seq_len=64", "objective.max_new_tokens=16", "data.micro_batch_size=null"]}
 
 
 def data_path(group: str, option: str, request) -> list:

@@ -12,6 +12,11 @@ from framework.parallel.fault_tolerance import replica_dim
 from framework.parallel.roles import MeshRoles
 
 DPO = "framework.training.preference.DirectPreference"
+GRPO = "framework.training.grpo.GroupRelativePolicy"
+
+
+def _grpo(cfg: DictConfig) -> bool:
+    return cfg.objective.get("_target_") == GRPO
 
 
 def _torchft(cfg: DictConfig) -> bool:
@@ -54,6 +59,19 @@ NOT_YET = [
     NotYet("objective", "pipeline parallelism (parallel.pp_dim)",
            lambda cfg, roles: cfg.objective.get("_target_") == DPO and roles.pp_size > 1,
            "the reference's forward is not a stage of the schedule; use a mesh without a pp dim", shown="dpo"),
+    NotYet("objective", "tensor, context or pipeline parallelism (parallel.tp_dim, cp_dim, pp_dim)",
+           lambda cfg, roles: _grpo(cfg) and max(roles.tp_size, roles.cp_size, roles.pp_size) > 1,
+           "generation decodes with a KV cache on whole (DP-sharded) layers only; use a mesh of DP dims alone "
+           "(e.g. mesh=2x1 plan=none)", shown="grpo"),
+    NotYet("objective", "trainer.compile",
+           lambda cfg, roles: _grpo(cfg) and cfg.trainer.compile != "none",
+           "decoding one token at a time would recompile the blocks; use trainer.compile=none", shown="grpo"),
+    NotYet("objective", "trainer.eval_every",
+           lambda cfg, roles: _grpo(cfg) and bool(cfg.trainer.eval_every),
+           "held-out prompts are not scored yet; use trainer.eval_every=0", shown="grpo"),
+    NotYet("objective", "launcher.fault_tolerance=torchft",
+           lambda cfg, roles: _grpo(cfg) and _torchft(cfg),
+           "a replica group's rollout is not redone after a heal; use launcher.fault_tolerance=null", shown="grpo"),
     NotYet("parallel.ep_dims", "context parallelism (parallel.cp_dim)",
            lambda cfg, roles: bool(roles.ep_dims) and roles.cp_size > 1,
            "the all-to-all would route each CP rank's chunks apart; use parallel.ep_dims=null"),

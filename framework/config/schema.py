@@ -205,6 +205,17 @@ class AdapterConfig:
 
 
 @dataclass
+class RewardConfig:
+    """What scores objective=grpo's completions (conf/reward/, framework.training.rewards)."""
+    kind: str = "none"  # none | exact_match | regex | length | math_verify | file
+    marker: Optional[str] = None  # exact_match: the answer follows the last one (null: the whole completion)
+    pattern: Optional[str] = None  # regex: 1.0 when re.search finds it
+    target_length: Optional[int] = None  # length: the best completion's length in characters
+    file: Optional[str] = None  # file: a Python file, given on the command line only (framework.config.trust)
+    function: Optional[str] = None  # file: its function(prompt, completion, answer) -> number
+
+
+@dataclass
 class WandbConfig:
     mode: str = "offline"
     project: str = "framework"
@@ -239,6 +250,7 @@ class Config:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: Any = None  # what a step optimizes (conf/objective/, framework.training.objectives)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # conf/reward/: what scores GRPO's completions
     optim: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -8,7 +8,8 @@ Recipes and group files are what people share, so none of them may choose code t
   launcher and sweeper `_target_`s under Hydra, its plugins or the framework; the logging
   configs' handler `class`es and `()` factories under logging, Hydra or the framework, and their
   `ext://` references under sys; the job's environment and the SLURM launcher's shell lines
-  (COMMAND_LINE_ONLY) only from the command line.
+  (COMMAND_LINE_ONLY) only from the command line;
+- a Python file whose function scores GRPO's completions (reward.file): only from the command line.
 """
 import os
 from pathlib import Path
@@ -98,20 +99,38 @@ def check_hydra_section(hydra: DictConfig) -> None:
                                               f"referenced with ext://")
 
 
-# What reaches a shell or the ranks' environment: given on the command line only.
+# What reaches a shell or the ranks' environment, or names code to import: given on the command line only.
 COMMAND_LINE_ONLY = {
     "hydra.job.env_set": "the job's environment (the ranks inherit it: LD_PRELOAD, PYTHONPATH would run code)",
     "hydra.launcher.setup": "shell lines of the SLURM job script",
     "hydra.launcher.srun_args": "srun's arguments",
     "hydra.launcher.additional_parameters": "sbatch options",
+    "reward.file": "a Python file whose function scores completions (it runs as code)",
 }
 
 
+def _set_under(cfg: DictConfig, section: str) -> Iterator[Tuple[str, Any]]:
+    """(dotted key, value) of each leaf of `section` (itself when it is one), resolved."""
+    parent, _, name = section.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig) or node._is_none() or name not in node:
+        return
+    value = _resolved(node, name)
+    if isinstance(value, (DictConfig, ListConfig)):
+        yield from ((key, leaf) for key, _, leaf in _leaves(value, section))
+    else:
+        yield section, value
+
+
 def check_command_line_only(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """Each COMMAND_LINE_ONLY value that is set comes from an override of its section or of a key
+    under it (`hydra.job.env_set={A: 1}` sets hydra.job.env_set.A); an override above the section,
+    such as the group choice `reward=file`, does not count: the file it picks may not set it."""
     from_cli = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
     for section, what in COMMAND_LINE_ONLY.items():
-        for key, _, value in _leaves(OmegaConf.select(cfg, section), section):
-            if value not in (None, "") and not any(key == k or key.startswith((k + ".", k + "[")) for k in from_cli):
+        given = [k for k in from_cli if k == section or k.startswith((section + ".", section + "["))]
+        for key, value in _set_under(cfg, section):
+            if value not in (None, "") and not any(key == k or key.startswith((k + ".", k + "[")) for k in given):
                 raise ConfigError(key, value, f"a config file may not set {what}; give it on the command line")
 
 

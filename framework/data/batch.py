@@ -2,7 +2,9 @@
 documents (data.document_masking) or under context parallelism, each token's position in its
 document, which the model takes as a keyword (framework.models.documents); for DPO with
 objective.reference=precomputed, each pair's reference log-probabilities; from a mixture
-(framework.data.mixture), each sample's source."""
+(framework.data.mixture), each sample's source; for GRPO (framework.training.grpo), each prompt's
+index in its dataset (what seeds its sampling) and, once its completions are rolled out, each
+completion's advantage (and the reference's per-token log-probabilities in `reference`)."""
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -14,6 +16,8 @@ class Batch(NamedTuple):
     positions: Optional[torch.Tensor] = None
     reference: Optional[torch.Tensor] = None
     source: Optional[torch.Tensor] = None
+    index: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, sample: Sequence[torch.Tensor], device) -> "Batch":

@@ -14,6 +14,10 @@ and meta.json (its kind, dtype, counts, the tokenizer's identity and vocabulary,
   is held out; an example's mask is its prompt's 0s, then its response's 1s. Its
   `masked_targets` tells the lm objective that not every target counts, so the step counts the
   response tokens of the whole global batch (framework.training.objectives, trainer).
+- PreferenceDataset (kind "preference"): two instruction examples per sample, DPO's pairs.
+- PromptDataset (kind "prompts"): prompts for online RL, stored as instruction documents (the
+  answer, "" when none, where the response is); a sample is the prompt the policy continues,
+  the reference answer and the prompt's index in the whole set.
 """
 import inspect
 import json
@@ -72,7 +76,8 @@ class PreparedDocuments:
         meta = read_meta(path)
         if meta["kind"] != kind:
             raise ConfigError("data.path", path, f"holds {meta['kind']} data; this dataset reads {kind} "
-                              f"data (data=tokens for packed, data=instructions for instruction data)")
+                              f"data (data=tokens for packed, data=instructions for instruction, "
+                              f"data=preferences for preference, data=prompts for prompts data)")
         self.tokenizer = meta["tokenizer"]  # path, identity, vocab_size, eos_id
         self.stream = np.memmap(os.path.join(self.path, TOKENS), dtype=meta["dtype"], mode="r")
         self.offsets = np.load(os.path.join(self.path, OFFSETS))
@@ -241,13 +246,49 @@ class PreferenceDataset(InstructionDataset):
         return view
 
 
+class PromptDataset(InstructionDataset):
+    """Prompts for online RL (kind "prompts", framework.prepare --prompt-field [--answer-field]):
+    sample i is the split's i-th document as a dict of "inputs", the prompt's ids exactly as
+    prepare tokenized them (no BOS added, no EOS: what the policy continues), then -100;
+    "targets", the reference answer's ids (no EOS), then -100 (all -100 without an answer);
+    "index", the document's place in the whole prepared set, the same prompt on any mesh. Both
+    are cut to seq_len, which holds a prompt and its completion (longest_prompt says how much
+    the prompts take). The last val_fraction of the prompts is held out; pad_id (the
+    tokenizer's EOS when None) is kept for the completions, the samples are padded with -100."""
+    kind = "prompts"
+    masked_targets = True
+
+    def __getitem__(self, index: int) -> dict:
+        doc = self.first + index
+        begin, end = int(self.offsets[doc]), int(self.offsets[doc + 1])
+        prompt = int(self.documents.prompt_lengths(doc, doc + 1)[0])
+        tokens = torch.from_numpy(self.documents.tokens(begin, min(end - 1, begin + prompt + self.seq_len)))
+        return {"inputs": _padded(tokens[:prompt], self.seq_len), "targets": _padded(tokens[prompt:], self.seq_len),
+                "index": torch.tensor(doc, dtype=torch.int64)}
+
+    def without_response(self) -> np.ndarray:
+        """(A prompt needs no answer: none is refused for lacking one.)"""
+        return np.zeros(len(self), dtype=np.bool_)
+
+    def longest_prompt(self) -> int:
+        """The split's longest prompt, in tokens (it reads the split's whole mask)."""
+        return int(self.documents.prompt_lengths(self.first, self.end).max())
+
+
+def _padded(ids: torch.Tensor, length: int) -> torch.Tensor:
+    """`ids` cut to `length`, then -100 up to it."""
+    out = torch.full((length,), IGNORE, dtype=torch.int64)
+    out[:min(len(ids), length)] = ids[:length]
+    return out
+
+
 VOCAB_MULTIPLE = 64  # a padded vocabulary divides by any TP size up to 64 (nanoGPT's 50257 -> 50304)
 
 
 def kind_of(node) -> Optional[str]:
-    """The kind of documents a data.dataset config reads ("packed", "instruction", "preference"),
-    from its class's `kind` alone (the datasets here, data=hf's, its stream's); None for data of
-    another sort (and for a mixture: framework.data.mixture)."""
+    """The kind of documents a data.dataset config reads ("packed", "instruction", "preference",
+    "prompts"), from its class's `kind` alone (the datasets here, data=hf's, its stream's); None
+    for data of another sort (and for a mixture: framework.data.mixture)."""
     target = node.get("_target_") if node is not None else None
     try:
         cls = get_class(target) if target else None

@@ -174,6 +174,7 @@ class Metrics:
             "checkpoints": history["checkpoints"],
             "memory": self.memory,  # bytes of parameters, gradients, optimizer state: rank 0's and the max over ranks
             **run.fault_tolerance.summary(),  # launcher.fault_tolerance: the live replica groups of each step
+            **run.objective.summary(),  # objective=grpo: the seconds each step spent generating
         }
         if run.rank == 0:
             self._report(summary)

@@ -185,6 +185,8 @@ class Trainer:
         strategy finalizes them (TP partials, DP average) once, after the last. Returns the
         replica's share of the global-batch loss, whose mean over DP is the global-batch loss."""
         self.run.optimizer.zero_grad(set_to_none=True)
+        with self._autocast():  # (GRPO generates the completions it learns from; other objectives: the batch)
+            batch = self.objective.rollout(self.run.module, batch, self.run.state.step if self.run.state else 0)
         self.step = StepShare(self.units_per_replica(batch.targets), float(batch.inputs.numel()))
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batch)
@@ -362,8 +364,10 @@ class Trainer:
 
     def _log_terms(self, step: int) -> None:
         """The step's terms the objective shows (auxiliary losses, DPO's rewards) as global-batch
-        values, like its loss, and a mixture's learned tokens per source since the last logging
+        values, like its loss, its text (GRPO's sample completions: rank 0's), and a mixture's learned tokens per source since the last logging
         step, to TensorBoard: one all-reduce, on logging steps."""
+        for tag, text in self.objective.logged_text().items():
+            self.metrics.loggers.log_text(tag, text, step)
         tags = self.objective.logged_terms(self.run.module)
         terms = [local_value(torch.as_tensor(self.step.terms.get(name, 0.0), device=self.device)) for name in tags]
         tokens = self.metrics.take_source_tokens()

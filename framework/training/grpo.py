@@ -1,0 +1,318 @@
+"""`objective=grpo`: Group Relative Policy Optimization (Shao et al. 2024; TRL's GRPOTrainer) on
+prompts (data=prompts) with a reward (the `reward` group, framework.training.rewards).
+
+Each step rolls out before it learns (`rollout`, called by the Trainer before the step's units
+are counted): every DP replica continues each of its prompts `group_size` times with the model as
+it trains (its own KV-cache decoding, framework.generate.generate_group, on the module the
+parallel stages made: FSDP2 shards gather as in any forward), sampled with temperature / top-p
+from a generator seeded by (trainer.seed, the step, the prompt's index in its dataset), so a
+prompt draws the same completions on every mesh. The completions are scored, and each one's
+advantage is its reward less its group's mean, over the group's std (`scale_rewards: group`),
+the batch's (`batch`: over every DP replica) or nothing (`none`), as TRL computes them.
+
+The loss is TRL's: per completion token, -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
+with r = pi / pi_old, plus beta times the k3 estimate of the KL to a reference
+(exp(ref - logp) - (ref - logp) - 1). With one policy update per rollout (num_iterations 1) the old
+log-probabilities are the new ones detached: r is 1, its gradient the policy gradient. The token
+sum is normalized by `loss_type`:
+- grpo: each completion's mean over its tokens, averaged over the global batch's completions;
+- dapo: the sum over the global batch's completion tokens over their number;
+- dr_grpo: the sum over (completions x max_new_tokens), a constant.
+Each is a sum over units (completions, tokens, completions x max_new_tokens) over the global
+count of them: the same numbers on every mesh. The reference (beta > 0) is DPO's
+(adapters_off, frozen_copy; framework.training.preference).
+"""
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from framework.config.checked import Checked
+from framework.config.errors import ConfigError
+from framework.data.batch import Batch
+from framework.data.tokens import IGNORE, kind_of
+from framework.models.protocol import offered
+from framework.training.objectives import Objective, StepShare
+from framework.training.preference import frozen_copy, sequence_logps
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+REFERENCES = ("adapters_off", "frozen_copy")
+ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                   "completions/max_length", "completions/clipped_ratio")
+STD_FLOOR = 1e-4  # TRL's: advantages over (std + this)
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each target's log-probability (batch, seq); 0 where the target is -100."""
+    token = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                                              reduction="none")
+    return -token.view(targets.shape)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str,
+                     batch_std: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rewards (completions,), each group's `group_size` in a row, less their group's mean, over
+    the group's std (unbiased, as TRL's nanstd), `batch_std` or 1 (`scale`), plus STD_FLOOR."""
+    grouped = rewards.view(-1, group_size)
+    centred = (grouped - grouped.mean(1, keepdim=True)).flatten()
+    if scale == "none":
+        return centred
+    std = grouped.std(1).repeat_interleave(group_size) if scale == "group" else batch_std.expand_as(rewards)
+    return centred / (std + STD_FLOOR)
+
+
+class GroupRelativePolicy(Objective):
+    def __init__(self, group_size: int = 4, max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
+                 scale_rewards: str = "group", loss_type: str = "grpo", epsilon: float = 0.2,
+                 epsilon_high: Optional[float] = None, beta: float = 0.0, reference: str = "adapters_off",
+                 num_iterations: int = 1, aux_coefficients: Optional[Dict[str, float]] = None):
+        super().__init__(aux_coefficients)
+        self.group_size, self.max_new_tokens = group_size, max_new_tokens
+        self.temperature, self.top_p, self.scale_rewards = temperature, top_p, scale_rewards
+        self.loss_type, self.epsilon, self.beta, self.reference = loss_type, epsilon, beta, reference
+        self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        self.num_iterations = num_iterations
+        self.reference_model: Optional[nn.Module] = None  # frozen_copy's
+        self._rollout_terms: Dict[str, torch.Tensor] = {}
+        self._kl: Optional[torch.Tensor] = None
+        self._samples = ""  # the last rollout's first group, as text
+        self.rollout_s: List[float] = []  # each step's seconds spent generating and scoring (this attempt)
+
+    def setup(self, run) -> None:
+        """The reward, the tokenizer that turns ids into the texts it scores, the stop ids, and
+        frozen_copy's reference."""
+        from framework.data.tokenizer import load_tokenizer
+        from framework.generate import stop_ids
+        from framework.training.rewards import make_reward
+
+        self.reward = make_reward(run.cfg.reward)
+        self.tokenizer = load_tokenizer(run.cfg.data.get("tokenizer") or run.dataset.documents.tokenizer["path"])
+        self.stop = stop_ids(offered(run.module).hf_path, self.tokenizer)
+        self.pad_id = run.dataset.pad_id
+        self.seed, self.device = run.cfg.trainer.seed, torch.device(run.cfg.mesh.device_type)
+        self.replicas, self.replica_group = run.dp_cp["size"], run.dp_cp_group
+        self.sharded = run.cfg.parallel.dp_strategy != "replicate"
+        self.micro_batch = run.cfg.data.micro_batch_size
+        if self.beta > 0 and self.reference == "frozen_copy":
+            self.reference_model = frozen_copy(run)
+
+    # -- the generation phase -----------------------------------------------------------
+
+    @torch.no_grad()
+    def rollout(self, model: nn.Module, batch: Batch, step: int) -> Batch:
+        """The prompts' completions as a batch to learn from, a prompt's group together as DPO's
+        pairs are (so micro-batches count prompts and never part a group): inputs (prompts,
+        group_size, seq_len) each prompt + completion (padded), targets the completion's tokens (the
+        rest -100), each completion's advantage (prompts, group_size), and with beta > 0 the
+        reference's per-token log-probabilities."""
+        from framework.generate import generate_group
+
+        start = time.perf_counter()
+        prompts = [row[row != IGNORE].tolist() for row in batch.inputs]
+        answers = [self.tokenizer.decode(row[row != IGNORE].tolist()) or None for row in batch.targets]
+        width, n = batch.inputs.shape[1], self.group_size
+        model.eval()
+        rows = []
+        for prompt, index in zip(prompts, batch.index.tolist()):
+            generator = torch.Generator().manual_seed(hash((self.seed, step, index)) % (1 << 62))
+            rows.append(generate_group(model, prompt, n, self.max_new_tokens, self.temperature, self.top_p, generator,
+                                       self.stop, self.pad_id, self.device, stop_early=not self.sharded))
+        model.train()
+        if self.sharded:
+            _reshard(model)
+        inputs = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.int64, device=self.device)
+        targets = torch.full_like(inputs, IGNORE)
+        texts, lengths = [], []
+        for p, (prompt, (tokens, counts)) in enumerate(zip(prompts, rows)):
+            for g in range(n):
+                r, length = p * n + g, int(counts[g])
+                completion = tokens[g, :length]
+                sequence = torch.cat([torch.tensor(prompt, device=self.device), completion])
+                inputs[r, :len(sequence) - 1] = sequence[:-1]
+                targets[r, len(prompt) - 1:len(sequence) - 1] = completion
+                texts.append(self.tokenizer.decode([t for t in completion.tolist() if t not in self.stop]))
+                lengths.append(length)
+        prompt_texts = [self.tokenizer.decode(p) for p in prompts for _ in range(n)]
+        rewards = torch.tensor(self.reward(prompt_texts, texts, [a for a in answers for _ in range(n)]),
+                               dtype=torch.float64)
+        advantages = group_advantages(rewards, n, self.scale_rewards, self._batch_std(rewards))
+        self._note_rollout(rewards, torch.tensor(lengths, dtype=torch.float64), targets)
+        self._samples = "\n\n".join(f"{prompt_text!r} -> {text!r} (reward {reward:.4g})"
+                                     for prompt_text, text, reward in zip(prompt_texts[:n], texts[:n], rewards.tolist()))
+        reference = self._reference_logps(model, inputs, targets) if self.beta > 0 else None
+        self.rollout_s.append(time.perf_counter() - start)
+        grouped = (len(prompts), n, width)
+        return Batch(inputs.view(grouped), targets.view(grouped),
+                     reference=reference.view(grouped) if reference is not None else None,
+                     advantages=advantages.float().to(self.device).view(grouped[:2]))
+
+    def _batch_std(self, rewards: torch.Tensor) -> Optional[torch.Tensor]:
+        """scale_rewards=batch: the std of every replica's rewards (one all-reduce over DP)."""
+        if self.scale_rewards != "batch":
+            return None
+        moments = torch.stack([rewards.sum(), (rewards ** 2).sum(), torch.tensor(float(rewards.numel()),
+                                                                                 dtype=torch.float64)])
+        if self.replicas > 1:
+            moments = moments.to(self.device)
+            dist.all_reduce(moments, group=self.replica_group)
+            moments = moments.cpu()
+        total, squares, count = moments
+        return ((squares - total ** 2 / count) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
+
+    def _note_rollout(self, rewards: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor) -> None:
+        """This replica's means of the rollout's metrics (the Trainer averages them over DP)."""
+        grouped = rewards.view(-1, self.group_size)
+        self._rollout_terms = {
+            "reward": rewards.mean(), "reward_std": grouped.std(1).mean(),
+            "frac_reward_zero_std": torch.isclose(grouped.std(1), torch.zeros_like(grouped[:, 0])).double().mean(),
+            "completions/mean_length": lengths.mean(), "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": (lengths >= self.max_new_tokens).double().mean()}
+        self._tokens = float((targets != IGNORE).sum())
+
+    def _reference_logps(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The reference's log-probability of each completion token (0 elsewhere), in micro-batches."""
+        from framework.models.lora import adapters_disabled
+
+        size, parts = (self.micro_batch or len(inputs)) * self.group_size, []
+        for begin in range(0, len(inputs), size):
+            chunk = slice(begin, begin + size)
+            if self.reference_model is not None:
+                logits = self.reference_model(inputs[chunk])
+            else:
+                with adapters_disabled(model):
+                    logits = model(inputs[chunk])
+            parts.append(token_logps(logits, targets[chunk]))
+        if self.reference_model is not None and self.sharded:
+            _reshard(self.reference_model)
+        return torch.cat(parts)
+
+    # -- the learning phase -------------------------------------------------------------
+
+    def forward(self, model: nn.Module, batch: Batch):
+        """The policy's logits of every completion (completions, seq_len, vocab), their advantages
+        and reference log-probabilities, a completion a row."""
+        reference = batch.reference.flatten(0, 1) if batch.reference is not None else None
+        return model(batch.inputs.flatten(0, 1)), batch.advantages.flatten(), reference
+
+    def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
+        logits, advantages, reference = outputs
+        targets = targets.flatten(0, -2)  # (prompts, group_size, seq_len): a completion a row
+        mask = (targets != IGNORE).float()
+        logps = token_logps(logits, targets)
+        ratio = torch.exp(logps - logps.detach())  # num_iterations 1: the old policy is this one
+        clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
+        per_token = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
+        if self.beta > 0:
+            kl = torch.exp(reference - logps) - (reference - logps) - 1
+            per_token = per_token + self.beta * kl
+            self._kl = (kl * mask).sum().detach()
+        per_token = per_token * mask
+        if self.loss_type == "grpo":
+            return (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+        return per_token.sum()
+
+    def __call__(self, outputs, targets, model, step: StepShare):
+        """The share of the step's loss, and the step's metrics: the rollout's (once a step) and
+        the KL over the replica's completion tokens, which summed over micro-batches and averaged
+        over DP are the global batch's means."""
+        total = super().__call__(outputs, targets, model, step)
+        if step.tokens is not None:
+            for name, value in self._rollout_terms.items():
+                step.add(name, value.float().to(total.device))
+            self._rollout_terms = {}
+            if self._kl is not None:
+                step.add("kl", self._kl / max(self._tokens, 1.0))
+        return total
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        """The completions (grpo), their tokens (dapo) or completions x max_new_tokens (dr_grpo)."""
+        if self.loss_type == "dapo":
+            return (targets != IGNORE).sum()
+        return torch.tensor(self.fixed_count(targets), device=targets.device)
+
+    def count_is_fixed(self, dataset) -> bool:
+        return self.loss_type != "dapo"
+
+    def fixed_count(self, targets: torch.Tensor) -> int:
+        return targets[..., 0].numel() * (self.max_new_tokens if self.loss_type == "dr_grpo" else 1)
+
+    def held_bytes(self) -> Dict[str, int]:
+        from framework.training.memory import local_bytes
+
+        model = self.reference_model
+        return {"reference": sum(local_bytes(p) for p in model.parameters()) if model is not None else 0}
+
+    def logged_text(self) -> Dict[str, str]:
+        """The last rollout's first prompt with its completions and their rewards."""
+        return {"completions": self._samples} if self._samples else {}
+
+    def summary(self) -> Dict[str, object]:
+        """Each step's seconds spent generating, scoring and taking the reference's log-probabilities
+        (rank 0's; the rest of step_times_s is learning)."""
+        return {"rollout_s": self.rollout_s}
+
+    def logged_terms(self, model: nn.Module) -> Dict[str, str]:
+        names = ROLLOUT_METRICS + (("kl",) if self.beta > 0 else ())
+        return {**super().logged_terms(model), **{name: name for name in names}}
+
+
+def _reshard(model: nn.Module) -> None:
+    """FSDP2 keeps a root unsharded after a forward with no backward (generation, a reference)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
+GRPO = f"{__name__}.GroupRelativePolicy"
+
+
+def check_grpo(c: Checked) -> None:
+    """Before launch: GRPO's data holds prompts (and prompts train under GRPO alone), its keys
+    make sense, a reward is named, and every prompt leaves room for max_new_tokens in seq_len."""
+    from hydra.utils import instantiate
+
+    cfg = c.cfg
+    objective, dataset = cfg.objective, cfg.data.dataset
+    prompts = kind_of(dataset) == "prompts"
+    grpo = objective.get("_target_") == GRPO
+    if prompts and not grpo:
+        raise ConfigError("objective", objective.get("_target_"), "prompts (data=prompts) train under objective=grpo")
+    if not grpo:
+        return
+    if not prompts:
+        raise ConfigError("objective", "grpo", f"needs prompts, and data.dataset is "
+                                               f"{dataset.get('_target_') if dataset else None}; prepare them with "
+                                               f"framework.prepare FILE --prompt-field prompt [--answer-field answer] "
+                                               f"and use data=prompts")
+    rules = [("group_size", lambda v: v >= 2, "must be >= 2: advantages compare completions of one prompt"),
+             ("max_new_tokens", lambda v: v >= 1, "must be >= 1"),
+             ("temperature", lambda v: v >= 0, "must be >= 0 (0: greedy, every completion of a group the same)"),
+             ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+             ("loss_type", lambda v: v in LOSS_TYPES, f"use one of {', '.join(LOSS_TYPES)}"),
+             ("scale_rewards", lambda v: v in SCALE_REWARDS, f"use one of {', '.join(SCALE_REWARDS)}"),
+             ("epsilon", lambda v: v > 0, "must be > 0"),
+             ("epsilon_high", lambda v: v is None or v >= objective.epsilon, "must be >= objective.epsilon (or null)"),
+             ("beta", lambda v: v >= 0, "must be >= 0 (0: no KL term, no reference)"),
+             ("num_iterations", lambda v: v == 1, "not yet other than 1 (one policy update per rollout)")]
+    for key, allowed, rule in rules:
+        if not allowed(objective.get(key)):
+            raise ConfigError(f"objective.{key}", objective.get(key), rule)
+    if objective.beta > 0:
+        if objective.reference not in REFERENCES:
+            raise ConfigError("objective.reference", objective.reference, f"use one of {', '.join(REFERENCES)}")
+        if objective.reference == "adapters_off" and cfg.adapter.kind == "none":
+            raise ConfigError("objective.reference", "adapters_off", "is the base model with the adapters off, and "
+                                                                     "this run has none (adapter=none); use "
+                                                                     "adapter=lora, or objective.reference="
+                                                                     "frozen_copy, or objective.beta=0")
+    data = instantiate(dataset, split="train")
+    room = data.seq_len - objective.max_new_tokens
+    if data.longest_prompt() > room:
+        raise ConfigError("data.dataset.seq_len", data.seq_len,
+                          f"the longest prompt in {data.path} has {data.longest_prompt()} tokens, and with "
+                          f"objective.max_new_tokens={objective.max_new_tokens} a completion needs "
+                          f"{data.longest_prompt() + objective.max_new_tokens}; raise seq_len or lower max_new_tokens")

@@ -1,0 +1,244 @@
+"""`reward=...` (conf/reward/): what scores objective=grpo's completions.
+
+A reward is called on a batch, `reward(prompts, completions, answers) -> [float, ...]`, one
+score per completion, and its `name` labels its TensorBoard curve. Each sample is scored on its
+own (GRPO compares the scores of one prompt's completions, so only differences within a group
+matter, not the scale):
+- exact_match: 1.0 when the completion's text after the last `marker` (the whole completion
+  with marker=null), stripped, equals the answer, stripped; 0.0 otherwise, and for a completion
+  without the marker (it did not answer in the asked form);
+- regex: 1.0 when `re.search(pattern, completion)` finds the pattern, else 0.0 (a format reward;
+  flags go inline: `(?s)`, `(?m)`, `(?i)`);
+- length: max(0, 1 - |len(completion) - target_length| / target_length), in characters (a
+  tokenizer's counts would tie a config to one tokenizer): 1.0 at the target, 0.0 at twice it
+  or at none;
+- math_verify: 1.0 when Hugging Face's math-verify finds the completion's last mathematical
+  expression (a \\boxed{} one first) equal to the answer (1/2, 0.5 and \\frac{1}{2} agree);
+  an answer it cannot read scores every completion 0.0, so that prompt's group teaches nothing
+  (TRL's accuracy_reward skips it);
+- file: a function of your own, `function(prompt, completion, answer) -> number`, from a Python
+  file given on the command line only (framework.config.trust: recipes and group files from
+  others must not choose code to run).
+exact_match and math_verify need each sample's answer (None: RewardError). A score that is not
+a finite number, or a function that raises, stops the run with one line naming the function,
+its file and the sample's index in the batch (RewardError): a reward quietly 0 would train on.
+"""
+import importlib.util
+import inspect
+import math
+import os
+import re
+import sys
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+from omegaconf import OmegaConf
+
+from framework.config.checked import Checked
+from framework.config.errors import ConfigError
+
+KINDS = ("none", "exact_match", "regex", "length", "math_verify", "file")
+GRPO = ".GroupRelativePolicy"  # the objective that scores completions (framework.training.grpo)
+INSTALL = "pip install '.[rl]' (the math-verify package)"
+USER_MODULE = "framework_reward_file"  # the name a reward.file is imported under
+
+Score = Callable[[str, str, Optional[str]], Any]
+
+
+class RewardError(RuntimeError):
+    """A sample the reward could not score: one line naming the reward (a user's function and its
+    file), the sample's index in the batch and what it raised or returned."""
+
+
+class Reward:
+    """Scores a batch, one float per completion; `name` labels its curve (exact_match, or the
+    user's function's name)."""
+
+    def __init__(self, name: str, score: Score, where: str):
+        self.name, self.score, self.where = name, score, where
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str],
+                 answers: Sequence[Optional[str]]) -> List[float]:
+        if not len(prompts) == len(completions) == len(answers):
+            raise RewardError(f"reward error: {self.where}: {len(prompts)} prompts, {len(completions)} completions "
+                              f"and {len(answers)} answers; give one of each per sample")
+        return [self._scored(index, *sample) for index, sample in enumerate(zip(prompts, completions, answers))]
+
+    def _scored(self, index: int, prompt: str, completion: str, answer: Optional[str]) -> float:
+        at = f"reward error: {self.where}, sample {index} of the batch"
+        try:
+            value = self.score(prompt, completion, answer)
+        except RewardError as error:  # a built-in's own words
+            raise RewardError(f"{at}: {error}") from None
+        except Exception as error:
+            said = _one_line(error)
+            raise RewardError(f"{at}: raised {type(error).__name__}{': ' + said if said else ''}") from error
+        number = _number(value)
+        if number is None or not math.isfinite(number):
+            raise RewardError(f"{at}: returned {_one_line(repr(value))} ({type(value).__name__}); return a finite "
+                              f"number (a float, an int or a bool)")
+        return number
+
+    def __repr__(self) -> str:
+        return f"Reward({self.where})"
+
+
+def _number(value: object) -> Optional[float]:
+    """A score as a float: anything float() takes as a number (a bool as 0 or 1, numpy's scalars, a
+    one-element tensor), never a string float() would parse."""
+    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _one_line(text: object, limit: int = 200) -> str:
+    words = " ".join(str(text).split())
+    return words if len(words) <= limit else words[: limit - 3] + "..."
+
+
+def _needs(answer: Optional[str]) -> str:
+    if answer is None:
+        raise RewardError("has no answer to compare with; this reward needs data whose samples carry one")
+    return answer
+
+
+def exact_match(marker: Optional[str]) -> Score:
+    def score(prompt: str, completion: str, answer: Optional[str]) -> float:
+        expected = _needs(answer).strip()
+        if marker is None:
+            return float(completion.strip() == expected)
+        before, found, after = completion.rpartition(marker)
+        return float(bool(found) and after.strip() == expected)
+    return score
+
+
+def regex(pattern: str) -> Score:
+    compiled = re.compile(pattern)
+    return lambda prompt, completion, answer: float(compiled.search(completion) is not None)
+
+
+def length(target: int) -> Score:
+    return lambda prompt, completion, answer: max(0.0, 1.0 - abs(len(completion) - target) / target)
+
+
+def math_verified() -> Score:
+    from math_verify import parse, verify
+
+    def score(prompt: str, completion: str, answer: Optional[str]) -> float:
+        answer = _needs(answer)
+        # math-verify's time limits are SIGALRM alarms, which only the main thread may set
+        main = threading.current_thread() is threading.main_thread()
+        parsing, checking = ({}, {}) if main else ({"parsing_timeout": None}, {"timeout_seconds": None})
+        gold = parse(answer, **parsing) or parse(f"${answer}$", **parsing)  # a bare x^2+1 reads as math too
+        return float(bool(gold) and verify(gold, parse(completion, **parsing), **checking))
+    return score
+
+
+def load_function(path: str, name: str) -> Callable:
+    """The function `name` of the Python file at `path`, the file imported (its top level runs:
+    only a file given on the command line gets here)."""
+    if not os.path.isfile(path):
+        raise ConfigError("reward.file", path, f"no such file (from {os.getcwd()}); give the Python file that defines "
+                                               f"{name or 'your scoring function'}")
+    spec = importlib.util.spec_from_file_location(USER_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError("reward.file", path, "is not a Python file Python can import; give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[USER_MODULE] = module  # (dataclasses and pickle look a class's module up there)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        del sys.modules[USER_MODULE]
+        raise ConfigError("reward.file", path, f"importing it raised {type(error).__name__}: "
+                                               f"{_one_line(error)}") from None
+    found = getattr(module, name, None)
+    if not callable(found):
+        defined = sorted(key for key, value in vars(module).items()
+                         if inspect.isfunction(value) and value.__module__ == USER_MODULE and not key.startswith("_"))
+        what = f"defines no function {name}" if found is None else f"defines {name} as a {type(found).__name__}"
+        raise ConfigError("reward.function", name, f"{path} {what}; it defines: {', '.join(defined) or 'no functions'}")
+    try:
+        inspect.signature(found).bind("prompt", "completion", "answer")
+    except TypeError:
+        raise ConfigError("reward.function", name, f"is called as {name}(prompt, completion, answer), and {path}'s "
+                                                   f"takes {name}{inspect.signature(found)}") from None
+    except ValueError:  # a callable without a signature Python can read (a builtin): called as it is
+        pass
+    return found
+
+
+def _user_function(reward: Any) -> Reward:
+    if reward.file is None:
+        raise ConfigError("reward.file", None, "give the Python file on the command line: reward=file "
+                                               "reward.file=my_rewards.py reward.function=score")
+    if not reward.function:
+        raise ConfigError("reward.function", reward.function, "name the function in reward.file that scores a "
+                                                              "sample, on the command line: reward.function=score")
+    path = os.path.expanduser(reward.file)
+    function = load_function(path, reward.function)
+    return Reward(reward.function, function, f"{reward.function}() in {path}")
+
+
+def _pattern(reward: Any) -> Score:
+    if reward.pattern is None:
+        raise ConfigError("reward.pattern", None, "give the regular expression a completion must contain")
+    try:
+        return regex(reward.pattern)
+    except re.error as error:
+        raise ConfigError("reward.pattern", reward.pattern, f"is not a regular expression ({error}); Python's re "
+                                                            f"syntax, e.g. '<answer>.*?</answer>'") from None
+
+
+def _target_length(reward: Any) -> Score:
+    if reward.target_length is None or reward.target_length < 1:
+        raise ConfigError("reward.target_length", reward.target_length, "must be >= 1 (characters)")
+    return length(reward.target_length)
+
+
+def _marker(reward: Any) -> Score:
+    if reward.marker == "":
+        raise ConfigError("reward.marker", "", "an empty marker marks nothing; use null to compare the whole "
+                                               "completion")
+    return exact_match(reward.marker)
+
+
+def _math_verify(reward: Any) -> Score:
+    if importlib.util.find_spec("math_verify") is None:
+        raise ConfigError("reward.kind", "math_verify", f"needs math-verify, not installed here; {INSTALL}")
+    return math_verified()
+
+
+BUILT_IN = {"exact_match": _marker, "regex": _pattern, "length": _target_length, "math_verify": _math_verify}
+NO_REWARD = "objective=grpo scores its completions with a reward; choose one: reward=exact_match, regex, length, " \
+            "math_verify, or file (your own function)"
+
+
+def make_reward(reward: Any) -> Reward:
+    """The `reward` config section (RewardConfig) as a Reward; a config it cannot make is a
+    ConfigError naming the key (check_reward raises the same before launch)."""
+    if reward.kind == "none":
+        raise ConfigError("reward.kind", "none", NO_REWARD)
+    if reward.kind == "file":
+        return _user_function(reward)
+    if reward.kind not in BUILT_IN:
+        raise ConfigError("reward.kind", reward.kind, f"use one of {', '.join(KINDS)}")
+    return Reward(reward.kind, BUILT_IN[reward.kind](reward), f"reward={reward.kind}")
+
+
+def check_reward(c: Checked) -> None:
+    """Before launch: objective=grpo has a reward it can make (a user's file exists and defines
+    the function, a pattern compiles, math-verify is installed); no other objective is given a
+    reward it would ignore."""
+    reward = c.cfg.get("reward")
+    kind = reward.kind if reward is not None else "none"
+    if not str(OmegaConf.select(c.cfg, "objective._target_") or "").endswith(GRPO):
+        if kind != "none":
+            raise ConfigError("reward.kind", kind, "only objective=grpo scores completions; drop the reward "
+                                                   "(reward=none) or use objective=grpo")
+        return
+    if reward is None:
+        raise ConfigError("reward.kind", "none", NO_REWARD)
+    make_reward(reward)

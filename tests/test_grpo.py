@@ -1,0 +1,274 @@
+"""objective=grpo (framework.training.grpo) against GRPO written here: the advantages and TRL's
+loss for each loss_type computed by hand from the same log-probabilities (TRL 1.16's
+GRPOTrainer._compute_loss, written out), the gradient against the policy gradient by hand,
+generation in the loop against decoding without a cache; and whole runs: a reward that rises on
+a toy task, the same curve on 1x1 and 2x1, a resume that continues it, and the refusals."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework.data.tokens import IGNORE
+from framework.generate import generate, generate_group
+from framework.models.transformer import Transformer
+from framework.training.grpo import GroupRelativePolicy, group_advantages, token_logps
+from framework.training.objectives import StepShare
+
+
+def nanstd(t: torch.Tensor) -> torch.Tensor:
+    """TRL's nanstd (Bessel-corrected)."""
+    mean = t.mean()
+    return ((t - mean) ** 2).sum().div(t.numel() - 1).sqrt()
+
+
+def test_advantages_are_the_group_centred_rewards_over_the_chosen_std():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    by_hand_group, by_hand_none = [], []
+    for group in rewards.view(2, 4):
+        for r in group:
+            by_hand_none.append(float(r - group.mean()))
+            by_hand_group.append(float((r - group.mean()) / (nanstd(group) + 1e-4)))
+    assert group_advantages(rewards, 4, "group").tolist() == pytest.approx(by_hand_group, rel=1e-12)
+    assert group_advantages(rewards, 4, "none").tolist() == pytest.approx(by_hand_none, rel=1e-12)
+    batch_std = nanstd(rewards)
+    expected = [a / float(batch_std + 1e-4) for a in by_hand_none]
+    assert group_advantages(rewards, 4, "batch", batch_std).tolist() == pytest.approx(expected, rel=1e-12)
+
+
+def trl_loss(logps, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_len, items):
+    """TRL 1.16 GRPOTrainer._compute_loss (token-level importance sampling, no accumulation)."""
+    coef_1 = torch.exp(logps - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(coef_1 * advantages[:, None], coef_2 * advantages[:, None])
+    if beta != 0.0:
+        per_token = per_token + beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * max_len)
+    return (per_token * mask).sum() / items  # dapo: num_items_in_batch, one process
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_the_loss_is_trl_s_for_each_loss_type_and_its_gradient_the_policy_gradient(loss_type, beta):
+    torch.manual_seed(0)
+    rows, seq, vocab, max_new = 6, 10, 11, 5
+    logits = torch.randn(rows, seq, vocab, dtype=torch.float64, requires_grad=True)
+    targets = torch.full((rows, seq), IGNORE)
+    for r in range(rows):  # completions of 1 .. 5 tokens after prompts of 2 .. 4
+        start, length = 1 + r % 3, 1 + r % max_new
+        targets[r, start:start + length] = torch.randint(vocab, (length,))
+    advantages = torch.randn(rows, dtype=torch.float64)
+    reference = torch.where(targets != IGNORE, -2.0 + 0.3 * torch.randn(rows, seq, dtype=torch.float64), 0.0)
+    objective = GroupRelativePolicy(group_size=2, max_new_tokens=max_new, loss_type=loss_type, beta=beta)
+    units = float(objective.count(targets))
+    ours = objective((logits, advantages, reference), targets, torch.nn.Linear(1, 1), StepShare(units, None))
+
+    mask = (targets != IGNORE).double()
+    logps = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                             reduction="none").view(rows, seq)
+    expected = trl_loss(logps, logps.detach(), reference, advantages, mask, loss_type, 0.2, 0.2, beta, max_new,
+                        mask.sum())
+    assert float(ours) == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
+    grad, = torch.autograd.grad(ours, logits)
+    # the ratio is 1 with one update per rollout: the gradient is the policy gradient of -A log pi
+    # plus beta times the k3 KL's, each token weighted by its loss_type's normalizer
+    kl = torch.exp(reference - logps) - (reference - logps) - 1
+    per_token = (-advantages[:, None] * logps + beta * kl) * mask
+    weight = {"grpo": 1 / (mask.sum(-1, keepdim=True).clamp(min=1) * rows), "dapo": 1 / mask.sum(),
+              "dr_grpo": torch.tensor(1 / (rows * max_new))}[loss_type]
+    expected_grad, = torch.autograd.grad((per_token * weight).sum(), logits)
+    # the objective takes log-probabilities in fp32 (as DPO's): 6e-9 from the fp64 reference here
+    assert torch.allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+
+def tiny_lm(vocab: int = 32) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2).eval()
+
+
+@torch.no_grad()
+def decoded_without_cache(model, prompt, steps, stop):
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+        if tokens[-1] in stop:
+            break
+    return tokens[len(prompt):]
+
+
+def test_group_generation_decodes_as_the_model_does_without_a_cache_and_pads_after_the_stop():
+    model, prompt = tiny_lm(), [3, 7, 1, 9]
+    expected = decoded_without_cache(model, prompt, 12, stop=set())
+    stop = {expected[5]}  # a token greedy decoding reaches: every row stops there
+    tokens, lengths = generate_group(model, prompt, 3, 12, 0.0, 1.0, torch.Generator(), stop, pad_id=0)
+    first_stop = next(i for i, t in enumerate(expected) if t in stop)
+    assert lengths.tolist() == [first_stop + 1] * 3
+    for row in tokens:
+        assert row[:first_stop + 1].tolist() == expected[:first_stop + 1]
+        assert row[first_stop + 1:].eq(0).all()
+    assert generate(model, prompt, 12, stop=stop) == expected[:first_stop + 1]
+
+
+def test_sampled_groups_are_reproducible_from_the_generator_and_differ_within_a_group():
+    model, prompt = tiny_lm(), [3, 7, 1, 9]
+    draw = lambda: generate_group(model, prompt, 4, 10, 1.0, 0.9, torch.Generator().manual_seed(5), set(), 0)[0]  # noqa: E731
+    first, again = draw(), draw()
+    assert torch.equal(first, again)
+    assert len({tuple(row.tolist()) for row in first}) > 1
+
+
+# -- whole runs ---------------------------------------------------------------------------
+
+LOWERCASE_SHARE = '''def share(prompt, completion, answer):
+    return sum(c.islower() for c in completion) / max(len(completion), 1)
+'''
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("reward") / "lowercase.py"
+    path.write_text(LOWERCASE_SHARE)
+    return str(path)
+
+
+def grpo_overrides(prompts: str, reward_file: str, steps: int) -> list:
+    """recipe=grpo_lm (lm_tiny, 8 prompts x 8 completions of 8 tokens a step) rewarded by the share
+    of lowercase letters in a completion, which a random model starts near 0.1 at."""
+    return ["recipe=grpo_lm", f"data.path={prompts}", "reward=file", f"reward.file={reward_file}",
+            "reward.function=share", f"trainer.max_steps={steps}", "trainer.log_every=1",
+            "trainer.progress_bar=false", "checkpoint.every=null"]
+
+
+def scalars(tb_dir) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def one_process(prepared, reward_file, tmp_path_factory) -> dict:
+    """20 steps on 1x1, with a checkpoint at step 10."""
+    from framework.launch.local import launch_local
+    from tests.conftest import compose_config
+
+    out = tmp_path_factory.mktemp("grpo_1x1")
+    cfg = compose_config([*grpo_overrides(prepared["prompts"], reward_file, 20), "mesh=1x1", "checkpoint.every=10"])
+    return {"summary": launch_local(cfg, str(out)), "scalars": scalars(out / "tb"), "out": out}
+
+
+@pytest.mark.timeout(300)
+def test_the_reward_rises_and_fsdp_on_two_ranks_follows_one_process(one_process, prepared, reward_file, tmp_path):
+    """The same prompts draw the same completions on every mesh (their sampling is seeded by the
+    step and the prompt's index), so the reward, the loss and the gradient norm follow one process."""
+    from framework.launch.local import launch_local
+    from tests.conftest import compose_config
+
+    ours = one_process["scalars"]
+    assert ours["reward"][0] < 0.3 and ours["reward"][-1] > 0.8, ours["reward"]  # (0.10 -> 0.97 measured)
+    assert ours["completions/mean_length"][0] > 7  # 8 tokens, a stop drawn now and then
+    summary = launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 20), "mesh=2x1",
+                                           "parallel.dp_strategy=fsdp"]), str(tmp_path))
+    theirs = scalars(tmp_path / "tb")
+    # measured: rewards within 6e-8, grad norms 1.3e-7 relative, losses 1.3e-8; each bound 10x and more
+    assert theirs["reward"] == pytest.approx(ours["reward"], abs=1e-6)
+    assert summary["grad_norms"] == pytest.approx(one_process["summary"]["grad_norms"], rel=1e-5, abs=1e-6)
+    assert summary["losses"] == pytest.approx(one_process["summary"]["losses"], abs=1e-6)
+    assert len(summary["rollout_s"]) == 20 and 0 < sum(summary["rollout_s"]) < sum(summary["step_times_s"])
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_run_continues_the_same_curve(one_process, prepared, reward_file, tmp_path):
+    """Steps 11-20 from step 10's checkpoint: the same completions (their seeds need no state), the
+    same data position, the same optimizer: bitwise the uninterrupted run's."""
+    from framework.launch.local import launch_local
+    from tests.conftest import compose_config
+
+    step_10 = one_process["out"] / "checkpoints" / "step_10"
+    resumed = launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 20), "mesh=1x1",
+                                           f"checkpoint.resume={step_10}"]), str(tmp_path))
+    assert resumed["resumed_from"]["step"] == 10
+    assert resumed["grad_norms"] == one_process["summary"]["grad_norms"]
+    assert scalars(tmp_path / "tb")["reward"] == one_process["scalars"]["reward"][10:]
+
+
+def logged_completions(tb_dir) -> list:
+    """The (prompt, completion) pairs of the last logged sample text."""
+    import ast
+    import re
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("completions/text_summary")[-1].tensor_proto.string_val[0].decode()
+    return [tuple(map(ast.literal_eval, re.fullmatch(r"(.*) -> (.*) \(reward \S+\)", line).groups()))
+            for line in map(str.strip, text.splitlines()) if line]  # (the logger indents it as a block)
+
+
+@pytest.mark.timeout(300)
+def test_greedy_generation_in_the_loop_on_fsdp_is_framework_generate_s(prepared, reward_file, tmp_path):
+    """temperature 0 and lr 0 on 2 FSDP ranks: the completions step 1 logged are what
+    `python -m framework.generate` continues each prompt with from the step's checkpoint."""
+    from framework.launch.local import launch_local
+    from tests.conftest import compose_config, run_cli
+
+    launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 1), "mesh=2x1",
+                                 "parallel.dp_strategy=fsdp", "objective.temperature=0", "optim.lr=0",
+                                 "checkpoint.every=1"]), str(tmp_path))
+    samples = logged_completions(tmp_path / "tb")
+    assert len(samples) == 8 and len(set(samples)) == 1  # greedy: the group's completions are one
+    prompt, completion = samples[0]
+    result = run_cli([str(tmp_path / "checkpoints" / "step_1"), "--prompt", prompt, "--max-new-tokens", "8"],
+                     module="framework.generate")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == prompt + completion + "\n"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["objective.group_size=1"], r"objective.group_size=1: must be >= 2: advantages compare completions of one prompt"),
+    (["objective.loss_type=bnpo"], r"objective.loss_type='bnpo': use one of grpo, dapo, dr_grpo"),
+    (["objective.scale_rewards=rank"], r"objective.scale_rewards='rank': use one of group, batch, none"),
+    (["objective.beta=-0.1"], r"objective.beta=-0.1: must be >= 0"),
+    (["objective.epsilon_high=0.1"], r"objective.epsilon_high=0.1: must be >= objective.epsilon \(or null\)"),
+    (["objective.num_iterations=2"], r"objective.num_iterations=2: not yet other than 1"),
+    (["objective.beta=0.1"], r"objective.reference='adapters_off': is the base model with the adapters off, and this "
+                             r"run has none \(adapter=none\)"),
+    (["objective.max_new_tokens=30"], r"data.dataset.seq_len=32: the longest prompt in .* has 5 tokens, and with "
+                                      r"objective.max_new_tokens=30 a completion needs 35; raise seq_len or lower "
+                                      r"max_new_tokens"),
+    (["objective=lm"], r"objective='framework.training.objectives.NextTokenCrossEntropy': prompts \(data=prompts\) "
+                       r"train under objective=grpo"),
+    (["data=instructions", "objective=grpo"], r"objective='grpo': needs prompts, and data.dataset is "
+                                              r"framework.data.InstructionDataset; prepare them with framework.prepare"),
+    (["mesh=1x2"], r"objective='grpo': not yet with tensor, context or pipeline parallelism"),
+    (["mesh=pp2x1x1"], r"objective='grpo': not yet with tensor, context or pipeline parallelism"),
+    (["trainer.eval_every=5"], r"objective='grpo': not yet with trainer.eval_every"),
+    (["trainer.compile=blocks"], r"objective='grpo': not yet with trainer.compile"),
+    (["reward=none"], r"reward.kind='none'"),
+])
+def test_bad_grpo_configs_are_refused_before_launch_naming_the_key(overrides, message, prepared, reward_file):
+    from framework.config.errors import ConfigError
+    from framework.config.validate import validate
+    from tests.conftest import compose_config
+
+    data = [f"data.path={prepared['instruction']}"] if "data=instructions" in overrides else []
+    cfg = compose_config([*grpo_overrides(prepared["prompts"], reward_file, 5), "mesh=1x1", *overrides, *data])
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_a_bad_grpo_command_line_exits_2_with_one_line_and_starts_nothing(prepared, reward_file, tmp_path):
+    from tests.conftest import run_cli
+
+    result = run_cli([*grpo_overrides(prepared["prompts"], reward_file, 5), "mesh=1x1", "objective.group_size=1",
+                      f"hydra.run.dir={tmp_path / 'run'}"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "config error: objective.group_size=1: must be >= 2: advantages compare completions of one prompt"]
+    assert not (tmp_path / "run" / "logs").exists()
