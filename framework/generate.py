@@ -55,14 +55,27 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generato
 @torch.no_grad()
 def generate_group(model: nn.Module, prompt: List[int], n: int, max_new_tokens: int, temperature: float,
                    top_p: float, generator: torch.Generator, stop: Set[int], pad_id: int,
-                   device: Optional[torch.device] = None, stop_early: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                   device: Optional[torch.device] = None, stop_early: bool = True,
+                   block: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
     """`n` continuations of `prompt` decoded side by side with a KV cache: (tokens (n,
     max_new_tokens), each row ending at its first stop id and padded with pad_id after it;
     lengths (n,), the stop id counted). `stop_early` False decodes all max_new_tokens positions
     even when every row has stopped: a model sharded over ranks (FSDP2) gathers its weights in
-    every forward, so every rank must run as many."""
-    cache = [LayerCache(len(prompt) + max_new_tokens) for _ in model.layers]
-    logits = model(torch.tensor([prompt] * n, device=device), cache)[:, -1]
+    every forward, so every rank must run as many. `block` > 1 (a plan with sequence
+    parallelism, whose forwards split the sequence over the TP ranks) feeds each forward a
+    multiple of it: the tokens, then pad_id up to it, whose keys and values come after every
+    real position (no real query sees them) and leave the cache again."""
+    cache = [LayerCache(len(prompt) + max_new_tokens + block) for _ in model.layers]
+
+    def last_logits(tokens: torch.Tensor) -> torch.Tensor:
+        filler = -tokens.shape[1] % block
+        padded = torch.cat([tokens, tokens.new_full((n, filler), pad_id)], 1) if filler else tokens
+        logits = model(padded, cache)[:, tokens.shape[1] - 1]
+        for layer in cache:
+            layer.length -= filler
+        return logits
+
+    logits = last_logits(torch.tensor([prompt] * n, device=device))
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.int64, device=logits.device)
     lengths = torch.zeros(n, dtype=torch.int64, device=logits.device)
     done = torch.zeros(n, dtype=torch.bool, device=logits.device)
@@ -74,7 +87,7 @@ def generate_group(model: nn.Module, prompt: List[int], n: int, max_new_tokens: 
         done |= torch.isin(new, stops)
         if position == max_new_tokens - 1 or (stop_early and bool(done.all())):
             break
-        logits = model(new[:, None], cache)[:, -1]
+        logits = last_logits(new[:, None])
     return tokens, lengths
 
 

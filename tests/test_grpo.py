@@ -113,6 +113,14 @@ def test_group_generation_decodes_as_the_model_does_without_a_cache_and_pads_aft
     assert generate(model, prompt, 12, stop=stop) == expected[:first_stop + 1]
 
 
+def test_decoding_in_blocks_for_sequence_parallelism_gives_the_same_tokens():
+    """block=3: each forward padded to a multiple of 3, the padding's keys and values dropped."""
+    model, prompt = tiny_lm(), [3, 7, 1, 9]
+    plain = generate_group(model, prompt, 2, 10, 0.0, 1.0, torch.Generator(), set(), pad_id=0)
+    blocked = generate_group(model, prompt, 2, 10, 0.0, 1.0, torch.Generator(), set(), pad_id=0, block=3)
+    assert torch.equal(plain[0], blocked[0]) and torch.equal(plain[1], blocked[1])
+
+
 def test_sampled_groups_are_reproducible_from_the_generator_and_differ_within_a_group():
     model, prompt = tiny_lm(), [3, 7, 1, 9]
     draw = lambda: generate_group(model, prompt, 4, 10, 1.0, 0.9, torch.Generator().manual_seed(5), set(), 0)[0]  # noqa: E731
@@ -163,7 +171,12 @@ def one_process(prepared, reward_file, tmp_path_factory) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_the_reward_rises_and_fsdp_on_two_ranks_follows_one_process(one_process, prepared, reward_file, tmp_path):
+@pytest.mark.parametrize("mesh", [
+    ["mesh=2x1", "parallel.dp_strategy=fsdp"],
+    pytest.param(["mesh=1x2", "plan=lm_tp_sp"], marks=pytest.mark.integration),
+    pytest.param(["mesh=2x2", "plan=lm_tp_sp", "parallel.dp_strategy=fsdp"], marks=pytest.mark.integration),
+], ids=["fsdp_2x1", "tp_sp_1x2", "fsdp_tp_sp_2x2"])
+def test_the_reward_rises_and_every_mesh_follows_one_process(mesh, one_process, prepared, reward_file, tmp_path):
     """The same prompts draw the same completions on every mesh (their sampling is seeded by the
     step and the prompt's index), so the reward, the loss and the gradient norm follow one process."""
     from framework.launch.local import launch_local
@@ -172,8 +185,8 @@ def test_the_reward_rises_and_fsdp_on_two_ranks_follows_one_process(one_process,
     ours = one_process["scalars"]
     assert ours["reward"][0] < 0.3 and ours["reward"][-1] > 0.8, ours["reward"]  # (0.10 -> 0.97 measured)
     assert ours["completions/mean_length"][0] > 7  # 8 tokens, a stop drawn now and then
-    summary = launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 20), "mesh=2x1",
-                                           "parallel.dp_strategy=fsdp"]), str(tmp_path))
+    summary = launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 20), *mesh]),
+                           str(tmp_path))
     theirs = scalars(tmp_path / "tb")
     # measured: rewards within 6e-8, grad norms 1.3e-7 relative, losses 1.3e-8; each bound 10x and more
     assert theirs["reward"] == pytest.approx(ours["reward"], abs=1e-6)
@@ -212,15 +225,19 @@ def logged_completions(tb_dir) -> list:
 
 
 @pytest.mark.timeout(300)
-def test_greedy_generation_in_the_loop_on_fsdp_is_framework_generate_s(prepared, reward_file, tmp_path):
-    """temperature 0 and lr 0 on 2 FSDP ranks: the completions step 1 logged are what
-    `python -m framework.generate` continues each prompt with from the step's checkpoint."""
+@pytest.mark.parametrize("mesh", [
+    ["mesh=2x1", "parallel.dp_strategy=fsdp"],
+    pytest.param(["mesh=1x2", "plan=lm_tp_sp"], marks=pytest.mark.integration),
+    pytest.param(["mesh=1x1"], marks=pytest.mark.integration),
+], ids=["fsdp_2x1", "tp_sp_1x2", "1x1"])
+def test_greedy_generation_in_the_loop_is_framework_generate_s(mesh, prepared, reward_file, tmp_path):
+    """temperature 0 and lr 0: the completions step 1 logged are what `python -m framework.generate`
+    continues each prompt with (one process, no parallelism) from the step's checkpoint."""
     from framework.launch.local import launch_local
     from tests.conftest import compose_config, run_cli
 
-    launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 1), "mesh=2x1",
-                                 "parallel.dp_strategy=fsdp", "objective.temperature=0", "optim.lr=0",
-                                 "checkpoint.every=1"]), str(tmp_path))
+    launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 1), *mesh,
+                                 "objective.temperature=0", "optim.lr=0", "checkpoint.every=1"]), str(tmp_path))
     samples = logged_completions(tmp_path / "tb")
     assert len(samples) == 8 and len(set(samples)) == 1  # greedy: the group's completions are one
     prompt, completion = samples[0]
@@ -246,8 +263,8 @@ def test_greedy_generation_in_the_loop_on_fsdp_is_framework_generate_s(prepared,
                        r"train under objective=grpo"),
     (["data=instructions", "objective=grpo"], r"objective='grpo': needs prompts, and data.dataset is "
                                               r"framework.data.InstructionDataset; prepare them with framework.prepare"),
-    (["mesh=1x2"], r"objective='grpo': not yet with tensor, context or pipeline parallelism"),
-    (["mesh=pp2x1x1"], r"objective='grpo': not yet with tensor, context or pipeline parallelism"),
+    (["mesh=1x2x1cp"], r"objective='grpo': not yet with context or pipeline parallelism"),
+    (["mesh=pp2x1x1"], r"objective='grpo': not yet with context or pipeline parallelism"),
     (["trainer.eval_every=5"], r"objective='grpo': not yet with trainer.eval_every"),
     (["trainer.compile=blocks"], r"objective='grpo': not yet with trainer.compile"),
     (["reward=none"], r"reward.kind='none'"),

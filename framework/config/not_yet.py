@@ -59,10 +59,10 @@ NOT_YET = [
     NotYet("objective", "pipeline parallelism (parallel.pp_dim)",
            lambda cfg, roles: cfg.objective.get("_target_") == DPO and roles.pp_size > 1,
            "the reference's forward is not a stage of the schedule; use a mesh without a pp dim", shown="dpo"),
-    NotYet("objective", "tensor, context or pipeline parallelism (parallel.tp_dim, cp_dim, pp_dim)",
-           lambda cfg, roles: _grpo(cfg) and max(roles.tp_size, roles.cp_size, roles.pp_size) > 1,
-           "generation decodes with a KV cache on whole (DP-sharded) layers only; use a mesh of DP dims alone "
-           "(e.g. mesh=2x1 plan=none)", shown="grpo"),
+    NotYet("objective", "context or pipeline parallelism (parallel.cp_dim, pp_dim)",
+           lambda cfg, roles: _grpo(cfg) and max(roles.cp_size, roles.pp_size) > 1,
+           "generation decodes with a KV cache through whole sequences and every layer at once; use a mesh of "
+           "DP and TP dims (e.g. mesh=2x1 plan=none)", shown="grpo"),
     NotYet("objective", "trainer.compile",
            lambda cfg, roles: _grpo(cfg) and cfg.trainer.compile != "none",
            "decoding one token at a time would recompile the blocks; use trainer.compile=none", shown="grpo"),

@@ -35,7 +35,7 @@ from framework.parallel.expert_parallel import check_expert_parallel
 from framework.parallel.fault_tolerance import check_fault_tolerance
 from framework.training.objectives import check_objective
 from framework.parallel.pipeline import check_pipeline_parallel
-from framework.parallel.plan import check_output_layout, check_plan, matching_modules
+from framework.parallel.plan import check_output_layout, check_plan, matching_modules, shards_sequence
 from framework.training.compile import compiled_blocks
 from framework.models.protocol import from_hugging_face, offered
 
@@ -162,7 +162,7 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
         if not any(name in matching_modules(model, pattern) for pattern in plan):
             raise ConfigError(f"plan.{name}", None, f"the plan has no entry for it: {why}")
     counts = dict(offered(model).tp_sharded_counts())
-    if any(entry.get("style") == "sequence_parallel" for entry in plan.values()):
+    if shards_sequence(plan):
         counts["data.dataset.seq_len"] = cfg.data.dataset.get("seq_len")
     for key, count in counts.items():
         if count is not None and count % tp:

@@ -165,3 +165,9 @@ def check_output_layout(plan: Mapping[str, Mapping[str, Any]], model: nn.Module,
                               f"as local shards ({layout}) on each of the {tp_size} TP ranks, so the loss would see "
                               f"only a slice of it; set output_layouts: replicate, or output_layouts: shard(-1) with "
                               f"use_local_output: false to compute the loss on the sharded logits (loss_parallel)")
+
+
+def shards_sequence(plan) -> bool:
+    """Whether the plan has sequence parallelism: activations split on the sequence between
+    blocks, so every forward's sequence must divide by the TP size."""
+    return any((entry or {}).get("style") == "sequence_parallel" for entry in (plan or {}).values())

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import nn
 
 from framework.config.checked import Checked
@@ -34,6 +35,7 @@ from framework.config.errors import ConfigError
 from framework.data.batch import Batch
 from framework.data.tokens import IGNORE, kind_of
 from framework.models.protocol import offered
+from framework.parallel.plan import shards_sequence
 from framework.training.objectives import Objective, StepShare
 from framework.training.preference import frozen_copy, sequence_logps
 
@@ -96,6 +98,8 @@ class GroupRelativePolicy(Objective):
         self.replicas, self.replica_group = run.dp_cp["size"], run.dp_cp_group
         self.sharded = run.cfg.parallel.dp_strategy != "replicate"
         self.micro_batch = run.cfg.data.micro_batch_size
+        plan = OmegaConf.to_container(run.cfg.plan, resolve=True) if run.cfg.plan else {}
+        self.block = run.tp.get("size", 1) if shards_sequence(plan) else 1  # (generate_group's `block`)
         if self.beta > 0 and self.reference == "frozen_copy":
             self.reference_model = frozen_copy(run)
 
@@ -119,7 +123,8 @@ class GroupRelativePolicy(Objective):
         for prompt, index in zip(prompts, batch.index.tolist()):
             generator = torch.Generator().manual_seed(hash((self.seed, step, index)) % (1 << 62))
             rows.append(generate_group(model, prompt, n, self.max_new_tokens, self.temperature, self.top_p, generator,
-                                       self.stop, self.pad_id, self.device, stop_early=not self.sharded))
+                                       self.stop, self.pad_id, self.device, stop_early=not self.sharded,
+                                       block=self.block))
         model.train()
         if self.sharded:
             _reshard(model)
