@@ -103,10 +103,15 @@ def placeholders(hf_dirs, prepared, tmp_path_factory) -> Dict[str, str]:
                                                                                f"model on its data " * 4}) + "\n"
                                                            for i in range(600)))
     shutil.copy(os.path.join(os.path.dirname(prepared["instruction"]), "chat.jsonl"), root / "chats.jsonl")
+    prompts = os.path.join(os.path.dirname(prepared["prompts"]), "prompts.jsonl")
+    assert prepare([prompts, "--prompt-field", "prompt", "--answer-field", "answer", "--tokenizer", model, "--out",
+                    str(root / "prompts")]) == 0
+    (root / "my_rewards.py").write_text("def score(prompt, completion, answer):\n    return float(answer in completion)\n")
     return {"/models/Qwen2.5-0.5B": model, "data/qwen_tokens": str(root / "qwen_tokens"),
             "my_docs/": str(root / "my_docs"), "chats.jsonl": str(root / "chats.jsonl"),
             "data/my_tokens": prepared["packed"], "data/my_sft": prepared["instruction"],
-            "data/prefs": str(root / "prefs"), "$HOME/my_texts": str(root / "my_texts")}
+            "data/prefs": str(root / "prefs"), "$HOME/my_texts": str(root / "my_texts"),
+            "data/prompts": str(root / "prompts"), "my_rewards.py": str(root / "my_rewards.py")}
 
 
 def overrides_of(module: str, arguments: List[str], placeholders: Dict[str, str]) -> List[str]:
