@@ -54,6 +54,7 @@ def trl_loss(logps, old, ref, advantages, mask, loss_type, eps_low, eps_high, be
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_the_loss_is_trl_s_for_each_loss_type_and_its_gradient_the_policy_gradient(loss_type, beta):
+    """One update per rollout: the old policy is the new one detached, the ratio 1."""
     torch.manual_seed(0)
     rows, seq, vocab, max_new = 6, 10, 11, 5
     logits = torch.randn(rows, seq, vocab, dtype=torch.float64, requires_grad=True)
@@ -65,7 +66,7 @@ def test_the_loss_is_trl_s_for_each_loss_type_and_its_gradient_the_policy_gradie
     reference = torch.where(targets != IGNORE, -2.0 + 0.3 * torch.randn(rows, seq, dtype=torch.float64), 0.0)
     objective = GroupRelativePolicy(group_size=2, max_new_tokens=max_new, loss_type=loss_type, beta=beta)
     units = float(objective.count(targets))
-    ours = objective((logits, advantages, reference), targets, torch.nn.Linear(1, 1), StepShare(units, None))
+    ours = objective((logits, advantages, reference, None), targets, torch.nn.Linear(1, 1), StepShare(units, None))
 
     mask = (targets != IGNORE).double()
     logps = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
@@ -83,6 +84,35 @@ def test_the_loss_is_trl_s_for_each_loss_type_and_its_gradient_the_policy_gradie
     expected_grad, = torch.autograd.grad((per_token * weight).sum(), logits)
     # the objective takes log-probabilities in fp32 (as DPO's): 6e-9 from the fp64 reference here
     assert torch.allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_with_several_updates_per_rollout_the_clipped_ratio_to_the_old_policy_is_trl_s(loss_type):
+    """num_iterations > 1: the ratio to the policy that generated, clipped to [1 - 0.2, 1 + 0.28]
+    (DAPO's clip-higher), and TRL's clip_ratio/region_mean: the completion tokens whose ratio
+    left the range on the side that stops their gradient."""
+    torch.manual_seed(1)
+    rows, seq, vocab, max_new = 8, 9, 7, 4
+    logits = torch.randn(rows, seq, vocab, dtype=torch.float64, requires_grad=True)
+    targets = torch.full((rows, seq), IGNORE)
+    for r in range(rows):
+        targets[r, 2:3 + r % max_new] = torch.randint(vocab, (1 + r % max_new,))
+    advantages = torch.randn(rows, dtype=torch.float64)
+    mask = (targets != IGNORE).double()
+    logps = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                             reduction="none").view(rows, seq)
+    old = (logps.detach() + 0.4 * torch.randn(rows, seq, dtype=torch.float64)) * mask  # a policy 0.4 nats away
+    objective = GroupRelativePolicy(group_size=2, max_new_tokens=max_new, loss_type=loss_type, epsilon=0.2,
+                                    epsilon_high=0.28, num_iterations=2)
+    step = StepShare(float(objective.count(targets)), 1.0)
+    objective._tokens = float(mask.sum())
+    ours = objective((logits, advantages, None, old), targets, torch.nn.Linear(1, 1), step)
+    expected = trl_loss(logps, old, None, advantages, mask, loss_type, 0.2, 0.28, 0.0, max_new, mask.sum())
+    assert float(ours) == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
+    ratio, a = torch.exp(logps - old), advantages[:, None]
+    region = (((ratio < 0.8) & (a < 0)) | ((ratio > 1.28) & (a > 0))).double()
+    assert float(step.terms["clip_ratio"]) == pytest.approx(float((region * mask).sum() / mask.sum()), abs=1e-6)
+    assert 0 < float(step.terms["clip_ratio"]) < 1
 
 
 def tiny_lm(vocab: int = 32) -> Transformer:
@@ -253,7 +283,10 @@ def test_greedy_generation_in_the_loop_is_framework_generate_s(mesh, prepared, r
     (["objective.scale_rewards=rank"], r"objective.scale_rewards='rank': use one of group, batch, none"),
     (["objective.beta=-0.1"], r"objective.beta=-0.1: must be >= 0"),
     (["objective.epsilon_high=0.1"], r"objective.epsilon_high=0.1: must be >= objective.epsilon \(or null\)"),
-    (["objective.num_iterations=2"], r"objective.num_iterations=2: not yet other than 1"),
+    (["objective.num_iterations=0"], r"objective.num_iterations=0: must be >= 1"),
+    (["objective.num_iterations=2", "checkpoint.every=3"], r"checkpoint.every=3: a checkpoint inside a rollout's "
+                                                           r"objective.num_iterations=2 steps would resume without "
+                                                           r"that rollout; make it a multiple of 2"),
     (["objective.beta=0.1"], r"objective.reference='adapters_off': is the base model with the adapters off, and this "
                              r"run has none \(adapter=none\)"),
     (["objective.max_new_tokens=30"], r"data.dataset.seq_len=32: the longest prompt in .* has 5 tokens, and with "
@@ -289,3 +322,32 @@ def test_a_bad_grpo_command_line_exits_2_with_one_line_and_starts_nothing(prepar
     assert result.stderr.strip().splitlines() == [
         "config error: objective.group_size=1: must be >= 2: advantages compare completions of one prompt"]
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def logged_texts(tb_dir) -> dict:
+    """step -> the completions text logged at it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("completions/text_summary")}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh", [["mesh=1x1"], pytest.param(["mesh=2x1", "parallel.dp_strategy=fsdp"],
+                                                            marks=pytest.mark.integration)], ids=["1x1", "fsdp_2x1"])
+def test_several_updates_per_rollout_learn_from_one_rollout_against_the_policy_that_made_it(mesh, prepared,
+                                                                                           reward_file, tmp_path):
+    """num_iterations=3: steps 1-3 learn from step 1's completions, step 4 generates again; the
+    first update of a rollout has ratio 1 (nothing clipped), later ones move away from it."""
+    from framework.launch.local import launch_local
+    from tests.conftest import compose_config
+
+    summary = launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 6), *mesh,
+                                           "objective.num_iterations=3", "optim.lr=0.05"]), str(tmp_path))
+    texts, values = logged_texts(tmp_path / "tb"), scalars(tmp_path / "tb")
+    assert texts[1] == texts[2] == texts[3] != texts[4] == texts[5] == texts[6]
+    assert values["clip_ratio"][0] == 0 and values["clip_ratio"][3] == 0  # (steps 1 and 4: r = 1)
+    assert max(values["clip_ratio"][1:3]) > 0, values["clip_ratio"]  # lr 0.05 moves the policy out of [0.8, 1.2]
+    assert values["reward"][:3] == [values["reward"][0]] * 3
+    assert len(set(summary["grad_norms"][:3])) == 3  # the same rollout, a moving policy

@@ -4,7 +4,8 @@ document, which the model takes as a keyword (framework.models.documents); for D
 objective.reference=precomputed, each pair's reference log-probabilities; from a mixture
 (framework.data.mixture), each sample's source; for GRPO (framework.training.grpo), each prompt's
 index in its dataset (what seeds its sampling) and, once its completions are rolled out, each
-completion's advantage (and the reference's per-token log-probabilities in `reference`)."""
+completion's advantage (the reference's per-token log-probabilities in `reference`, and with
+objective.num_iterations > 1 the policy's as it generated, `old_logps`)."""
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -18,6 +19,7 @@ class Batch(NamedTuple):
     source: Optional[torch.Tensor] = None
     index: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
+    old_logps: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, sample: Sequence[torch.Tensor], device) -> "Batch":

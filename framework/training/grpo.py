@@ -13,8 +13,10 @@ the batch's (`batch`: over every DP replica) or nothing (`none`), as TRL compute
 The loss is TRL's: per completion token, -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
 with r = pi / pi_old, plus beta times the k3 estimate of the KL to a reference
 (exp(ref - logp) - (ref - logp) - 1). With one policy update per rollout (num_iterations 1) the old
-log-probabilities are the new ones detached: r is 1, its gradient the policy gradient. The token
-sum is normalized by `loss_type`:
+log-probabilities are the new ones detached: r is 1, its gradient the policy gradient. With
+num_iterations k > 1 a rollout is learned from for k steps (TRL's mu), pi_old being the policy
+as it generated (its log-probabilities taken then); the loader's prompts of the k - 1 steps
+that reuse a rollout are passed over. The token sum is normalized by `loss_type`:
 - grpo: each completion's mean over its tokens, averaged over the global batch's completions;
 - dapo: the sum over the global batch's completion tokens over their number;
 - dr_grpo: the sum over (completions x max_new_tokens), a constant.
@@ -43,7 +45,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 REFERENCES = ("adapters_off", "frozen_copy")
 ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
-                   "completions/max_length", "completions/clipped_ratio")
+                   "completions/max_length", "completions/clipped_ratio", "clip_ratio")
 STD_FLOOR = 1e-4  # TRL's: advantages over (std + this)
 
 
@@ -80,7 +82,9 @@ class GroupRelativePolicy(Objective):
         self.reference_model: Optional[nn.Module] = None  # frozen_copy's
         self._rollout_terms: Dict[str, torch.Tensor] = {}
         self._kl: Optional[torch.Tensor] = None
+        self._clipped: Optional[torch.Tensor] = None
         self._samples = ""  # the last rollout's first group, as text
+        self._cycle: Optional[tuple] = None  # num_iterations > 1: (the step it generated at, its batch, its terms)
         self.rollout_s: List[float] = []  # each step's seconds spent generating and scoring (this attempt)
 
     def setup(self, run) -> None:
@@ -107,12 +111,27 @@ class GroupRelativePolicy(Objective):
 
     @torch.no_grad()
     def rollout(self, model: nn.Module, batch: Batch, step: int) -> Batch:
+        """The prompts' completions as a batch to learn from (`generated`), or with num_iterations
+        k > 1, within k steps of the last rollout, that rollout again."""
+        if self._cycle is not None and 0 < step - self._cycle[0] < self.num_iterations:
+            start = time.perf_counter()
+            _, rolled_out, self._rollout_terms = self._cycle
+            self._rollout_terms = dict(self._rollout_terms)
+            self.rollout_s.append(time.perf_counter() - start)
+            return rolled_out
+        rolled_out = self.generated(model, batch, step)
+        if self.num_iterations > 1:
+            self._cycle = (step, rolled_out, dict(self._rollout_terms))
+        return rolled_out
+
+    def generated(self, model: nn.Module, batch: Batch, step: int) -> Batch:
         """The prompts' completions as a batch to learn from, a prompt's group together as DPO's
         pairs are (so micro-batches count prompts and never part a group): inputs (prompts,
         group_size, seq_len) each prompt + completion (padded), targets the completion's tokens (the
-        rest -100), each completion's advantage (prompts, group_size), and with beta > 0 the
-        reference's per-token log-probabilities."""
+        rest -100), each completion's advantage (prompts, group_size), with beta > 0 the
+        reference's per-token log-probabilities, with num_iterations > 1 the policy's."""
         from framework.generate import generate_group
+        from framework.models.lora import adapters_disabled
 
         start = time.perf_counter()
         prompts = [row[row != IGNORE].tolist() for row in batch.inputs]
@@ -147,12 +166,20 @@ class GroupRelativePolicy(Objective):
         self._note_rollout(rewards, torch.tensor(lengths, dtype=torch.float64), targets)
         self._samples = "\n\n".join(f"{prompt_text!r} -> {text!r} (reward {reward:.4g})"
                                      for prompt_text, text, reward in zip(prompt_texts[:n], texts[:n], rewards.tolist()))
-        reference = self._reference_logps(model, inputs, targets) if self.beta > 0 else None
+        reference = old = None
+        if self.beta > 0 and self.reference_model is not None:
+            reference = self._logps(self.reference_model, inputs, targets)
+        elif self.beta > 0:
+            with adapters_disabled(model):
+                reference = self._logps(model, inputs, targets)
+        if self.num_iterations > 1:
+            old = self._logps(model, inputs, targets)
         self.rollout_s.append(time.perf_counter() - start)
         grouped = (len(prompts), n, width)
         return Batch(inputs.view(grouped), targets.view(grouped),
                      reference=reference.view(grouped) if reference is not None else None,
-                     advantages=advantages.float().to(self.device).view(grouped[:2]))
+                     advantages=advantages.float().to(self.device).view(grouped[:2]),
+                     old_logps=old.view(grouped) if old is not None else None)
 
     def _batch_std(self, rewards: torch.Tensor) -> Optional[torch.Tensor]:
         """scale_rewards=batch: the std of every replica's rewards (one all-reduce over DP)."""
@@ -177,39 +204,35 @@ class GroupRelativePolicy(Objective):
             "completions/clipped_ratio": (lengths >= self.max_new_tokens).double().mean()}
         self._tokens = float((targets != IGNORE).sum())
 
-    def _reference_logps(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The reference's log-probability of each completion token (0 elsewhere), in micro-batches."""
-        from framework.models.lora import adapters_disabled
-
+    def _logps(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`model`'s log-probability of each completion token (0 elsewhere), in the step's micro-batches."""
         size, parts = (self.micro_batch or len(inputs)) * self.group_size, []
         for begin in range(0, len(inputs), size):
-            chunk = slice(begin, begin + size)
-            if self.reference_model is not None:
-                logits = self.reference_model(inputs[chunk])
-            else:
-                with adapters_disabled(model):
-                    logits = model(inputs[chunk])
-            parts.append(token_logps(logits, targets[chunk]))
-        if self.reference_model is not None and self.sharded:
-            _reshard(self.reference_model)
+            parts.append(token_logps(model(inputs[begin:begin + size]), targets[begin:begin + size]))
+        if self.sharded:
+            _reshard(model)
         return torch.cat(parts)
 
     # -- the learning phase -------------------------------------------------------------
 
     def forward(self, model: nn.Module, batch: Batch):
-        """The policy's logits of every completion (completions, seq_len, vocab), their advantages
-        and reference log-probabilities, a completion a row."""
-        reference = batch.reference.flatten(0, 1) if batch.reference is not None else None
-        return model(batch.inputs.flatten(0, 1)), batch.advantages.flatten(), reference
+        """The policy's logits of every completion (completions, seq_len, vocab), their advantages,
+        the reference's and the old policy's log-probabilities, a completion a row."""
+        reference, old = (t.flatten(0, 1) if t is not None else None for t in (batch.reference, batch.old_logps))
+        return model(batch.inputs.flatten(0, 1)), batch.advantages.flatten(), reference, old
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
-        logits, advantages, reference = outputs
+        logits, advantages, reference, old = outputs
         targets = targets.flatten(0, -2)  # (prompts, group_size, seq_len): a completion a row
         mask = (targets != IGNORE).float()
         logps = token_logps(logits, targets)
-        ratio = torch.exp(logps - logps.detach())  # num_iterations 1: the old policy is this one
+        ratio = torch.exp(logps - (logps.detach() if old is None else old))  # (num_iterations 1: r = 1)
         clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
         per_token = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
+        # TRL's clip_ratio/region_mean: tokens whose ratio left the clip range on the side that stops their gradient
+        outside = ((ratio < 1 - self.epsilon) & (advantages[:, None] < 0)) | \
+            ((ratio > 1 + self.epsilon_high) & (advantages[:, None] > 0))
+        self._clipped = (outside.float() * mask).sum().detach()
         if self.beta > 0:
             kl = torch.exp(reference - logps) - (reference - logps) - 1
             per_token = per_token + self.beta * kl
@@ -228,6 +251,7 @@ class GroupRelativePolicy(Objective):
             for name, value in self._rollout_terms.items():
                 step.add(name, value.float().to(total.device))
             self._rollout_terms = {}
+            step.add("clip_ratio", self._clipped / max(self._tokens, 1.0))
             if self._kl is not None:
                 step.add("kl", self._kl / max(self._tokens, 1.0))
         return total
@@ -302,10 +326,16 @@ def check_grpo(c: Checked) -> None:
              ("epsilon", lambda v: v > 0, "must be > 0"),
              ("epsilon_high", lambda v: v is None or v >= objective.epsilon, "must be >= objective.epsilon (or null)"),
              ("beta", lambda v: v >= 0, "must be >= 0 (0: no KL term, no reference)"),
-             ("num_iterations", lambda v: v == 1, "not yet other than 1 (one policy update per rollout)")]
+             ("num_iterations", lambda v: v >= 1, "must be >= 1 (policy updates per rollout)")]
     for key, allowed, rule in rules:
         if not allowed(objective.get(key)):
             raise ConfigError(f"objective.{key}", objective.get(key), rule)
+    every = cfg.checkpoint.every
+    if objective.num_iterations > 1 and every and every % objective.num_iterations:
+        raise ConfigError("checkpoint.every", every, f"a checkpoint inside a rollout's "
+                                                     f"objective.num_iterations={objective.num_iterations} steps "
+                                                     f"would resume without that rollout; make it a multiple of "
+                                                     f"{objective.num_iterations}")
     if objective.beta > 0:
         if objective.reference not in REFERENCES:
             raise ConfigError("objective.reference", objective.reference, f"use one of {', '.join(REFERENCES)}")
