@@ -56,6 +56,12 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -token.view(targets.shape)
 
 
+def sampling_seed(seed: int, step: int, index: int) -> int:
+    """The seed of a prompt's completions at a step: a function of the three alone, the same on
+    every mesh, after a resume and under any Python."""
+    return ((seed * 1_000_003 + step) * 1_000_003 + index) % (1 << 62)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str,
                      batch_std: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rewards (completions,), each group's `group_size` in a row, less their group's mean, over
@@ -140,7 +146,7 @@ class GroupRelativePolicy(Objective):
         model.eval()
         rows = []
         for prompt, index in zip(prompts, batch.index.tolist()):
-            generator = torch.Generator().manual_seed(hash((self.seed, step, index)) % (1 << 62))
+            generator = torch.Generator().manual_seed(sampling_seed(self.seed, step, index))
             rows.append(generate_group(model, prompt, n, self.max_new_tokens, self.temperature, self.top_p, generator,
                                        self.stop, self.pad_id, self.device, stop_early=not self.sharded,
                                        block=self.block))
