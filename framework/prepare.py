@@ -7,7 +7,9 @@ kinds are skipped and named in one line): `.txt` (one document per file, or per 
 read in record batches), all UTF-8. With --prompt-field and --response-field, JSONL / Parquet
 records become instruction examples whose prompt tokens are masked out of the loss; with
 --prompt-field, --chosen-field and --rejected-field, preference pairs (DPO): each record's prompt +
-chosen and prompt + rejected, two instruction examples side by side; with --prompt-field alone (and
+chosen and prompt + rejected, two instruction examples side by side; with --prompt-field,
+--response-field and --label-field, unpaired preference data (KTO): instruction examples, each
+record's label (true: desirable, false: undesirable) in labels.bin; with --prompt-field alone (and
 optionally --answer-field), prompts for online RL (GRPO): each record's prompt + answer ("" without
 --answer-field), stored as an instruction example, its prompt non-empty. Documents keep their
 input order; each ends with the tokenizer's EOS (after the response or answer, never in a prompt).
@@ -39,7 +41,7 @@ from tqdm import tqdm  # noqa: E402
 
 from framework.config.errors import ConfigError  # noqa: E402
 from framework.data.tokenizer import EOS_CANDIDATES, described, load_tokenizer  # noqa: E402
-from framework.data.tokens import FORMAT, MASK, META, OFFSETS, TOKENS  # noqa: E402
+from framework.data.tokens import FORMAT, LABELS, MASK, META, OFFSETS, TOKENS  # noqa: E402
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 CHUNK_CHARS = 1 << 20  # about 1 MB of text per task
@@ -67,6 +69,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--response-field", help="instruction data: the response's field / column")
     parser.add_argument("--chosen-field", help="preference data: the preferred response's field / column")
     parser.add_argument("--rejected-field", help="preference data: the other response's field / column")
+    parser.add_argument("--label-field", help="unpaired preference data (KTO, with --prompt-field and "
+                        "--response-field): the field / column saying whether the response is desirable "
+                        "(true / false)")
     parser.add_argument("--answer-field", help="prompts data (with --prompt-field alone): a reference answer's "
                         "field / column, for a reward that compares")
     parser.add_argument("--skip-bad-lines", action="store_true",
@@ -81,6 +86,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                   or args.response_field is not None):
         raise InputError("--prompt-field / --chosen-field / --rejected-field",
                          "give all three for preference data (and no --response-field)")
+    if args.label_field is not None and (args.response_field is None or pairs or args.answer_field is not None):
+        raise InputError("--label-field", "give it with --prompt-field and --response-field, for unpaired "
+                         "preference data (no --chosen-field, --rejected-field or --answer-field)")
     if args.response_field is not None and args.prompt_field is None:
         raise InputError("--prompt-field / --response-field", "give both for instruction data (--prompt-field "
                          "alone is prompts data)")
@@ -115,9 +123,11 @@ def _say_skipped(directory: str, skipped: List[Path], shown: int = 3) -> None:
 
 def kind(args: argparse.Namespace) -> str:
     """What the inputs become (meta.json's kind): packed text, instruction examples, preference
-    pairs, or prompts."""
+    pairs, unpaired preference examples, or prompts."""
     if not args.prompt_field:
         return "packed"
+    if args.label_field:
+        return "unpaired"
     return "preference" if args.chosen_field else "instruction" if args.response_field else "prompts"
 
 
@@ -126,7 +136,14 @@ def _fields(args: argparse.Namespace) -> List[str]:
         return [args.prompt_field, args.chosen_field, args.rejected_field]
     if kind(args) == "prompts":
         return [args.prompt_field] + ([args.answer_field] if args.answer_field else [])
+    if args.label_field:
+        return [args.prompt_field, args.response_field, args.label_field]
     return [args.prompt_field, args.response_field] if args.prompt_field else [args.text_field]
+
+
+def _flags(args: argparse.Namespace) -> List[str]:
+    """The fields that hold true or false (unpaired data's label), not text."""
+    return [args.label_field] if args.label_field else []
 
 
 def _not_empty(args: argparse.Namespace) -> List[str]:
@@ -135,7 +152,7 @@ def _not_empty(args: argparse.Namespace) -> List[str]:
     return [args.prompt_field] if kind(args) == "prompts" else []
 
 
-def _jsonl_problem(line: bytes, fields: List[str], not_empty: List[str] = ()):
+def _jsonl_problem(line: bytes, fields: List[str], not_empty: List[str] = (), flags: List[str] = ()):
     """(the record's values, None) or (None, what is wrong with the line)."""
     try:
         record = json.loads(line.decode("utf-8"))
@@ -147,8 +164,9 @@ def _jsonl_problem(line: bytes, fields: List[str], not_empty: List[str] = ()):
     if missing:
         return None, f"has no field {_named(missing)}"
     values = [record[field] for field in fields]
-    if _not_strings(fields, values):
-        return None, f"its {_named(_not_strings(fields, values))} is not a string"
+    wrong = _wrong_type(fields, values, flags)
+    if wrong:
+        return None, f"its {wrong[0]!r} is not {wrong[2]}"
     empty = _empty(not_empty, record)
     if empty:
         return None, f"its {_named(empty)} is empty"
@@ -159,20 +177,26 @@ def _empty(fields: List[str], record: dict) -> List[str]:
     return [field for field in fields if record[field] == ""]
 
 
-def _not_strings(fields: List[str], values: list) -> List[str]:
-    return [field for field, value in zip(fields, values) if not isinstance(value, str)]
+def _wrong_type(fields: List[str], values: list, flags: List[str]) -> Optional[tuple]:
+    """The first value of the wrong type (a flag's is true or false, the others' text) as (the
+    field, the value, what it should be), or None."""
+    for field, value in zip(fields, values):
+        if not isinstance(value, bool if field in flags else str):
+            return field, value, "true or false" if field in flags else "a string"
+    return None
 
 
 def _named(fields: List[str]) -> str:
     return " / ".join(map(repr, fields))
 
 
-def _jsonl_records(path: Path, fields: List[str], not_empty: List[str], skip_bad: bool, skipped: List[int]) -> Iterator:
+def _jsonl_records(path: Path, fields: List[str], not_empty: List[str], flags: List[str], skip_bad: bool,
+                   skipped: List[int]) -> Iterator:
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            values, problem = _jsonl_problem(line, fields, not_empty)
+            values, problem = _jsonl_problem(line, fields, not_empty, flags)
             if problem and skip_bad:
                 skipped[0] += 1
                 continue
@@ -182,7 +206,7 @@ def _jsonl_records(path: Path, fields: List[str], not_empty: List[str], skip_bad
             yield values if len(values) > 1 else values[0]
 
 
-def _parquet_records(path: Path, fields: List[str], not_empty: List[str]) -> Iterator:
+def _parquet_records(path: Path, fields: List[str], not_empty: List[str], flags: List[str]) -> Iterator:
     import pyarrow as pa
     import pyarrow.parquet as pq  # the `data` extra
 
@@ -196,9 +220,9 @@ def _parquet_records(path: Path, fields: List[str], not_empty: List[str]) -> Ite
     row = 0
     for batch in parquet.iter_batches(columns=fields, batch_size=1024):
         for values in zip(*(batch.column(field).to_pylist() for field in fields)):
-            if _not_strings(fields, values):
-                raise InputError(f"{path}: row {row}", f"its {_named(_not_strings(fields, values))} is not a string "
-                                 f"({next(v for v in values if not isinstance(v, str))!r})")
+            wrong = _wrong_type(fields, values, flags)
+            if wrong:
+                raise InputError(f"{path}: row {row}", f"its {wrong[0]!r} is not {wrong[2]} ({wrong[1]!r})")
             empty = _empty(not_empty, dict(zip(fields, values)))
             if empty:
                 raise InputError(f"{path}: row {row}", f"its {_named(empty)} is empty")
@@ -207,8 +231,8 @@ def _parquet_records(path: Path, fields: List[str], not_empty: List[str]) -> Ite
 
 
 def records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> Iterator:
-    """Every document (a text, [prompt, response], [prompt, chosen, rejected], or prompts data's
-    [prompt, answer]) of the inputs, in order."""
+    """Every document (a text, [prompt, response], [prompt, chosen, rejected], unpaired data's
+    [prompt, response, label], or prompts data's [prompt, answer]) of the inputs, in order."""
     read = _records(files, args, skipped)
     if kind(args) == "prompts" and not args.answer_field:
         return ([prompt, ""] for prompt in read)
@@ -218,9 +242,9 @@ def records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> 
 def _records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> Iterator:
     for path in files:
         if path.suffix == ".jsonl":
-            yield from _jsonl_records(path, _fields(args), _not_empty(args), args.skip_bad_lines, skipped)
+            yield from _jsonl_records(path, _fields(args), _not_empty(args), _flags(args), args.skip_bad_lines, skipped)
         elif path.suffix == ".parquet":
-            yield from _parquet_records(path, _fields(args), _not_empty(args))
+            yield from _parquet_records(path, _fields(args), _not_empty(args), _flags(args))
         elif args.prompt_field:
             raise InputError(str(path), "instruction, preference and prompts data come from .jsonl or .parquet, "
                              "not .txt")
@@ -255,7 +279,7 @@ def chunked(items: Iterator, chars: int = CHUNK_CHARS) -> Iterator[list]:
     chunk, size = [], 0
     for item in items:
         chunk.append(item)
-        size += len(item) if isinstance(item, str) else sum(map(len, item))
+        size += len(item) if isinstance(item, str) else sum(len(value) for value in item if isinstance(value, str))
         if size >= chars:
             yield chunk
             chunk, size = [], 0
@@ -272,11 +296,16 @@ def _load(path: str, eos_token: Optional[str]) -> None:
 
 
 def tokenize(chunk: list) -> tuple:
-    """A chunk's documents as (tokens, per-document lengths, mask or None): each document is
-    its ids and EOS; for [prompt, response] records (prompts data's [prompt, answer] too) the mask
-    is 1 on the response and EOS, so a prompt is exactly its ids; a [prompt, chosen, rejected]
-    record is the two documents [prompt, chosen], [prompt, rejected]. No BOS is added anywhere."""
+    """A chunk's documents as (tokens, per-document lengths, mask or None, labels or None): each
+    document is its ids and EOS; for [prompt, response] records (prompts data's [prompt, answer] too)
+    the mask is 1 on the response and EOS, so a prompt is exactly its ids; a [prompt, chosen, rejected]
+    record is the two documents [prompt, chosen], [prompt, rejected]; a [prompt, response, label]
+    record is [prompt, response] and its label (1 desirable, 0 not). No BOS is added anywhere."""
     eos, dtype = _tokenizer.eos_id, np.uint16 if _tokenizer.vocab_size <= 1 << 16 else np.uint32
+    labels = None
+    if not isinstance(chunk[0], str) and isinstance(chunk[0][-1], bool):
+        labels = np.array([label for *_, label in chunk], dtype=np.uint8)
+        chunk = [[prompt, response] for prompt, response, _ in chunk]
     if not isinstance(chunk[0], str) and len(chunk[0]) == 3:
         chunk = [[prompt, response] for prompt, chosen, rejected in chunk for response in (chosen, rejected)]
     if isinstance(chunk[0], str):
@@ -289,7 +318,7 @@ def tokenize(chunk: list) -> tuple:
         masks = np.concatenate([np.r_[np.zeros(len(p), np.uint8), np.ones(len(r) + 1, np.uint8)]
                                 for p, r in zip(prompts, responses)])
     tokens = np.fromiter((t for doc in docs for t in doc), dtype=np.int64)
-    return tokens.astype(dtype), np.array([len(d) for d in docs], dtype=np.int64), masks
+    return tokens.astype(dtype), np.array([len(d) for d in docs], dtype=np.int64), masks, labels
 
 
 @contextmanager
@@ -353,14 +382,18 @@ def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path
     skipped, lengths, count, largest = [0], [np.zeros(1, dtype=np.int64)], 0, -1
     start = time.perf_counter()
     progress = tqdm(unit=" docs", desc="prepare", disable=None)
-    instruction = bool(args.prompt_field)
+    instruction, desirable = bool(args.prompt_field), 0
     with open(partial / TOKENS, "wb") as tokens_file, open(partial / MASK, "wb") if instruction else \
-            open(os.devnull, "wb") as mask_file:
-        for tokens, doc_lengths, mask in ordered_map(tokenize, chunked(records(files, args, skipped)),
-                                                      args.workers, _load, (args.tokenizer, args.eos_token)):
+            open(os.devnull, "wb") as mask_file, open(partial / LABELS, "wb") if args.label_field else \
+            open(os.devnull, "wb") as labels_file:
+        for tokens, doc_lengths, mask, labels in ordered_map(tokenize, chunked(records(files, args, skipped)),
+                                                              args.workers, _load, (args.tokenizer, args.eos_token)):
             tokens.tofile(tokens_file)
             if mask is not None:
                 mask.tofile(mask_file)
+            if labels is not None:
+                labels.tofile(labels_file)
+                desirable += int(labels.sum())
             lengths.append(doc_lengths)
             count += len(tokens)
             largest = max(largest, int(tokens.max()))
@@ -378,6 +411,7 @@ def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path
         "documents": len(offsets) - 1, "tokens": count, "max_token_id": largest, "skipped_lines": skipped[0],
         "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in files],
         "seconds": time.perf_counter() - start,
+        **({"desirable": desirable} if args.label_field else {}),
     }
     (partial / META).write_text(json.dumps(meta, indent=2))
     return meta

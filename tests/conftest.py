@@ -63,7 +63,8 @@ def pytest_unconfigure(config):
 def prepared(tmp_path_factory) -> Dict[str, str]:
     """Byte-level token data as framework.prepare writes it: "packed" (about 80 KB of text) and
     "instruction" (400 prompt / response records), "preference" (400 prompt / chosen / rejected
-    records), "prompts" (400 prompt / answer records)."""
+    records), "prompts" (400 prompt / answer records), "unpaired" (400 prompt / completion / label
+    records)."""
     from framework.prepare import main as prepare
 
     root = tmp_path_factory.mktemp("prepared")
@@ -81,8 +82,13 @@ def prepared(tmp_path_factory) -> Dict[str, str]:
                                                 for i in range(400)))
     assert prepare([str(root / "prompts.jsonl"), "--out", str(root / "prompts"), "--prompt-field", "prompt",
                     "--answer-field", "answer"]) == 0
+    (root / "unpaired.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}?", "completion": "a" * (i % 5 + 1),
+                                                             "label": i % 3 != 0}) + "\n" for i in range(400)))
+    assert prepare([str(root / "unpaired.jsonl"), "--out", str(root / "unpaired"), "--prompt-field", "prompt",
+                    "--response-field", "completion", "--label-field", "label"]) == 0
     return {"packed": str(root / "packed"), "instruction": str(root / "instruction"),
-            "preference": str(root / "preference"), "prompts": str(root / "prompts")}
+            "preference": str(root / "preference"), "prompts": str(root / "prompts"),
+            "unpaired": str(root / "unpaired")}
 
 
 @pytest.fixture(scope="session")

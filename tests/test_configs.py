@@ -34,6 +34,7 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
           ("adapter", "qlora"): ["recipe=lm_2d", "mesh=2x1", "plan=none"],
           ("data", "preferences"): ["recipe=lm_files", "data=preferences", "adapter=lora"],
           ("objective", "dpo"): ["recipe=lm_files", "data=preferences", "adapter=lora"],
+          ("data", "kto"): ["recipe=lm_files", "data=kto", "adapter=lora"],
           **{key: ["recipe=lm_files", "data=prompts", "reward=exact_match", "mesh=2x1", "plan=none",
                    "trainer.eval_every=null", "objective.max_new_tokens=8"]
              for key in [("data", "prompts"), ("objective", "grpo")]},
@@ -59,6 +60,7 @@ PAIRED = {("model", "seed_linear"): ["plan=seed_linear_colwise"],
 # Configs that read prepared token data: which kind (the `prepared` fixture's).
 PREPARED = {("data", "tokens"): "packed", ("data", "instructions"): "instruction", ("recipe", "lm_files"): "packed",
             ("data", "preferences"): "preference", ("objective", "dpo"): "preference", ("data", "prompts"): "prompts",
+            ("data", "kto"): "unpaired",
             ("objective", "grpo"): "prompts", ("recipe", "grpo_lm"): "prompts"}
 # Configs of a Hugging Face model: the `hf_dirs` fixture's keys they need, as overrides.
 HF = {("model", "hf"): ["recipe=lm_2d", "model.path={llama}"],

@@ -106,12 +106,15 @@ def placeholders(hf_dirs, prepared, tmp_path_factory) -> Dict[str, str]:
     prompts = os.path.join(os.path.dirname(prepared["prompts"]), "prompts.jsonl")
     assert prepare([prompts, "--prompt-field", "prompt", "--answer-field", "answer", "--tokenizer", model, "--out",
                     str(root / "prompts")]) == 0
+    unpaired = os.path.join(os.path.dirname(prepared["unpaired"]), "unpaired.jsonl")
+    assert prepare([unpaired, "--prompt-field", "prompt", "--response-field", "completion", "--label-field", "label",
+                    "--tokenizer", model, "--out", str(root / "kto")]) == 0
     (root / "my_rewards.py").write_text("def score(prompt, completion, answer):\n    return float(answer in completion)\n")
     return {"/models/Qwen2.5-0.5B": model, "data/qwen_tokens": str(root / "qwen_tokens"),
             "my_docs/": str(root / "my_docs"), "chats.jsonl": str(root / "chats.jsonl"),
             "data/my_tokens": prepared["packed"], "data/my_sft": prepared["instruction"],
             "data/prefs": str(root / "prefs"), "$HOME/my_texts": str(root / "my_texts"),
-            "data/prompts": str(root / "prompts"), "my_rewards.py": str(root / "my_rewards.py")}
+            "data/prompts": str(root / "prompts"), "data/kto": str(root / "kto"), "my_rewards.py": str(root / "my_rewards.py")}
 
 
 def overrides_of(module: str, arguments: List[str], placeholders: Dict[str, str]) -> List[str]:

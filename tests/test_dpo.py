@@ -273,8 +273,8 @@ def test_prepared_pairs_are_a_prompt_with_each_response_and_never_split(pairs):
     (["objective.beta=0"], r"objective.beta=0: must be > 0"),
     (["objective.reference=policy"], r"objective.reference='policy': use one of adapters_off, frozen_copy, "
                                      r"precomputed"),
-    (["mesh=pp2x1x1"], r"objective='dpo': not yet with pipeline parallelism \(parallel.pp_dim\): the reference's "
-                       r"forward is not a stage of the schedule; use a mesh without a pp dim"),
+    (["mesh=pp2x1x1"], r"objective='dpo': not yet with pipeline parallelism \(parallel.pp_dim\): each sequence's "
+                       r"log-probabilities .* not a stage of the schedule; use a mesh without a pp dim"),
     (["mesh=1x2x1cp", "plan=none"], r"objective='dpo': not yet with context parallelism \(parallel.cp_dim\)"),
     (["mesh=1x2", "plan=lm_tp_sp_loss_parallel"], r"plan.output.use_local_output=False: DPO sums each sequence's "
                                                   r"log-probabilities from whole logits"),

@@ -11,7 +11,8 @@ from framework.config.errors import ConfigError
 from framework.parallel.fault_tolerance import replica_dim
 from framework.parallel.roles import MeshRoles
 
-DPO = "framework.training.preference.DirectPreference"
+PREFERENCE = {f"framework.training.preference.{name}": short for name, short in
+              [("DirectPreference", "dpo"), ("SimplePreference", "simpo"), ("KahnemanTversky", "kto")]}
 GRPO = "framework.training.grpo.GroupRelativePolicy"
 
 
@@ -42,23 +43,27 @@ class NotYet:
     other: str
     applies: Callable[[DictConfig, MeshRoles], bool]
     why: str  # what is missing, then the fix
-    shown: Optional[str] = None  # the value the line shows (default: the config's at `key`)
+    shown: Optional[str] = None  # the value the line (and the docs' table) shows (default: the config's at `key`)
+    value: Optional[Callable[[DictConfig], str]] = None  # the line's value, where `shown` names several
 
     def check(self, cfg: DictConfig, roles: MeshRoles) -> None:
         if self.applies(cfg, roles):
-            value = self.shown if self.shown is not None else OmegaConf.select(cfg, self.key)
+            value = self.value(cfg) if self.value else self.shown if self.shown is not None else \
+                OmegaConf.select(cfg, self.key)
             value = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
             raise ConfigError(self.key, value, f"not yet with {self.other}: {self.why}")
 
 
 NOT_YET = [
     NotYet("objective", "context parallelism (parallel.cp_dim)",
-           lambda cfg, roles: cfg.objective.get("_target_") == DPO and roles.cp_size > 1,
+           lambda cfg, roles: cfg.objective.get("_target_") in PREFERENCE and roles.cp_size > 1,
            "each sequence's log-probabilities would be summed from its CP ranks' chunks; use a mesh without a cp dim",
-           shown="dpo"),
+           shown="dpo / simpo / kto", value=lambda cfg: PREFERENCE[cfg.objective._target_]),
     NotYet("objective", "pipeline parallelism (parallel.pp_dim)",
-           lambda cfg, roles: cfg.objective.get("_target_") == DPO and roles.pp_size > 1,
-           "the reference's forward is not a stage of the schedule; use a mesh without a pp dim", shown="dpo"),
+           lambda cfg, roles: cfg.objective.get("_target_") in PREFERENCE and roles.pp_size > 1,
+           "each sequence's log-probabilities (and DPO's and KTO's reference) come from whole logits, not a stage "
+           "of the schedule; use a mesh without a pp dim", shown="dpo / simpo / kto",
+           value=lambda cfg: PREFERENCE[cfg.objective._target_]),
     NotYet("objective", "context or pipeline parallelism (parallel.cp_dim, pp_dim)",
            lambda cfg, roles: _grpo(cfg) and max(roles.cp_size, roles.pp_size) > 1,
            "generation decodes with a KV cache through whole sequences and every layer at once; use a mesh of "

@@ -28,7 +28,7 @@ from framework.models.lifecycle import adapt
 from framework.models.lora import check_adapter, check_adapter_init_from
 from framework.models.nf4 import check_qlora
 from framework.training.grpo import check_grpo
-from framework.training.preference import check_preference, check_reference_on_resume
+from framework.training.preference import check_preference, check_reference_on_resume, check_unpaired
 from framework.training.rewards import check_reward
 from framework.parallel.context_parallel import check_context_parallel
 from framework.parallel.expert_parallel import check_expert_parallel
@@ -306,6 +306,7 @@ MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_document_masking,      # framework.data.tokens: packed data, positions
     check_objective,             # framework.training.objectives: auxiliary terms
     check_preference,            # framework.training.preference: pairs, DPO's reference
+    check_unpaired,              # framework.training.preference: unpaired examples, KTO's reference
     check_grpo,                  # framework.training.grpo: prompts, GRPO's keys, room for completions
     check_reward,                # framework.training.rewards: the reward and a user's file
     check_optimizer,             # (here) the optimizer's options

@@ -15,6 +15,8 @@ and meta.json (its kind, dtype, counts, the tokenizer's identity and vocabulary,
   `masked_targets` tells the lm objective that not every target counts, so the step counts the
   response tokens of the whole global batch (framework.training.objectives, trainer).
 - PreferenceDataset (kind "preference"): two instruction examples per sample, DPO's pairs.
+- UnpairedPreferenceDataset (kind "unpaired"): instruction examples, each labelled desirable or
+  not (labels.bin, uint8 per example), KTO's data.
 - PromptDataset (kind "prompts"): prompts for online RL, stored as instruction documents (the
   answer, "" when none, where the response is); a sample is the prompt the policy continues,
   the reference answer and the prompt's index in the whole set.
@@ -35,6 +37,7 @@ from framework.config.checked import Checked
 
 FORMAT = "framework-tokens/1"
 TOKENS, OFFSETS, MASK, META = "tokens.bin", "doc_offsets.npy", "mask.bin", "meta.json"
+LABELS = "labels.bin"  # unpaired preference data: 1 for a desirable example, 0 for an undesirable one
 IGNORE = -100  # cross_entropy's ignore_index
 
 
@@ -77,7 +80,8 @@ class PreparedDocuments:
         if meta["kind"] != kind:
             raise ConfigError("data.path", path, f"holds {meta['kind']} data; this dataset reads {kind} "
                               f"data (data=tokens for packed, data=instructions for instruction, "
-                              f"data=preferences for preference, data=prompts for prompts data)")
+                              f"data=preferences for preference, data=prompts for prompts, data=kto for unpaired "
+                              f"data)")
         self.tokenizer = meta["tokenizer"]  # path, identity, vocab_size, eos_id
         self.stream = np.memmap(os.path.join(self.path, TOKENS), dtype=meta["dtype"], mode="r")
         self.offsets = np.load(os.path.join(self.path, OFFSETS))
@@ -178,8 +182,11 @@ class InstructionDataset(_Documents):
         """Document `doc` as (inputs, targets): its prompt's and padding's targets ignored."""
         begin, end = int(self.offsets[doc]), int(self.offsets[doc + 1])
         end = min(end, begin + self.seq_len + 1)
-        tokens = torch.from_numpy(self.documents.tokens(begin, end))
-        learn = torch.from_numpy(self.documents.mask(begin, end))
+        return self._inputs_and_targets(self.documents.tokens(begin, end), self.documents.mask(begin, end))
+
+    def _inputs_and_targets(self, tokens: np.ndarray, learn: np.ndarray):
+        """Tokens (at most seq_len + 1) and which are learned as (inputs, targets), padded to seq_len."""
+        tokens, learn = torch.from_numpy(tokens), torch.from_numpy(learn)
         inputs = torch.full((self.seq_len,), self.pad_id, dtype=torch.int64)
         targets = torch.full((self.seq_len,), IGNORE, dtype=torch.int64)
         inputs[: len(tokens) - 1] = tokens[:-1]
@@ -246,6 +253,45 @@ class PreferenceDataset(InstructionDataset):
         return view
 
 
+class UnpairedPreferenceDataset(InstructionDataset):
+    """Unpaired preference data (kind "unpaired", framework.prepare --prompt-field --response-field
+    --label-field), KTO's: one example per document, labelled desirable or undesirable. Sample i
+    is a dict of "inputs" and "targets" (2, seq_len): row 0 the example, row 1 its prompt with
+    another example's response (the split's previous one, the first taking the last), for the
+    objective's KL estimate; and "index", the example's place in the whole prepared set, by which
+    the objective reads its label (`labels`, the whole set's; the batch carries no label field).
+    TRL's KTOTrainer rotates the responses the same way, within each chunk of
+    per_device_train_batch_size examples read in order; here batches are shuffled and a replica's
+    share depends on the mesh, so the pairing is the split's, the same on every mesh. The last
+    val_fraction of the examples is held out; with `reference` (precomputed reference
+    log-probabilities, (examples, 2)) a sample also carries its two rows'."""
+    kind = "unpaired"
+    masked_targets = True
+
+    def _examples(self, documents, seq_len: int, split: str, val_fraction: float, pad_id: Optional[int]) -> None:
+        super()._examples(documents, seq_len, split, val_fraction, pad_id)
+        self.labels = np.memmap(os.path.join(self.path, LABELS), dtype=np.uint8, mode="r")
+        self.reference: Optional[np.ndarray] = None
+
+    def __getitem__(self, index: int) -> dict:
+        doc = self.first + index
+        other = self.first + (index - 1) % len(self)
+        rows = [self.example(doc), self.mismatched(doc, other)]
+        sample = {"inputs": torch.stack([r[0] for r in rows]), "targets": torch.stack([r[1] for r in rows]),
+                  "index": torch.tensor(doc, dtype=torch.int64)}
+        if self.reference is not None:
+            sample["reference"] = torch.from_numpy(self.reference[index])
+        return sample
+
+    def mismatched(self, doc: int, other: int):
+        """Document `doc`'s prompt with document `other`'s response, as `example` makes a document."""
+        prompt, other_prompt = (int(self.documents.prompt_lengths(d, d + 1)[0]) for d in (doc, other))
+        begin, response = int(self.offsets[doc]), int(self.offsets[other]) + other_prompt
+        tokens = np.concatenate([self.documents.tokens(begin, begin + prompt),
+                                 self.documents.tokens(response, int(self.offsets[other + 1]))])[:self.seq_len + 1]
+        return self._inputs_and_targets(tokens, np.arange(len(tokens)) >= prompt)
+
+
 class PromptDataset(InstructionDataset):
     """Prompts for online RL (kind "prompts", framework.prepare --prompt-field [--answer-field]):
     sample i is the split's i-th document as a dict of "inputs", the prompt's ids exactly as
@@ -287,7 +333,7 @@ VOCAB_MULTIPLE = 64  # a padded vocabulary divides by any TP size up to 64 (nano
 
 def kind_of(node) -> Optional[str]:
     """The kind of documents a data.dataset config reads ("packed", "instruction", "preference",
-    "prompts"), from its class's `kind` alone (the datasets here, data=hf's, its stream's); None
+    "unpaired", "prompts"), from its class's `kind` alone (the datasets here, data=hf's, its stream's); None
     for data of another sort (and for a mixture: framework.data.mixture)."""
     target = node.get("_target_") if node is not None else None
     try:
@@ -388,7 +434,7 @@ def check_responses(c: Checked) -> None:
     A split where none does would train (or evaluate) on a loss of 0 at every step: refused.
     Some that do not only add nothing to the loss: one warning line with their count."""
     cfg = c.cfg
-    if kind_of(cfg.data.dataset) not in ("instruction", "preference"):
+    if kind_of(cfg.data.dataset) not in ("instruction", "preference", "unpaired"):
         return
     for split in ("train", "val") if cfg.trainer.eval_every else ("train",):
         data = instantiate(cfg.data.dataset, split=split)
