@@ -204,6 +204,7 @@ def test_a_resumed_dpo_run_keeps_the_reference_training_started_from(reference_k
     assert {f: os.stat(f).st_mtime_ns for f in stored} == stored
 
 
+@pytest.mark.integration
 def test_a_resumed_full_training_run_whose_precomputed_reference_is_gone_is_refused(hf_dirs, pairs, tmp_path):
     """Its model is no longer the reference, so the numbers cannot be made again: exit 2, one line."""
     import glob

@@ -162,6 +162,7 @@ def test_dry_run_activations_are_the_micro_batches_each_schedule_keeps_alive():
     assert gpipe[1] - ids - table == 4 * (one_f_one_b[1] - ids - table)
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(90)
 def test_a_1024_rank_3d_mesh_is_simulated_in_one_process():
     result = run_cli(["recipe=lm_3d", "parallel.dp_strategy=replicate", "mesh.shape=[4,32,8]",

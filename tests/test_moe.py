@@ -170,6 +170,7 @@ def test_every_expert_layout_trains_the_one_process_moe_model(overrides, tmp_pat
     pytest.param(["mesh=pp2x2x1", "parallel.ep_dims=[dp]", "parallel.pp_schedule=1f1b"],  # + experts over DP
                  marks=pytest.mark.integration),
 ], ids=lambda o: " ".join(o))
+@pytest.mark.integration
 def test_under_pipeline_parallelism_the_expert_biased_moe_trains_the_one_process_model(overrides, tmp_path):
     """Balanced by DeepSeek-V3's expert bias (the pooled auxiliary loss is refused under pp):
     each stage's blocks move their biases from the global load of the step's 4 micro-batches, as
@@ -190,6 +191,7 @@ def test_under_pipeline_parallelism_the_expert_biased_moe_trains_the_one_process
                                    rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_on_instruction_data_with_activation_checkpointing_experts_over_2_ranks_train_the_one_process_model(
         prepared, tmp_path):
@@ -293,6 +295,7 @@ def test_a_sequence_parallel_plan_reaching_the_experts_is_refused_naming_the_ent
         validate(cfg)
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_the_aux_loss_free_expert_bias_moves_toward_balance_alike_on_every_layout(tmp_path):
     """DeepSeek-V3's bias (model.moe.bias_update_rate): after each step every expert's bias moved
@@ -390,6 +393,7 @@ def test_the_dry_run_of_experts_over_dp_and_tp_matches_real_ranks_and_hand_count
         assert report.collectives[("c10d.allgather_", "tp")][0] == 2 * blocks
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_checkpoint_of_another_expert_count_is_refused_before_launch(tmp_path):
     launch_local(compose_config([*MOE, "mesh=1x1", "trainer.max_steps=2", "checkpoint.every=2"]), str(tmp_path / "four"))
@@ -401,6 +405,7 @@ def test_a_checkpoint_of_another_expert_count_is_refused_before_launch(tmp_path)
                                           f"shape [4, 32] there but [8, 32] in this model"), result.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_tensorboard_shows_each_layers_expert_load_and_bias_spread_alike_on_every_layout(tmp_path):
     """At each logging step, per MoE layer: the busiest expert's token slots over the mean since the
