@@ -6,6 +6,11 @@ it). Rows are read back from the job dirs (.hydra/, summary.json, error.txt), no
 the jobs in memory, so the report is the same whatever launcher ran them. A job of a sweep that
 fails writes its one error line to error.txt and returns (framework/train.py), so the sweep goes
 on; the report lists it and then makes the command exit 1.
+
+With `hydra/sweeper=optuna` the report also ranks the study's trials, best first, with their
+parameters, objective and state (sweep_trials.csv beside the others), read from the study's
+storage: a resumed study's trials of earlier runs too. Failed trials are part of a search (an
+lr the run cannot take), so such a sweep exits 1 only when no trial completed.
 """
 import csv
 import json
@@ -14,7 +19,7 @@ import statistics
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -166,16 +171,68 @@ def write_report(rows: List[dict], sweep_dir: Path) -> str:
     return f"sweep report ({sweep_dir / 'sweep_report.md'}, .csv, .png):\n{table}"
 
 
+def study_of(config: DictConfig) -> Optional[Tuple[str, str]]:
+    """The Optuna sweeper's storage and study name; None for another sweeper or a study in memory."""
+    sweeper = config.hydra.sweeper
+    if "optuna" not in str(sweeper.get("_target_", "")) or not sweeper.get("storage") or not sweeper.get("study_name"):
+        return None
+    return str(sweeper.storage), str(sweeper.study_name)
+
+
+def trial_cell(value: Any) -> str:
+    """A parameter or objective in the table: floats to 6 significant digits (the CSV has them all)."""
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value).replace("|", "\\|")
+
+
+def trial_values(trial: dict, names: List[str], errors: dict) -> list:
+    """A trial's row: its rank, number, parameters, objective, state, and its job's error line
+    (job N ran trial N: hydra_plugins/framework_sweepers)."""
+    return [trial["rank"], trial["trial"], *(trial["params"].get(name) for name in names), trial["value"],
+            trial["state"], errors.get(trial["trial"], "")]
+
+
+def write_trials(config: DictConfig, study: Tuple[str, str], rows: List[dict]) -> Tuple[str, List[dict]]:
+    """The study's trials, best first: sweep_trials.csv (every value at full precision) and a
+    section of sweep_report.md; returns the section for stdout, and the trials."""
+    from framework.hpo import study_trials, sweep_metric  # (optuna: only for its sweeps)
+
+    sweep_dir = Path(config.hydra.sweep.dir)
+    direction, trials = study_trials(*study)
+    metric, errors = sweep_metric(config), {row["job"]: row["error"] for row in rows}
+    names = sorted({name for trial in trials for name in trial["params"]})
+    header = ["rank", "trial", *names, metric, "state", "error"]
+    with open(sweep_dir / "sweep_trials.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header, *(trial_values(trial, names, errors) for trial in trials)])
+    states = [trial["state"] for trial in trials]
+    best = "".join(f"; best: trial {t['trial']}, {trial_cell(t['value'])}" for t in trials if t["rank"] == 1)
+    lines = [f"Optuna study {study[1]} ({study[0]}): {len(trials)} trials, {states.count('COMPLETE')} complete, "
+             f"{states.count('FAIL')} failed; {direction} {metric}{best}", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(trial_cell, trial_values(trial, names, errors))) + " |" for trial in trials]
+    table = "\n".join(lines)
+    with open(sweep_dir / "sweep_report.md", "a") as f:
+        f.write(f"\n## Trials\n\n{table}\n")
+    return f"trials (sweep_trials.csv):\n{table}", trials
+
+
 class SweepReport(Callback):
     """Registered in conf/config.yaml (hydra.callbacks), so every -m sweep ends with its report."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = sweep_rows(sweep_dir)
+        failed = any(row["status"] == "failed" for row in rows)
         try:
             print(write_report(rows, sweep_dir))
+            study = study_of(config)
+            if study:
+                section, trials = write_trials(config, study, rows)
+                print(section)
+                failed = not any(trial["state"] == "COMPLETE" for trial in trials)
         except Exception as error:  # Hydra would turn it into a warning too; a failed job's exit 1 must still come
             print(f"sweep report not written: {type(error).__name__}: {error}", file=sys.stderr)
-        if any(row["status"] == "failed" for row in rows):
+        if failed:
             # Hydra turns a callback's exceptions into warnings, but lets SystemExit through.
             sys.exit(1)

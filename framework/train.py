@@ -2,9 +2,10 @@
 
 A bad config exits with status 2 and one `config error: KEY=VALUE: FIX` line; a failed rank
 exits with status 1 and names the rank and its error. In a sweep (-m) a failed job records that
-line and the sweep goes on; the sweep report lists it and the command exits 1. Ctrl-C or SIGTERM
-ends the command (a sweep too) with 128 + the signal's number once the ranks have stopped and
-saved (framework.training.interrupt), saying where.
+line and the sweep goes on; the sweep report lists it and the command exits 1. A sweep's job
+returns its objective (framework.hpo) to a sweeper that optimizes (`-m hydra/sweeper=optuna`).
+Ctrl-C or SIGTERM ends the command (a sweep too) with 128 + the signal's number once the ranks
+have stopped and saved (framework.training.interrupt), saying where.
 """
 import os
 import shutil
@@ -26,10 +27,11 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.checkpoint.compat import checkpoint_dir, nothing_to_train
-from framework.cli import CONFIG_DIR, check_before_hydra, command_status
+from framework.cli import CONFIG_DIR, command_status
 from framework.config.schema import register_schema
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
+from framework.hpo import check_before_sweep, check_objective, objective, optimizes
 from framework.launch.handoff import HYDRA_ONLY, under_torchrun
 from framework.launch.local import Interrupted, RankFailed, launch_local
 from framework.launch.slurm import in_submitit_job
@@ -69,17 +71,21 @@ def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def hydra_app(cfg: DictConfig) -> None:
-    """A failed job of a sweep (-m) records its error line and returns: sys.exit would end the
+def hydra_app(cfg: DictConfig) -> Optional[float]:
+    """A failed job of a sweep (-m) records its error line and returns None: sys.exit would end the
     whole sweep (Hydra's run_job catches Exception, not SystemExit), and an exception would skip
     the sweep report (Hydra re-raises it before on_multirun_end). The report lists the job and
-    exits 1 (framework/report.py)."""
+    exits 1 (framework/report.py); Optuna's sweeper records a failed trial. A job that finished
+    returns its objective (framework.hpo.objective), which the basic sweeper ignores."""
     out_dir = HydraConfig.get().runtime.output_dir
-    if HydraConfig.get().mode == RunMode.MULTIRUN and not in_submitit_job():
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    if multirun and not in_submitit_job():
         clear_failure(out_dir)  # a reused sweep dir (submitit's launchers clear theirs before submitting)
     try:
+        if multirun and optimizes(HydraConfig.get()):
+            check_objective(cfg)  # (a swept trainer.eval_every: the command checked the configured one)
         launch(cfg, out_dir)
-        return
+        return objective(cfg, out_dir) if multirun else None
     except ConfigError as error:
         line, status = str(error), 2
     except RankFailed as error:
@@ -88,9 +94,9 @@ def hydra_app(cfg: DictConfig) -> None:
         print(stop, file=sys.stderr)
         sys.exit(128 + stop.number)
     print(line, file=sys.stderr)
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
+    if multirun:
         record_failure(out_dir, line)
-        return
+        return None
     if status == 2 and set(os.listdir(out_dir)) <= HYDRA_ONLY:  # a job refused at validation leaves nothing
         shutil.rmtree(out_dir)
     sys.exit(status)
@@ -101,7 +107,7 @@ def main() -> None:
         from framework.launch.torchrun import follow_rank0  # see launch()
 
         sys.exit(follow_rank0())
-    refused = command_status(lambda: check_before_hydra(sys.argv[1:]) or 0, "")
+    refused = command_status(lambda: check_before_sweep(sys.argv[1:]) or 0, "")
     if refused:
         sys.exit(refused)
     try:

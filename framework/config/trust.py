@@ -5,10 +5,11 @@ Recipes and group files are what people share, so none of them may choose code t
   that list can be widened only on the command line (`allowed_targets=[...,pkg]`) or with the
   FRAMEWORK_ALLOWED_TARGETS environment variable (comma-separated packages), never by a file;
 - Hydra's own section, which Hydra instantiates before the framework sees the config: callbacks,
-  launcher and sweeper `_target_`s under Hydra, its plugins or the framework; the logging
-  configs' handler `class`es and `()` factories under logging, Hydra or the framework, and their
-  `ext://` references under sys; the job's environment and the SLURM launcher's shell lines
-  (COMMAND_LINE_ONLY) only from the command line;
+  launcher and sweeper `_target_`s under Hydra, its plugins or the framework (the Optuna sweeper's
+  sampler under optuna.samplers too); the logging configs' handler `class`es and `()` factories
+  under logging, Hydra or the framework, and their `ext://` references under sys; the job's
+  environment, the SLURM launcher's shell lines and the Optuna sweeper's custom_search_space
+  function (COMMAND_LINE_ONLY) only from the command line;
 - a Python file whose function scores GRPO's completions (reward.file): only from the command line.
 """
 import os
@@ -22,6 +23,9 @@ from framework.config.errors import ConfigError
 
 ALLOWLIST_ENV = "FRAMEWORK_ALLOWED_TARGETS"
 HYDRA_TARGETS = ("hydra", "hydra_plugins", "framework")
+# hydra/sweeper=optuna builds its sampler (TPESampler, RandomSampler, ...) from hydra.sweeper.sampler._target_
+SECTION_TARGETS = {"callbacks": HYDRA_TARGETS, "launcher": HYDRA_TARGETS,
+                   "sweeper": HYDRA_TARGETS + ("optuna.samplers",)}
 LOGGING_TARGETS = ("logging", "hydra", "framework")
 EXTERNAL_REFERENCES = ("sys",)
 
@@ -84,11 +88,11 @@ def check_targets(cfg: DictConfig) -> None:
 
 def check_hydra_section(hydra: DictConfig) -> None:
     """Every callable Hydra would instantiate from its own section."""
-    for section in ("callbacks", "launcher", "sweeper"):
+    for section, allowed in SECTION_TARGETS.items():
         for key, target in targets(hydra.get(section), f"hydra.{section}"):
-            if not under(target, HYDRA_TARGETS):
+            if not under(target, allowed):
                 raise ConfigError(key, target, f"Hydra would instantiate it before any check; only classes under "
-                                               f"{list(HYDRA_TARGETS)} may stand in hydra.{section}")
+                                               f"{list(allowed)} may stand in hydra.{section}")
     for section in ("job_logging", "hydra_logging"):
         for key, name, value in _leaves(hydra.get(section), f"hydra.{section}"):
             if name in ("()", "class") and not under(str(value), LOGGING_TARGETS):
@@ -105,6 +109,7 @@ COMMAND_LINE_ONLY = {
     "hydra.launcher.setup": "shell lines of the SLURM job script",
     "hydra.launcher.srun_args": "srun's arguments",
     "hydra.launcher.additional_parameters": "sbatch options",
+    "hydra.sweeper.custom_search_space": "a function the Optuna sweeper imports and calls on every trial",
     "reward.file": "a Python file whose function scores completions (it runs as code)",
 }
 

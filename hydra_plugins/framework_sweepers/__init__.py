@@ -1,0 +1,1 @@
+"""The framework's Hydra sweepers: Hydra instantiates sweepers only from this namespace."""
