@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from framework.cli import check_before_hydra, compose_checked
 from framework.config.errors import ConfigError
 
-INSTALL = "pip install -e '.[hpo]' (hydra-optuna-sweeper)"
+INSTALL = "pip install -e '.[hpo]' && pip install --no-deps hydra-optuna-sweeper"
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 # trainer.sweep_metric: what a job returns to the sweeper, from its summary.json
 METRICS = {"val_loss": "the last validation loss", "best_val_loss": "the lowest validation loss",
