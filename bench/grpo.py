@@ -223,11 +223,10 @@ def timed(cmd: list) -> float:
 def profile(data: dict, new: int, quiet_wait: float, threads: int) -> None:
     """The generation loops on one model and one step's prompts, in this process (`threads`), in
     turn for 5 rounds (medians), then each cProfile'd once:
-    - framework: GroupRelativePolicy.rollout's loop, generate_group once per prompt (PROMPTS calls
-      of GROUP rows each);
-    - framework prefills alone: the same calls with one new token (the prompts' forwards);
-    - framework batched: one generate_group call of PROMPTS x GROUP rows (the first prompt
-      repeated: what decoding the step's prompts side by side would cost);
+    - framework: GroupRelativePolicy.rollout's call, generate_groups on the PROMPTS prompts side
+      by side (PROMPTS x GROUP rows, left-padded, each prompt's own generator);
+    - framework, a prompt at a time: generate_groups once per prompt (PROMPTS calls of GROUP rows;
+      the rollout before 2026-12-04);
     - TRL: transformers' generate on the PROMPTS x GROUP left-padded rows, as GRPOTrainer's
       _generate_single_turn calls it (TRL's sampling settings: top_k 0, top_p 1)."""
     import cProfile
@@ -237,7 +236,7 @@ def profile(data: dict, new: int, quiet_wait: float, threads: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from framework.checkpoint.weights import load_base
-    from framework.generate import generate_group
+    from framework.generate import generate_groups
     from framework.models.hf import HFTransformer
     from framework.models.lifecycle import allocate
 
@@ -254,21 +253,17 @@ def profile(data: dict, new: int, quiet_wait: float, threads: int) -> None:
                               temperature=1.0, top_p=1.0, top_k=0, disable_compile=True)
 
     def framework_rollout():
+        generators = [torch.Generator().manual_seed(i) for i in range(PROMPTS)]
+        _, lengths = generate_groups(ours, prompts, GROUP, new, 1.0, 1.0, generators, {0}, 0)
+        return int(lengths.sum())
+
+    def framework_per_prompt():
         counts = 0
         for i, prompt in enumerate(prompts):
-            _, lengths = generate_group(ours, prompt, GROUP, new, 1.0, 1.0, torch.Generator().manual_seed(i), {0}, 0)
+            _, lengths = generate_groups(ours, [prompt], GROUP, new, 1.0, 1.0, [torch.Generator().manual_seed(i)],
+                                         {0}, 0)
             counts += int(lengths.sum())
         return counts
-
-    def framework_prefill():  # the rollout's prefills alone: each prompt's GROUP copies, one token sampled
-        for i, prompt in enumerate(prompts):
-            generate_group(ours, prompt, GROUP, 1, 1.0, 1.0, torch.Generator().manual_seed(i), {0}, 0)
-        return PROMPTS * GROUP
-
-    def framework_batched():
-        _, lengths = generate_group(ours, prompts[0], PROMPTS * GROUP, new, 1.0, 1.0, torch.Generator().manual_seed(0),
-                                    {0}, 0)
-        return int(lengths.sum())
 
     def trl_rollout():
         rows = [p for p in prompts for _ in range(GROUP)]
@@ -280,9 +275,8 @@ def profile(data: dict, new: int, quiet_wait: float, threads: int) -> None:
         stopped = (out == 0).int()
         return int(torch.where(stopped.any(1), stopped.argmax(1) + 1, out.shape[1]).sum())
 
-    loops = {f"framework ({PROMPTS} generate_group calls of {GROUP} rows)": framework_rollout,
-             f"framework prefills alone ({PROMPTS} calls of {GROUP} rows, 1 new token)": framework_prefill,
-             f"framework batched (1 generate_group call of {PROMPTS * GROUP} rows)": framework_batched,
+    loops = {f"framework (1 generate_groups call of {PROMPTS} x {GROUP} rows)": framework_rollout,
+             f"framework, a prompt at a time ({PROMPTS} calls of {GROUP} rows)": framework_per_prompt,
              f"TRL (transformers generate, {PROMPTS * GROUP} rows)": trl_rollout}
     for fn in loops.values():
         fn()  # warm up

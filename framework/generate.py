@@ -40,48 +40,63 @@ OPTION_RULES = [("max_new_tokens", lambda n: n >= 1, "must be >= 1"),
                 ("top_p", lambda p: 0 < p <= 1, "must be in (0, 1]")]
 
 
-def next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
+                generators: List[torch.Generator]) -> torch.Tensor:
     """One token per row of `logits` (rows, vocab): the most likely (temperature 0), else sampled
-    from the smallest set of most likely tokens whose probability reaches top_p."""
+    from the smallest set of most likely tokens whose probability reaches top_p (all of them at
+    top_p 1, with no sort). The rows are split evenly among `generators` in order, each part
+    drawn from its own: a prompt's draws do not depend on which prompts decode beside it."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    ordered, order = probs.sort(dim=-1, descending=True)
-    outside = ordered.cumsum(-1) - ordered >= top_p
-    ordered[outside] = 0
-    return order.gather(-1, torch.multinomial(ordered.cpu(), 1, generator=generator).to(order.device)).squeeze(-1)
+    order = None
+    if top_p < 1:
+        probs, order = probs.sort(dim=-1, descending=True)
+        probs[probs.cumsum(-1) - probs >= top_p] = 0
+    parts = probs.cpu().split(len(probs) // len(generators))
+    drawn = torch.cat([torch.multinomial(part, 1, generator=g) for part, g in zip(parts, generators)])
+    drawn = drawn.to(logits.device)
+    return (drawn if order is None else order.gather(-1, drawn)).squeeze(-1)
 
 
 @torch.no_grad()
-def generate_group(model: nn.Module, prompt: List[int], n: int, max_new_tokens: int, temperature: float,
-                   top_p: float, generator: torch.Generator, stop: Set[int], pad_id: int,
-                   device: Optional[torch.device] = None, stop_early: bool = True,
-                   block: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`n` continuations of `prompt` decoded side by side with a KV cache: (tokens (n,
-    max_new_tokens), each row ending at its first stop id and padded with pad_id after it;
-    lengths (n,), the stop id counted). `stop_early` False decodes all max_new_tokens positions
-    even when every row has stopped: a model sharded over ranks (FSDP2) gathers its weights in
-    every forward, so every rank must run as many. `block` > 1 (a plan with sequence
-    parallelism, whose forwards split the sequence over the TP ranks) feeds each forward a
-    multiple of it: the tokens, then pad_id up to it, whose keys and values come after every
-    real position (no real query sees them) and leave the cache again."""
-    cache = [LayerCache(len(prompt) + max_new_tokens + block) for _ in model.layers]
+def generate_groups(model: nn.Module, prompts: List[List[int]], n: int, max_new_tokens: int, temperature: float,
+                    top_p: float, generators: List[torch.Generator], stop: Set[int], pad_id: int,
+                    device: Optional[torch.device] = None, stop_early: bool = True,
+                    block: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`n` continuations of each of `prompts`, all decoded side by side with a KV cache, prompt
+    p's rows sampled from generators[p]: (tokens (prompts x n, max_new_tokens), prompt p's rows
+    p*n .. p*n + n - 1, each ending at its first stop id and padded with pad_id after it; lengths
+    (prompts x n,), the stop id counted). Shorter prompts are left-padded to the longest, their
+    padding rotated past and masked (framework.models.transformer.left_padded_layout).
+    `stop_early` False decodes all max_new_tokens positions even when every row has stopped: a
+    model sharded over ranks (FSDP2) gathers its weights in every forward, so every rank must
+    run as many. `block` > 1 (a plan with sequence parallelism, whose forwards split the
+    sequence over the TP ranks) feeds each forward a multiple of it: the tokens, then pad_id up
+    to it, whose keys and values come after every real position (no real query sees them) and
+    leave the cache again."""
+    longest = max(len(prompt) for prompt in prompts)
+    rows = len(prompts) * n
+    first = torch.tensor([[pad_id] * (longest - len(prompt)) + prompt for prompt in prompts],
+                         device=device).repeat_interleave(n, 0)
+    pad = torch.tensor([longest - len(prompt) for prompt in prompts], device=device).repeat_interleave(n)
+    cache = [LayerCache(longest + max_new_tokens + block, pad if bool(pad.any()) else None) for _ in model.layers]
 
     def last_logits(tokens: torch.Tensor) -> torch.Tensor:
         filler = -tokens.shape[1] % block
-        padded = torch.cat([tokens, tokens.new_full((n, filler), pad_id)], 1) if filler else tokens
+        padded = torch.cat([tokens, tokens.new_full((rows, filler), pad_id)], 1) if filler else tokens
         logits = model(padded, cache)[:, tokens.shape[1] - 1]
         for layer in cache:
             layer.length -= filler
         return logits
 
-    logits = last_logits(torch.tensor([prompt] * n, device=device))
-    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.int64, device=logits.device)
-    lengths = torch.zeros(n, dtype=torch.int64, device=logits.device)
-    done = torch.zeros(n, dtype=torch.bool, device=logits.device)
+    logits = last_logits(first)
+    tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.int64, device=logits.device)
+    lengths = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+    done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
     stops = torch.tensor(sorted(stop), dtype=torch.int64, device=logits.device)
     for position in range(max_new_tokens):
-        new = torch.where(done, pad_id, next_tokens(logits, temperature, top_p, generator))
+        new = torch.where(done, pad_id, next_tokens(logits, temperature, top_p, generators))
         tokens[:, position] = new
         lengths += (~done).long()
         done |= torch.isin(new, stops)
@@ -95,8 +110,8 @@ def generate(model: nn.Module, prompt: List[int], max_new_tokens: int, temperatu
              seed: int = 0, stop: Optional[Set[int]] = None) -> List[int]:
     """The new token ids after `prompt` (the last one a stop id, or max_new_tokens of them)."""
     model.eval()
-    tokens, lengths = generate_group(model, prompt, 1, max_new_tokens, temperature, top_p,
-                                     torch.Generator().manual_seed(seed), stop or set(), pad_id=0)
+    tokens, lengths = generate_groups(model, [prompt], 1, max_new_tokens, temperature, top_p,
+                                      [torch.Generator().manual_seed(seed)], stop or set(), pad_id=0)
     return tokens[0, :int(lengths[0])].tolist()
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.data.tokens import IGNORE
-from framework.generate import generate, generate_group
+from framework.generate import generate, generate_groups
 from framework.models.transformer import Transformer
 from framework.training.grpo import GroupRelativePolicy, group_advantages, token_logps
 from framework.training.objectives import StepShare
@@ -134,7 +134,7 @@ def test_group_generation_decodes_as_the_model_does_without_a_cache_and_pads_aft
     model, prompt = tiny_lm(), [3, 7, 1, 9]
     expected = decoded_without_cache(model, prompt, 12, stop=set())
     stop = {expected[5]}  # a token greedy decoding reaches: every row stops there
-    tokens, lengths = generate_group(model, prompt, 3, 12, 0.0, 1.0, torch.Generator(), stop, pad_id=0)
+    tokens, lengths = generate_groups(model, [prompt], 3, 12, 0.0, 1.0, [torch.Generator()], stop, pad_id=0)
     first_stop = next(i for i, t in enumerate(expected) if t in stop)
     assert lengths.tolist() == [first_stop + 1] * 3
     for row in tokens:
@@ -144,16 +144,52 @@ def test_group_generation_decodes_as_the_model_does_without_a_cache_and_pads_aft
 
 
 def test_decoding_in_blocks_for_sequence_parallelism_gives_the_same_tokens():
-    """block=3: each forward padded to a multiple of 3, the padding's keys and values dropped."""
-    model, prompt = tiny_lm(), [3, 7, 1, 9]
-    plain = generate_group(model, prompt, 2, 10, 0.0, 1.0, torch.Generator(), set(), pad_id=0)
-    blocked = generate_group(model, prompt, 2, 10, 0.0, 1.0, torch.Generator(), set(), pad_id=0, block=3)
+    """block=3: each forward padded to a multiple of 3, the padding's keys and values dropped
+    (prompts of different lengths too: left padding and block filler together)."""
+    model, prompts = tiny_lm(), [[3, 7, 1, 9], [5, 2]]
+    plain = generate_groups(model, prompts, 2, 10, 0.0, 1.0, [torch.Generator()] * 2, set(), pad_id=0)
+    blocked = generate_groups(model, prompts, 2, 10, 0.0, 1.0, [torch.Generator()] * 2, set(), pad_id=0, block=3)
     assert torch.equal(plain[0], blocked[0]) and torch.equal(plain[1], blocked[1])
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_prompts_of_different_lengths_decoded_together_as_each_alone(top_p):
+    """Left-padded side by side, each prompt's rows are what decoding it alone gives: its logits
+    (the padding rotated past and masked) and its draws (its own generator), greedy and sampled."""
+    model = tiny_lm()
+    prompts, stop = [[3, 7, 1, 9, 4, 4], [5, 2], [8, 1, 6]], {11}
+    seeds = [5, 6, 7]
+    for temperature in (0.0, 1.0):
+        together, lengths = generate_groups(model, prompts, 3, 10, temperature, top_p,
+                                            [torch.Generator().manual_seed(s) for s in seeds], stop, pad_id=0)
+        for p, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            alone, alone_lengths = generate_groups(model, [prompt], 3, 10, temperature, top_p,
+                                                   [torch.Generator().manual_seed(seed)], stop, pad_id=0)
+            assert torch.equal(together[3 * p:3 * p + 3], alone) and torch.equal(lengths[3 * p:3 * p + 3], alone_lengths)
+        if temperature == 0:
+            for p, prompt in enumerate(prompts):
+                expected = decoded_without_cache(model, prompt, 10, stop)
+                assert together[3 * p, :len(expected)].tolist() == expected
+
+
+def test_left_padded_logits_match_the_unpadded_within_rounding():
+    """The padded rows' last logits against each prompt decoded alone (measured here: 2.4e-7 at most)."""
+    from framework.models.transformer import LayerCache
+
+    model = tiny_lm()
+    short, long = [5, 2], [3, 7, 1, 9, 4, 4]
+    with torch.no_grad():
+        alone = model(torch.tensor([short]), [LayerCache(8) for _ in model.layers])[0, -1]
+        pad = torch.tensor([4, 0])
+        cache = [LayerCache(8, pad) for _ in model.layers]
+        both = model(torch.tensor([[0] * 4 + short, long]), cache)[:, -1]
+    torch.testing.assert_close(both[0], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[1], model(torch.tensor([long]))[0, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_sampled_groups_are_reproducible_from_the_generator_and_differ_within_a_group():
     model, prompt = tiny_lm(), [3, 7, 1, 9]
-    draw = lambda: generate_group(model, prompt, 4, 10, 1.0, 0.9, torch.Generator().manual_seed(5), set(), 0)[0]  # noqa: E731
+    draw = lambda: generate_groups(model, [prompt], 4, 10, 1.0, 0.9, [torch.Generator().manual_seed(5)], set(), 0)[0]  # noqa: E731
     first, again = draw(), draw()
     assert torch.equal(first, again)
     assert len({tuple(row.tolist()) for row in first}) > 1

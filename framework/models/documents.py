@@ -50,11 +50,16 @@ def attention_layout(freqs: torch.Tensor, positions: torch.Tensor, hidden: torch
     if flex if flex is not None else hidden.device.type == "cuda":
         return AttentionLayout(angles.cos(), angles.sin(), block_mask(starts, key_starts, index, key_index))
     seen = (starts[:, :, None] == key_starts[:, None, :]) & (index[:, None] >= key_index[None, :])
+    return AttentionLayout(angles.cos(), angles.sin(), additive_mask(seen, hidden)[:, None])
+
+
+def additive_mask(seen: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """`seen` (which keys each query sees) as SDPA's additive mask, 0 or -inf, in the dtype
+    attention computes in on `hidden` (autocast's when autocast is on)."""
     device = hidden.device.type
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # (not on meta)
     dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
-    mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
-    return AttentionLayout(angles.cos(), angles.sin(), mask[:, None])
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
 
 
 def block_mask(starts: torch.Tensor, key_starts: torch.Tensor, index: torch.Tensor, key_index: torch.Tensor):

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from framework.models.protocol import ModelProtocol
 from framework.config.errors import ConfigError
-from framework.models.documents import AttentionLayout, attend, attention_layout, gather_keys
+from framework.models.documents import AttentionLayout, additive_mask, attend, attention_layout, gather_keys
 from framework.models.moe import MoE, count_step_load, load_balance_loss, moe_blocks, routing_metrics
 
 
@@ -101,10 +101,12 @@ def _prepare_rotation(rope: Rope, head_dim: int, tokens: torch.Tensor, start: in
 
 class LayerCache:
     """One layer's keys and values of the positions decoded so far (framework.generate),
-    allocated once for `capacity` positions so each new token costs the same."""
+    allocated once for `capacity` positions so each new token costs the same. `pad` (batch,):
+    how many padding positions each row's prompt was left-padded with (prompts of different
+    lengths decoded side by side), None where no row is."""
 
-    def __init__(self, capacity: int):
-        self.capacity, self.length = capacity, 0
+    def __init__(self, capacity: int, pad: Optional[torch.Tensor] = None):
+        self.capacity, self.length, self.pad = capacity, 0, pad
         self.keys: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
 
@@ -116,6 +118,26 @@ class LayerCache:
         self.keys[:, self.length:end], self.values[:, self.length:end] = keys, values
         self.length = end
         return self.keys[:, :end], self.values[:, :end]
+
+
+def left_padded_layout(rope: "Rope", head_dim: int, cache: LayerCache, tokens: torch.Tensor,
+                       hidden: torch.Tensor) -> Optional[AttentionLayout]:
+    """The layout of `tokens`, the next positions of rows left-padded by `cache.pad` (`hidden`
+    their embeddings, whose dtype attention computes in; under sequence parallelism a shard of
+    the sequence, which attention gathers whole before it runs): each
+    token rotated by its place after its row's padding, each query seeing its row's earlier real
+    keys (a padding query sees itself alone, so no row of the softmax is empty); None where no
+    row is padded (the cache's plain causal path)."""
+    if cache.pad is None:
+        return None
+    start, seq, device = cache.length, tokens.shape[1], tokens.device
+    index = start + torch.arange(seq, device=device)
+    positions = (index[None, :] - cache.pad[:, None]).clamp(min=0)
+    cos, sin = rope.cos_sin(head_dim, 0, start + seq, device)
+    keys = torch.arange(start + seq, device=device)[None, None, :]
+    queries = index[None, :, None]
+    seen = ((keys >= cache.pad[:, None, None]) | (keys == queries)) & (keys <= queries)
+    return AttentionLayout(cos[positions], sin[positions], additive_mask(seen, hidden)[:, None])
 
 
 class Attention(nn.Module):
@@ -148,12 +170,13 @@ class Attention(nn.Module):
         cos, sin = (layout.cos, layout.sin) if layout is not None else self.rope.cos_sin(self.head_dim, start, seq, x.device)
         q, k = (rotary(t, cos, sin, self.rope.halves) for t in (q, k))
         mask = None
-        if layout is not None:
-            k, v, mask = gather_keys(self, k), gather_keys(self, v), layout.mask
-        elif cache is not None:
+        if cache is not None:
             k, v = cache.extend(k, v)
-            # query i (position start + i) sees keys 0 .. start + i
-            mask = torch.arange(k.shape[1], device=x.device)[None, :] <= start + torch.arange(seq, device=x.device)[:, None]
+            # query i (position start + i) sees keys 0 .. start + i (left-padded rows: the layout's)
+            mask = layout.mask if layout is not None else \
+                torch.arange(k.shape[1], device=x.device)[None, :] <= start + torch.arange(seq, device=x.device)[:, None]
+        elif layout is not None:
+            k, v, mask = gather_keys(self, k), gather_keys(self, v), layout.mask
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -309,8 +332,9 @@ class Transformer(ModelProtocol, nn.Module):
         if cache is None:
             h = self.run_blocks(self.layers, h, self.attention_layout(positions, h))
         else:  # decoding (framework.generate): each block extends its layer's cache
+            layout = left_padded_layout(self.rope, self.head_dim, cache[0], tokens, h)
             for layer, layer_cache in zip(self.layers, cache):
-                h = layer(h, layer_cache)
+                h = layer(h, layer_cache, layout)
         if self.sparse_layers and torch.is_grad_enabled():  # training: evaluation and decoding need no term
             self.auxiliary_losses = {"load_balance": load_balance_loss(moe_blocks(self), self.token_group)}
         return self.output(self.norm(h))

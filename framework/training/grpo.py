@@ -3,8 +3,8 @@ prompts (data=prompts) with a reward (the `reward` group, framework.training.rew
 
 Each step rolls out before it learns (`rollout`, called by the Trainer before the step's units
 are counted): every DP replica continues each of its prompts `group_size` times with the model as
-it trains (its own KV-cache decoding, framework.generate.generate_group, on the module the
-parallel stages made: FSDP2 shards gather as in any forward), sampled with temperature / top-p
+it trains (its own KV-cache decoding, framework.generate.generate_groups, all its prompts at
+once, on the module the parallel stages made: FSDP2 shards gather as in any forward), sampled with temperature / top-p
 from a generator seeded by (trainer.seed, the step, the prompt's index in its dataset), so a
 prompt draws the same completions on every mesh. The completions are scored, and each one's
 advantage is its reward less its group's mean, over the group's std (`scale_rewards: group`),
@@ -109,7 +109,7 @@ class GroupRelativePolicy(Objective):
         self.sharded = run.cfg.parallel.dp_strategy != "replicate"
         self.micro_batch = run.cfg.data.micro_batch_size
         plan = OmegaConf.to_container(run.cfg.plan, resolve=True) if run.cfg.plan else {}
-        self.block = run.tp.get("size", 1) if shards_sequence(plan) else 1  # (generate_group's `block`)
+        self.block = run.tp.get("size", 1) if shards_sequence(plan) else 1  # (generate_groups' `block`)
         if self.beta > 0 and self.reference == "frozen_copy":
             self.reference_model = frozen_copy(run)
 
@@ -136,30 +136,30 @@ class GroupRelativePolicy(Objective):
         group_size, seq_len) each prompt + completion (padded), targets the completion's tokens (the
         rest -100), each completion's advantage (prompts, group_size), with beta > 0 the
         reference's per-token log-probabilities, with num_iterations > 1 the policy's."""
-        from framework.generate import generate_group
+        from framework.generate import generate_groups
         from framework.models.lora import adapters_disabled
 
         start = time.perf_counter()
         prompts = [row[row != IGNORE].tolist() for row in batch.inputs]
         answers = [self.tokenizer.decode(row[row != IGNORE].tolist()) or None for row in batch.targets]
         width, n = batch.inputs.shape[1], self.group_size
+        generators = [torch.Generator().manual_seed(sampling_seed(self.seed, step, index))
+                      for index in batch.index.tolist()]
         model.eval()
-        rows = []
-        for prompt, index in zip(prompts, batch.index.tolist()):
-            generator = torch.Generator().manual_seed(sampling_seed(self.seed, step, index))
-            rows.append(generate_group(model, prompt, n, self.max_new_tokens, self.temperature, self.top_p, generator,
-                                       self.stop, self.pad_id, self.device, stop_early=not self.sharded,
-                                       block=self.block))
+        tokens, counts = generate_groups(model, prompts, n, self.max_new_tokens, self.temperature, self.top_p,
+                                         generators, self.stop, self.pad_id, self.device,
+                                         stop_early=not self.sharded, block=self.block)
         model.train()
         if self.sharded:
             _reshard(model)
         inputs = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.int64, device=self.device)
         targets = torch.full_like(inputs, IGNORE)
         texts, lengths = [], []
-        for p, (prompt, (tokens, counts)) in enumerate(zip(prompts, rows)):
+        for p, prompt in enumerate(prompts):
             for g in range(n):
-                r, length = p * n + g, int(counts[g])
-                completion = tokens[g, :length]
+                r = p * n + g
+                length = int(counts[r])
+                completion = tokens[r, :length]
                 sequence = torch.cat([torch.tensor(prompt, device=self.device), completion])
                 inputs[r, :len(sequence) - 1] = sequence[:-1]
                 targets[r, len(prompt) - 1:len(sequence) - 1] = completion
