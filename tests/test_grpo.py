@@ -276,6 +276,26 @@ def test_a_resumed_run_continues_the_same_curve(one_process, prepared, reward_fi
     assert scalars(tmp_path / "tb")["reward"] == one_process["scalars"]["reward"][10:]
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("reference", [["objective.reference=frozen_copy"],
+                                       ["objective.reference=adapters_off", "adapter=lora"]],
+                         ids=["frozen_copy", "adapters_off"])
+def test_the_kl_to_the_reference_starts_at_zero_and_the_reference_stays_where_it_was(reference, one_process,
+                                                                                       prepared, reward_file,
+                                                                                       tmp_path):
+    """beta > 0: at step 1 the policy is its reference (a copy; LoRA's B starts at zero), so the k3
+    KL is 0 and the loss the beta=0 run's; then the policy moves and the reference does not."""
+    from framework.launch.local import launch_local
+    from tests.conftest import compose_config
+
+    summary = launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 4), "mesh=1x1",
+                                           "objective.beta=0.04", *reference]), str(tmp_path))
+    kl = scalars(tmp_path / "tb")["kl"]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and all(k > 1e-6 for k in kl[1:]), kl
+    if "adapter=lora" not in reference:  # the same model and completions as the beta=0 run at step 1
+        assert summary["losses"][0] == pytest.approx(one_process["summary"]["losses"][0], rel=1e-5, abs=1e-6)
+
+
 def logged_completions(tb_dir) -> list:
     """The (prompt, completion) pairs of the last logged sample text."""
     import ast

@@ -39,7 +39,7 @@ from framework.data.tokens import IGNORE, kind_of
 from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
 from framework.training.objectives import Objective, StepShare
-from framework.training.preference import frozen_copy, sequence_logps
+from framework.training.preference import Reference, reshard
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -82,10 +82,10 @@ class GroupRelativePolicy(Objective):
         super().__init__(aux_coefficients)
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p, self.scale_rewards = temperature, top_p, scale_rewards
-        self.loss_type, self.epsilon, self.beta, self.reference = loss_type, epsilon, beta, reference
+        self.loss_type, self.epsilon, self.beta = loss_type, epsilon, beta
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.num_iterations = num_iterations
-        self.reference_model: Optional[nn.Module] = None  # frozen_copy's
+        self.reference = Reference(reference) if beta > 0 else None  # DPO's (beta 0: no KL term)
         self._rollout_terms: Dict[str, torch.Tensor] = {}
         self._kl: Optional[torch.Tensor] = None
         self._clipped: Optional[torch.Tensor] = None
@@ -110,8 +110,8 @@ class GroupRelativePolicy(Objective):
         self.micro_batch = run.cfg.data.micro_batch_size
         plan = OmegaConf.to_container(run.cfg.plan, resolve=True) if run.cfg.plan else {}
         self.block = run.tp.get("size", 1) if shards_sequence(plan) else 1  # (generate_groups' `block`)
-        if self.beta > 0 and self.reference == "frozen_copy":
-            self.reference_model = frozen_copy(run)
+        if self.reference is not None:
+            self.reference.setup(run)
 
     # -- the generation phase -----------------------------------------------------------
 
@@ -137,7 +137,6 @@ class GroupRelativePolicy(Objective):
         rest -100), each completion's advantage (prompts, group_size), with beta > 0 the
         reference's per-token log-probabilities, with num_iterations > 1 the policy's."""
         from framework.generate import generate_groups
-        from framework.models.lora import adapters_disabled
 
         start = time.perf_counter()
         prompts = [row[row != IGNORE].tolist() for row in batch.inputs]
@@ -151,7 +150,7 @@ class GroupRelativePolicy(Objective):
                                          stop_early=not self.sharded, block=self.block)
         model.train()
         if self.sharded:
-            _reshard(model)
+            reshard(model)
         inputs = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.int64, device=self.device)
         targets = torch.full_like(inputs, IGNORE)
         texts, lengths = [], []
@@ -173,13 +172,10 @@ class GroupRelativePolicy(Objective):
         self._samples = "\n\n".join(f"{prompt_text!r} -> {text!r} (reward {reward:.4g})"
                                      for prompt_text, text, reward in zip(prompt_texts[:n], texts[:n], rewards.tolist()))
         reference = old = None
-        if self.beta > 0 and self.reference_model is not None:
-            reference = self._logps(self.reference_model, inputs, targets)
-        elif self.beta > 0:
-            with adapters_disabled(model):
-                reference = self._logps(model, inputs, targets)
+        if self.reference is not None:
+            reference = self._logps(lambda rows: self.reference.logits(model, rows), model, inputs, targets)
         if self.num_iterations > 1:
-            old = self._logps(model, inputs, targets)
+            old = self._logps(model, model, inputs, targets)
         self.rollout_s.append(time.perf_counter() - start)
         grouped = (len(prompts), n, width)
         return Batch(inputs.view(grouped), targets.view(grouped),
@@ -210,13 +206,14 @@ class GroupRelativePolicy(Objective):
             "completions/clipped_ratio": (lengths >= self.max_new_tokens).double().mean()}
         self._tokens = float((targets != IGNORE).sum())
 
-    def _logps(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """`model`'s log-probability of each completion token (0 elsewhere), in the step's micro-batches."""
+    def _logps(self, forward, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each completion token's log-probability (0 elsewhere) under `forward` (the policy
+        `model` itself or its reference), in the step's micro-batches."""
         size, parts = (self.micro_batch or len(inputs)) * self.group_size, []
         for begin in range(0, len(inputs), size):
-            parts.append(token_logps(model(inputs[begin:begin + size]), targets[begin:begin + size]))
+            parts.append(token_logps(forward(inputs[begin:begin + size]), targets[begin:begin + size]))
         if self.sharded:
-            _reshard(model)
+            reshard(model)
         return torch.cat(parts)
 
     # -- the learning phase -------------------------------------------------------------
@@ -275,10 +272,7 @@ class GroupRelativePolicy(Objective):
         return targets[..., 0].numel() * (self.max_new_tokens if self.loss_type == "dr_grpo" else 1)
 
     def held_bytes(self) -> Dict[str, int]:
-        from framework.training.memory import local_bytes
-
-        model = self.reference_model
-        return {"reference": sum(local_bytes(p) for p in model.parameters()) if model is not None else 0}
+        return {"reference": self.reference.held_bytes() if self.reference is not None else 0}
 
     def logged_text(self) -> Dict[str, str]:
         """The last rollout's first prompt with its completions and their rewards."""
@@ -292,14 +286,6 @@ class GroupRelativePolicy(Objective):
     def logged_terms(self, model: nn.Module) -> Dict[str, str]:
         names = ROLLOUT_METRICS + (("kl",) if self.beta > 0 else ())
         return {**super().logged_terms(model), **{name: name for name in names}}
-
-
-def _reshard(model: nn.Module) -> None:
-    """FSDP2 keeps a root unsharded after a forward with no backward (generation, a reference)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        model.reshard()
 
 
 GRPO = f"{__name__}.GroupRelativePolicy"

@@ -120,9 +120,9 @@ def pair_losses(loss_type: str, beta: float, e: float, logratios: torch.Tensor, 
     raise ValueError(f"objective.loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
 
 
-def _reshard(model: nn.Module) -> None:
+def reshard(model: nn.Module) -> None:
     """FSDP2 keeps a root unsharded after a forward with no backward (a reference's, KTO's KL
-    estimate's)."""
+    estimate's, GRPO's generation)."""
     from torch.distributed.fsdp import FSDPModule  # (the launcher imports this module: not at its top)
 
     if isinstance(model, FSDPModule):
@@ -156,16 +156,21 @@ class Reference:
                                    "(the objective's setup attaches them to the dataset before training)")
             return stored
         flat = inputs.reshape(-1, inputs.shape[-1])
+        return sequence_logps(self.logits(model, flat), targets.reshape(flat.shape)).view(targets.shape[:-1])
+
+    @torch.no_grad()
+    def logits(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        """The reference's logits of `inputs` (rows, seq_len): frozen_copy's model's, or the
+        policy `model`'s with its adapters off."""
         if self.kind == "frozen_copy":
             if self.model is None:
                 raise RuntimeError("objective.reference=frozen_copy: no reference model (the objective's setup builds "
                                    "it)")
-            logits = self.model(flat)
-            _reshard(self.model)
-        else:
-            with adapters_disabled(model):
-                logits = model(flat)
-        return sequence_logps(logits, targets.reshape(flat.shape)).view(targets.shape[:-1])
+            logits = self.model(inputs)
+            reshard(self.model)
+            return logits
+        with adapters_disabled(model):
+            return model(inputs)
 
     def held_bytes(self) -> int:
         """The reference's parameters (frozen_copy's; the others hold none)."""
@@ -303,7 +308,7 @@ class KahnemanTversky(PreferenceObjective):
             labels = self.labels_of(part)
             sums += torch.stack([(policy - reference).double().sum(), torch.ones_like(labels, dtype=torch.float64).sum(),
                                  labels.double().sum()])
-        _reshard(model)
+        reshard(model)
         if self.replicas > 1:
             dist.all_reduce(sums, group=self.replica_group)
         return torch.stack([(sums[0] / sums[1]).clamp(min=0), sums[1], sums[2]]).float()
