@@ -296,6 +296,22 @@ def test_the_kl_to_the_reference_starts_at_zero_and_the_reference_stays_where_it
         assert summary["losses"][0] == pytest.approx(one_process["summary"]["losses"][0], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.timeout(300)
+def test_a_combined_reward_is_the_weighted_sum_of_its_parts_curves(prepared, reward_file, tmp_path):
+    """reward=combined: each part's mean has its curve (rewards/<name>), and the reward is their
+    weighted sum, every step."""
+    from framework.launch.local import launch_local
+    from tests.conftest import compose_config
+
+    launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 3), "mesh=1x1", "reward=combined",
+                                 "reward.parts=[{kind: file, weight: 1.0}, {kind: length, target_length: 4, "
+                                 "weight: 0.5}]"]), str(tmp_path))
+    logged = scalars(tmp_path / "tb")
+    share, length = logged["rewards/share"], logged["rewards/length"]
+    assert len(share) == 3 and any(0 < value < 1 for value in share + length)
+    assert logged["reward"] == pytest.approx([s + 0.5 * n for s, n in zip(share, length)], abs=1e-6)
+
+
 def logged_completions(tb_dir) -> list:
     """The (prompt, completion) pairs of the last logged sample text."""
     import ast

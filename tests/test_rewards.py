@@ -153,6 +153,42 @@ def test_a_missing_file_or_function_is_refused_naming_the_key(tmp_path):
         reward("reward=file", f"reward.file={broken}", "reward.function=score")
 
 
+def test_combined_sums_its_parts_scores_times_their_weights_and_keeps_each_for_its_curve(tmp_path):
+    path = user_file(tmp_path, "def score(prompt, completion, answer):\n    return len(completion) % 3\n")
+    made = reward("reward=combined", f"reward.file={path}", "reward.function=score",
+                  "reward.parts=[{kind: exact_match, marker: '=', weight: 2.0}, {kind: length, target_length: 4, "
+                  "weight: -0.5, name: brevity}, {kind: file, weight: 0.25}]")
+    assert list(made.curves()) == ["exact_match", "brevity", "score"]
+    completions = ["x = 7", "= 8", "abcd"]
+    got = made(["p"] * 3, completions, ["7", "7", "7"])
+    match = [1.0, 0.0, 0.0]  # the text after the last "=" is the answer
+    brevity = [max(0.0, 1 - abs(len(c) - 4) / 4) for c in completions]
+    own = [len(c) % 3 for c in completions]
+    assert got == pytest.approx([2.0 * m - 0.5 * b + 0.25 * o for m, b, o in zip(match, brevity, own)], abs=1e-12)
+    assert made.curves() == {"exact_match": match, "brevity": pytest.approx(brevity), "score": own}
+    shipped = reward("reward=combined")  # exact_match on "####" (weight 1) + DeepSeek-R1's format (0.5)
+    assert shipped(["p"] * 2, ["<think>a</think><answer>x</answer>#### 3", "#### 3"], ["3", "3"]) == [1.5, 1.0]
+
+
+@pytest.mark.parametrize("parts, line", [
+    ("[]", r"reward.parts=\[\]: name the rewards to combine"),
+    ("[{kind: regex}]", r"reward.parts\[0\].pattern=None: give the regular expression"),
+    ("[{kind: length, target_length: 5}, {kind: bleu}]", r"reward.parts\[1\].kind='bleu': use one of exact_match, "
+                                                         r"regex, length, math_verify, file$"),
+    ("[{kind: regex, pattern: a}, {kind: regex, pattern: b}]", r"reward.parts\[1\].name=None: regex names part 0 "
+                                                               r"too; give each part its own name"),
+    ("[{kind: length, target_length: 5, weight: heavy}]", r"reward.parts\[0\].weight='heavy': must be a finite "
+                                                          r"number"),
+    ("[{kind: file, file: evil.py}]", r"reward.parts\[0\].file='evil.py': a part's function comes from the command "
+                                      r"line's reward.file; give the part kind: file$"),
+    ("[{kind: file}]", r"reward.file=None: reward.parts\[0\] is kind: file, which scores with the command line's "
+                       r"function: give reward.file=my_rewards.py reward.function=score$"),
+], ids=["no_parts", "no_pattern", "unknown_kind", "same_name", "bad_weight", "file_in_a_part", "no_file"])
+def test_a_bad_combined_reward_is_refused_naming_the_part_s_key(parts, line):
+    with pytest.raises(ConfigError, match="^config error: " + line):
+        checked(GRPO, "reward=combined", f"reward.parts={parts}")
+
+
 def checked(*overrides):
     check_reward(Checked(compose_config(list(overrides))))
 
@@ -161,7 +197,8 @@ def test_check_reward_refuses_before_launch_what_grpo_could_not_score_with(tmp_p
     for overrides, line in [
         ([], r"reward.kind='none': objective=grpo scores its completions with a reward; choose one: "
              r"reward=exact_match, regex, length, math_verify, or file \(your own function\)$"),
-        (["reward.kind=bleu"], r"reward.kind='bleu': use one of none, exact_match, regex, length, math_verify, file$"),
+        (["reward.kind=bleu"], r"reward.kind='bleu': use one of none, exact_match, regex, length, math_verify, file, "
+                                    r"combined$"),
         (["reward=regex", "reward.pattern='(<answer>'"], r"reward.pattern='\(<answer>': is not a regular expression "
                                                        r"\(missing \), unterminated subpattern at position 0\)"),
         (["reward=regex", "reward.pattern=null"], r"reward.pattern=None: give the regular expression"),
@@ -196,7 +233,7 @@ def test_another_objective_takes_no_reward_and_never_imports_a_file(tmp_path):
 
 def test_every_reward_file_composes_and_file_leaves_the_code_to_the_command_line():
     options = sorted(p.stem for p in (CONF / "reward").glob("*.yaml"))
-    assert options == ["exact_match", "file", "length", "math_verify", "none", "regex"]
+    assert options == ["combined", "exact_match", "file", "length", "math_verify", "none", "regex"]
     for option in options:
         cfg = compose_config([f"reward={option}"])
         assert cfg.reward.kind == option

@@ -208,12 +208,14 @@ class AdapterConfig:
 @dataclass
 class RewardConfig:
     """What scores objective=grpo's completions (conf/reward/, framework.training.rewards)."""
-    kind: str = "none"  # none | exact_match | regex | length | math_verify | file
+    kind: str = "none"  # none | exact_match | regex | length | math_verify | file | combined
     marker: Optional[str] = None  # exact_match: the answer follows the last one (null: the whole completion)
     pattern: Optional[str] = None  # regex: 1.0 when re.search finds it
     target_length: Optional[int] = None  # length: the best completion's length in characters
     file: Optional[str] = None  # file: a Python file, given on the command line only (framework.config.trust)
     function: Optional[str] = None  # file: its function(prompt, completion, answer) -> number
+    # combined: the weighted sum of these, each {kind, weight, name, and its kind's keys}
+    parts: List[Dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

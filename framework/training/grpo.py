@@ -203,7 +203,9 @@ class GroupRelativePolicy(Objective):
             "reward": rewards.mean(), "reward_std": grouped.std(1).mean(),
             "frac_reward_zero_std": torch.isclose(grouped.std(1), torch.zeros_like(grouped[:, 0])).double().mean(),
             "completions/mean_length": lengths.mean(), "completions/max_length": lengths.max(),
-            "completions/clipped_ratio": (lengths >= self.max_new_tokens).double().mean()}
+            "completions/clipped_ratio": (lengths >= self.max_new_tokens).double().mean(),
+            **{f"rewards/{name}": torch.tensor(scores, dtype=torch.float64).mean()
+               for name, scores in self.reward.curves().items()}}
         self._tokens = float((targets != IGNORE).sum())
 
     def _logps(self, forward, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -284,7 +286,8 @@ class GroupRelativePolicy(Objective):
         return {"rollout_s": self.rollout_s}
 
     def logged_terms(self, model: nn.Module) -> Dict[str, str]:
-        names = ROLLOUT_METRICS + (("kl",) if self.beta > 0 else ())
+        names = ROLLOUT_METRICS + (("kl",) if self.beta > 0 else ()) + \
+            tuple(f"rewards/{name}" for name in self.reward.curves())
         return {**super().logged_terms(model), **{name: name for name in names}}
 
 

@@ -18,7 +18,10 @@ matter, not the scale):
   (TRL's accuracy_reward skips it);
 - file: a function of your own, `function(prompt, completion, answer) -> number`, from a Python
   file given on the command line only (framework.config.trust: recipes and group files from
-  others must not choose code to run).
+  others must not choose code to run);
+- combined: the weighted sum of `parts`, each a built-in's keys (or kind: file, the command
+  line's reward.file) with a `weight` (TRL's reward_funcs with reward_weights); each part's mean
+  gets its own curve, rewards/<name> (`name`, default its kind or function).
 exact_match and math_verify need each sample's answer (None: RewardError). A score that is not
 a finite number, or a function that raises, stops the run with one line naming the function,
 its file and the sample's index in the batch (RewardError): a reward quietly 0 would train on.
@@ -30,14 +33,15 @@ import os
 import re
 import sys
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 
-KINDS = ("none", "exact_match", "regex", "length", "math_verify", "file")
+KINDS = ("none", "exact_match", "regex", "length", "math_verify", "file", "combined")
+PART_KEYS = ("kind", "weight", "name", "marker", "pattern", "target_length")  # what a combined part may set
 GRPO = ".GroupRelativePolicy"  # the objective that scores completions (framework.training.grpo)
 INSTALL = "pip install '.[rl]' (the math-verify package)"
 USER_MODULE = "framework_reward_file"  # the name a reward.file is imported under
@@ -79,8 +83,31 @@ class Reward:
                               f"number (a float, an int or a bool)")
         return number
 
+    def curves(self) -> Dict[str, List[float]]:
+        """The last batch's scores of each part with a curve of its own, by name (combined's
+        parts; before any batch, no scores)."""
+        return {}
+
     def __repr__(self) -> str:
         return f"Reward({self.where})"
+
+
+class WeightedSum(Reward):
+    """reward=combined: each part's score times its weight, summed."""
+
+    def __init__(self, parts: List[Tuple[float, Reward]]):
+        super().__init__("combined", None, "reward=combined")
+        self.parts = parts
+        self.last: Dict[str, List[float]] = {reward.name: [] for _, reward in parts}
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str],
+                 answers: Sequence[Optional[str]]) -> List[float]:
+        self.last = {reward.name: reward(prompts, completions, answers) for _, reward in self.parts}
+        weights = [weight for weight, _ in self.parts]
+        return [sum(w * score for w, score in zip(weights, scores)) for scores in zip(*self.last.values())]
+
+    def curves(self) -> Dict[str, List[float]]:
+        return self.last
 
 
 def _number(value: object) -> Optional[float]:
@@ -216,6 +243,48 @@ NO_REWARD = "objective=grpo scores its completions with a reward; choose one: re
             "math_verify, or file (your own function)"
 
 
+def _combined(reward: Any) -> WeightedSum:
+    """combined's parts, each made as its own reward=<kind> would be (kind: file from the command
+    line's reward.file and reward.function), under a name no other part has."""
+    if not reward.parts:
+        raise ConfigError("reward.parts", [], "name the rewards to combine, e.g. [{kind: exact_match, weight: 1.0}, "
+                                              "{kind: regex, pattern: '<answer>', weight: 0.5}]")
+    parts, names = [], {}
+    for i, part in enumerate(reward.parts):
+        at = f"reward.parts[{i}]"
+        unknown = sorted(set(part) - set(PART_KEYS))
+        if unknown:
+            fix = ("a part's function comes from the command line's reward.file; give the part kind: file"
+                   if unknown[0] in ("file", "function") else f"a part sets {', '.join(PART_KEYS)}")
+            raise ConfigError(f"{at}.{unknown[0]}", part[unknown[0]], fix)
+        kind = part.get("kind")
+        if kind not in (*BUILT_IN, "file"):
+            raise ConfigError(f"{at}.kind", kind, f"use one of {', '.join((*BUILT_IN, 'file'))}")
+        weight = part.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"{at}.weight", weight, "must be a finite number (its score is multiplied by it)")
+        if kind == "file" and (reward.file is None or not reward.function):
+            raise ConfigError("reward.file" if reward.file is None else "reward.function",
+                              reward.file if reward.file is None else reward.function,
+                              f"{at} is kind: file, which scores with the command line's function: give "
+                              f"reward.file=my_rewards.py reward.function=score")
+        settings = {key: value for key, value in part.items() if key not in ("weight", "name")}
+        try:
+            made = make_reward(OmegaConf.merge(reward, {"parts": [], **settings}))
+        except ConfigError as error:  # named as the part's key (a file part's are the command line's own)
+            own = error.key.startswith("reward.") and error.key not in ("reward.file", "reward.function")
+            raise ConfigError(f"{at}.{error.key[len('reward.'):]}" if own else error.key, error.value,
+                              error.fix) from None
+        name = str(part.get("name") or made.name)
+        if name in names:
+            raise ConfigError(f"{at}.name", part.get("name"), f"{name} names part {names[name]} too; give each part "
+                                                              f"its own name (its curve is rewards/<name>)")
+        names[name] = i
+        made.name = name
+        parts.append((float(weight), made))
+    return WeightedSum(parts)
+
+
 def make_reward(reward: Any) -> Reward:
     """The `reward` config section (RewardConfig) as a Reward; a config it cannot make is a
     ConfigError naming the key (check_reward raises the same before launch)."""
@@ -223,6 +292,8 @@ def make_reward(reward: Any) -> Reward:
         raise ConfigError("reward.kind", "none", NO_REWARD)
     if reward.kind == "file":
         return _user_function(reward)
+    if reward.kind == "combined":
+        return _combined(reward)
     if reward.kind not in BUILT_IN:
         raise ConfigError("reward.kind", reward.kind, f"use one of {', '.join(KINDS)}")
     return Reward(reward.kind, BUILT_IN[reward.kind](reward), f"reward={reward.kind}")
