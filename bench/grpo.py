@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.sides import run_side, wait_for_quiet  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS = 256, 4, 8, 4  # intermediate: hidden x 43 / 16 (688)
 PROMPTS, GROUP, MICRO = 8, 8, 2  # prompts per step, completions per prompt, prompts per micro-batch
@@ -183,43 +184,6 @@ def measured(side: str, out: Path, world: int) -> dict:
             "mean_length": statistics.mean(tokens[1:]) / (PROMPTS * GROUP)}
 
 
-def cpu_ticks() -> tuple:
-    """(busy, total) jiffies of the whole host since boot (/proc/stat)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return sum(fields) - idle, sum(fields)
-
-
-def wait_for_quiet(limit_s: float, idle_needed: float = 0.7) -> float:
-    """Waits (at most limit_s) until the host is at least idle_needed idle over a second: other
-    work on this shared machine would be measured too. Returns the idle share seen last."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        busy, total = cpu_ticks()
-        time.sleep(1.0)
-        busy2, total2 = cpu_ticks()
-        idle = 1 - (busy2 - busy) / max(total2 - total, 1)
-        if idle >= idle_needed or time.monotonic() > deadline:
-            return idle
-        time.sleep(4.0)
-
-
-def timed(cmd: list) -> float:
-    """Runs cmd; the share of the host's CPU time others used meanwhile (busy time not spent by
-    cmd's process tree, over the host's cores x wall time)."""
-    import resource
-
-    own = lambda: (lambda u: u.ru_utime + u.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))  # noqa: E731
-    busy, total = cpu_ticks()
-    before = own()
-    process = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    if process.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {process.stderr.decode()[-3000:]}")
-    busy2, total2 = cpu_ticks()
-    tick = os.sysconf("SC_CLK_TCK")
-    return max(0.0, ((busy2 - busy) / tick - (own() - before)) / max((total2 - total) / tick, 1e-9))
-
-
 def profile(data: dict, new: int, quiet_wait: float, threads: int) -> None:
     """The generation loops on one model and one step's prompts, in this process (`threads`), in
     turn for 5 rounds (medians), then each cProfile'd once:
@@ -332,16 +296,17 @@ def main() -> None:
                 out = root / f"{row}_{side}_{repeat}"
                 make = framework_cmd if side == "framework" else peer_cmd
                 idle = wait_for_quiet(args.quiet_wait)
-                others = timed(make(row, data, args.steps, args.max_new_tokens, out))
-                m = {**measured(side, out, 2 if row == "dp2" else 1), "idle_before": idle, "others_cpu": others}
+                ran = run_side(make(row, data, args.steps, args.max_new_tokens, out))
+                m = {**measured(side, out, 2 if row == "dp2" else 1), "idle_before": idle, **ran}
                 results[row][side].append(m)
                 print(f"repeat {repeat} {row:5s} {side:9s} {m['step_s']:.3f} s/step, rollout {m['rollout_s']:.3f} s "
                       f"({m['share']:.0%}), {m['tokens_per_s']:.0f} completion tokens/s, mean length "
-                      f"{m['mean_length']:.1f}; host idle before {idle:.0%}, others' CPU during {others:.0%}",
+                      f"{m['mean_length']:.1f}, peak RSS {m['peak_rss'] / 2**20:.0f} MiB; host idle before {idle:.0%}, "
+                      f"others' CPU during {m['others_cpu']:.0%}",
                       flush=True)
     print("\n| row | framework s/step | TRL s/step | framework / TRL | rollout share (framework, TRL) | "
-          "completion tokens/s (framework; TRL) | tokens/s framework / TRL | others' CPU, most |\n"
-          "|---|---|---|---|---|---|---|---|")
+          "completion tokens/s (framework; TRL) | tokens/s framework / TRL | peak RSS MiB (framework, TRL) | "
+          "others' CPU, most |\n|---|---|---|---|---|---|---|---|---|")
     for row, sides in results.items():
         f, p = sides["framework"], sides["peer"]
         mean = lambda rs, key: statistics.mean(r[key] for r in rs)  # noqa: E731
@@ -350,6 +315,7 @@ def main() -> None:
               f"{mean(f, 'step_s') / mean(p, 'step_s'):.2f} | {mean(f, 'share'):.0%}, {mean(p, 'share'):.0%} | "
               f"{listed(f, 'tokens_per_s', '.0f')}; {listed(p, 'tokens_per_s', '.0f')} | "
               f"{mean(f, 'tokens_per_s') / mean(p, 'tokens_per_s'):.2f} | "
+              f"{max(r['peak_rss'] for r in f) / 2**20:.0f}, {max(r['peak_rss'] for r in p) / 2**20:.0f} | "
               f"{max(r['others_cpu'] for r in f + p):.0%} |")
     (root / "grpo.json").write_text(json.dumps(results, indent=1))
     print(f"\n(raw: {root / 'grpo.json'})")

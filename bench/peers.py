@@ -12,13 +12,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.sides import run_side  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB, SEQ, BATCH = 512, 8, 8192, 256, 8
 LORA = {"rank": 8, "alpha": 16, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
@@ -59,15 +60,6 @@ def peer_cmd(row: str, data: dict, steps: int, out: Path, compile_: bool) -> lis
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                 "--master-port", "29517", *args]
     return [sys.executable, *args]
-
-
-def timed(cmd: list) -> int:
-    """Runs cmd; the peak RSS (bytes) of the largest process in its tree."""
-    process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {process.stderr.read().decode()[-2000:]}")
-    return usage.ru_maxrss * 1024
 
 
 def median_step(times: list) -> float:
@@ -146,7 +138,7 @@ def main() -> None:
             for side in sides:
                 out = root / f"{row}_{side}_{repeat}"
                 make = framework_cmd if side == "framework" else peer_cmd
-                rss = timed(make(row, data, args.steps, out, args.compile))
+                rss = run_side(make(row, data, args.steps, out, args.compile))["peak_rss"]
                 summary = json.loads((out / ("summary.json" if side == "framework" else "peer.json")).read_text())
                 step = median_step(summary["step_times_s"])
                 results[row][side].append({"step_s": step, "rss": rss})
