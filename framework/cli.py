@@ -22,7 +22,7 @@ from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import imports_done
-from framework.checkpoint.layout import CheckpointError
+from framework.checkpoint.layout import CheckpointError, resolve
 from framework.config.errors import ConfigError
 from framework.config.schema import did_you_mean, register_schema, section_keys
 from framework.config.trust import check_composed
@@ -144,3 +144,18 @@ def command_status(body: Callable[[], int], failed: str, argv: List[str] = (), u
     except KeyboardInterrupt:
         print("interrupted by SIGINT", file=sys.stderr)
         return 128 + signal.SIGINT
+
+
+def checkpoint_source(source: str, sources: str) -> Optional[str]:
+    """A command's SOURCE (generate, evaluate): None for a Hugging Face directory (it has a
+    config.json), else the step_N checkpoint it names (a checkpoints dir: its newest); refused in
+    one line naming SOURCE, `sources` saying what it may be."""
+    if os.path.isfile(os.path.join(source, "config.json")):
+        return None
+    if not os.path.isdir(source):
+        raise ConfigError("SOURCE", source, f"no such directory; give {sources}")
+    try:
+        return resolve(source, directory="")
+    except CheckpointError as error:  # its message names only checkpoints
+        raise ConfigError("SOURCE", source, f"no config.json there (a Hugging Face model directory has one), and "
+                                            f"{error}") from None

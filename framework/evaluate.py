@@ -29,8 +29,8 @@ from typing import Dict, List, Optional
 import yaml
 
 from framework.atomic import atomic_file
-from framework.checkpoint.layout import CheckpointError, read_meta, resolve
-from framework.cli import parsed_status
+from framework.checkpoint.layout import CheckpointError, read_meta
+from framework.cli import checkpoint_source, parsed_status
 from framework.config.errors import ConfigError
 from framework.models.hf import HFTransformer
 
@@ -73,15 +73,9 @@ def checked_source(source: str) -> Source:
     """SOURCE as a Hugging Face directory or a checkpoint of a model that has that format, from
     its framework.json alone (no weight read)."""
     path = os.path.abspath(source)
-    if os.path.isfile(os.path.join(path, "config.json")):
+    checkpoint = checkpoint_source(path, SOURCES)
+    if checkpoint is None:
         return Source(path)
-    if not os.path.isdir(path):
-        raise ConfigError("SOURCE", source, f"no such directory; give {SOURCES}")
-    try:
-        checkpoint = resolve(path, directory="")
-    except CheckpointError as error:  # its message names only checkpoints
-        raise ConfigError("SOURCE", source, f"no config.json there (a Hugging Face model directory has one), and "
-                                            f"{error}") from None
     meta = read_meta(checkpoint)
     target = (meta["config"].get("model") or {}).get("_target_")
     if target != HF_MODEL:

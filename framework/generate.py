@@ -21,8 +21,7 @@ from typing import List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from framework.checkpoint.layout import CheckpointError, resolve
-from framework.cli import parsed_status
+from framework.cli import checkpoint_source, parsed_status
 from framework.config.errors import ConfigError
 from framework.data.tokenizer import load_tokenizer
 from framework.checkpoint.weights import load_base
@@ -151,18 +150,11 @@ def _hf_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, 
     return model, tokenizer, stop_ids(model.hf_path, tokenizer)
 
 
-def _checkpoint_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, Set[int]]:
-    """A checkpoint's model (with `adapter`'s LoRA), its tokenizer and stop ids; what its saved
-    config names is said to come from there."""
+def _checkpoint_source(path: str, source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, Set[int]]:
+    """The checkpoint at `path` (SOURCE `source`): its model (with `adapter`'s LoRA), tokenizer
+    and stop ids; what its saved config names is said to come from there."""
     from framework.export import load_model, saved_config_errors
 
-    if not os.path.isdir(source):
-        raise ConfigError("SOURCE", source, f"no such directory; give {SOURCES}")
-    try:
-        path = resolve(source, directory="")
-    except CheckpointError as error:  # its message names only checkpoints
-        raise ConfigError("SOURCE", source, f"no config.json there (a Hugging Face model directory has one), and "
-                                            f"{error}") from None
     model, cfg, _ = load_model(path)
     if adapter:
         if any(is_adapter(name) for name, _ in model.named_parameters()):
@@ -179,8 +171,9 @@ def _checkpoint_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, 
 def load_source(source: str, adapter: Optional[str] = None) -> Tuple[nn.Module, object, Set[int]]:
     """(model with its weights and `adapter`'s, tokenizer, stop ids) of a Hugging Face directory
     or a checkpoint."""
-    if not os.path.isfile(os.path.join(source, "config.json")):
-        return _checkpoint_source(source, adapter)
+    checkpoint = checkpoint_source(source, SOURCES)
+    if checkpoint is not None:
+        return _checkpoint_source(checkpoint, source, adapter)
     try:
         return _hf_source(source, adapter)
     except ConfigError as error:  # framework.models.hf names model.path, training's key for SOURCE
