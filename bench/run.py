@@ -123,7 +123,7 @@ def dp_sync_costs(meshes: List[str], steps: int, repeats: int, work: Path) -> No
     (parallel.overlap_dp_sync), and torch's own DP for the same job: DDP (pure DP only) and
     replicate_with_fsdp; median step time of interleaved launches."""
     for mesh in meshes:
-        sides = {"framework, overlapped": partial(run_framework, mesh, steps, work),
+        sides = {"framework, overlapped": partial(run_framework, mesh, steps, work, "parallel.overlap_dp_sync=true"),
                  "framework, after backward": partial(run_framework, mesh, steps, work, "parallel.overlap_dp_sync=false"),
                  "torch DDP": partial(run_handwritten, mesh, steps, work, "ddp"),
                  "torch replicate_with_fsdp": partial(run_handwritten, mesh, steps, work, "replicate")}

@@ -91,7 +91,7 @@ class ParallelConfig:
     dp_dim: Optional[str] = "dp"
     dp_replicate_dim: str = "dp_replicate"
     dp_strategy: DPStrategy = DPStrategy.replicate
-    overlap_dp_sync: bool = True
+    overlap_dp_sync: Optional[bool] = None  # null: on GPUs only
     tp_dim: Optional[str] = "tp"
     enforce_tp_innermost: bool = True
     allow_tp_across_hosts: bool = False
