@@ -324,9 +324,13 @@ class Transformer(ModelProtocol, nn.Module):
         _prepare_rotation(self.rope, self.head_dim, tokens, start)
 
     def forward(self, tokens: torch.Tensor, cache: Optional[List[LayerCache]] = None,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`positions` (batch, seq): each token's place in its document, for packed windows of
-        several documents (framework.models.documents); None: one causal window."""
+        several documents (framework.models.documents); None: one causal window. `logits_at`
+        (batch, seq, bool): only those positions' logits, (count, vocab) in row order, the rest
+        never reaching the final norm and the output layer (a loss that reads the responses
+        alone; TRL's fused LM head does the same). The caller checks the output layer is whole
+        on this rank (no TP plan, no pipeline: framework.training.preference.selects_positions)."""
         self.prepare_rotation(tokens, cache[0].length if cache else 0)
         h = self.tok_embeddings(tokens)
         if cache is None:
@@ -337,6 +341,8 @@ class Transformer(ModelProtocol, nn.Module):
                 h = layer(h, layer_cache, layout)
         if self.sparse_layers and torch.is_grad_enabled():  # training: evaluation and decoding need no term
             self.auxiliary_losses = {"load_balance": load_balance_loss(moe_blocks(self), self.token_group)}
+        if logits_at is not None:
+            h = h[logits_at]
         return self.output(self.norm(h))
 
     def logged_metrics(self) -> Dict[str, float]:

@@ -87,10 +87,33 @@ KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/c
 
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, average: bool = False) -> torch.Tensor:
     """Per sequence, the sum of its targets' log-probabilities (targets -100 left out); with
-    `average`, their mean (SimPO's length normalization; 0 for a sequence without targets)."""
-    token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
-    total = -token.view(targets.shape).sum(-1)
+    `average`, their mean (SimPO's length normalization; 0 for a sequence without targets).
+    `logits` are (sequences, seq_len, vocab), or (count, vocab) at the targets that count alone,
+    in row order (the model's logits_at, `response_logits`)."""
+    if logits.dim() == 2:
+        counted = targets != IGNORE
+        token = F.cross_entropy(logits.float(), targets[counted], reduction="none")
+        rows = counted.nonzero()[:, 0]
+        total = -torch.zeros(targets.shape[0], dtype=token.dtype, device=token.device).index_add(0, rows, token)
+    else:
+        token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                                reduction="none")
+        total = -token.view(targets.shape).sum(-1)
     return total / response_lengths(targets) if average else total
+
+
+def selects_positions(run) -> bool:
+    """Whether a forward may project only the responses' positions (logits_at): the final norm
+    and the output layer whole on this rank, i.e. no TP plan (it shards the sequence or the
+    vocabulary there) and no pipeline."""
+    return run.tp.get("size", 1) == 1 and run.pp.get("size", 1) == 1
+
+
+def response_logits(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, select: bool) -> torch.Tensor:
+    """`model`'s logits of `inputs` (rows, seq_len): with `select` only at the targets that count
+    (the prompt's positions skip the output layer: on the peers' DPO row it is half of them),
+    else all of them."""
+    return model(inputs, logits_at=targets != IGNORE) if select else model(inputs)
 
 
 def response_lengths(targets: torch.Tensor) -> torch.Tensor:
@@ -135,8 +158,10 @@ class Reference:
     def __init__(self, kind: str):
         self.kind = kind
         self.model: Optional[nn.Module] = None  # frozen_copy's
+        self.select = False  # (selects_positions)
 
     def setup(self, run) -> None:
+        self.select = selects_positions(run)
         if self.kind == "frozen_copy":
             self.model = frozen_copy(run)
         elif self.kind == "precomputed":
@@ -155,22 +180,24 @@ class Reference:
                 raise RuntimeError("objective.reference=precomputed: the batch carries no reference log-probabilities "
                                    "(the objective's setup attaches them to the dataset before training)")
             return stored
-        flat = inputs.reshape(-1, inputs.shape[-1])
-        return sequence_logps(self.logits(model, flat), targets.reshape(flat.shape)).view(targets.shape[:-1])
+        flat, flat_targets = inputs.reshape(-1, inputs.shape[-1]), targets.reshape(-1, targets.shape[-1])
+        return sequence_logps(self.logits(model, flat, flat_targets), flat_targets).view(targets.shape[:-1])
 
     @torch.no_grad()
-    def logits(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    def logits(self, model: nn.Module, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The reference's logits of `inputs` (rows, seq_len): frozen_copy's model's, or the
-        policy `model`'s with its adapters off."""
+        policy `model`'s with its adapters off; given `targets`, at the ones that count alone
+        where the mesh allows (response_logits)."""
+        select = self.select and targets is not None
         if self.kind == "frozen_copy":
             if self.model is None:
                 raise RuntimeError("objective.reference=frozen_copy: no reference model (the objective's setup builds "
                                    "it)")
-            logits = self.model(inputs)
+            logits = response_logits(self.model, inputs, targets, select)
             reshard(self.model)
             return logits
         with adapters_disabled(model):
-            return model(inputs)
+            return response_logits(model, inputs, targets, select)
 
     def held_bytes(self) -> int:
         """The reference's parameters (frozen_copy's; the others hold none)."""
@@ -189,8 +216,10 @@ class PreferenceObjective(Objective):
     def __init__(self, aux_coefficients: Optional[Dict[str, float]] = None):
         super().__init__(aux_coefficients)
         self._sums: Dict[str, torch.Tensor] = {}
+        self.select = False  # the responses' logits alone (selects_positions, set up per run)
 
     def setup(self, run) -> None:
+        self.select = selects_positions(run)
         if self.reference is not None:
             self.reference.setup(run)
 
@@ -236,7 +265,7 @@ class DirectPreference(PreferenceObjective):
         """The policy's logits for every sequence of the pairs (chosen, rejected, ...), and the
         reference's log-probabilities of each pair's two (pairs, 2)."""
         reference = self.reference.logps(model, batch.inputs, batch.targets, batch.reference)
-        return model(batch.inputs.flatten(0, 1)), reference
+        return response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.select), reference
 
     def loss_sum(self, outputs: Tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         logits, reference = outputs
@@ -257,7 +286,7 @@ class SimplePreference(PreferenceObjective):
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
         """The policy's logits for every sequence of the pairs: no reference."""
-        return model(batch.inputs.flatten(0, 1))
+        return response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.select)
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         average = sequence_logps(outputs, targets.flatten(0, 1), average=True).view(-1, 2)
@@ -302,7 +331,7 @@ class KahnemanTversky(PreferenceObjective):
         sums = torch.zeros(3, dtype=torch.float64, device=batch.inputs.device)
         for part in batch.split(self.micro_batch or len(batch.inputs)):
             inputs, targets = part.inputs[:, 1], part.targets[:, 1]
-            policy = sequence_logps(model(inputs), targets)
+            policy = sequence_logps(response_logits(model, inputs, targets, self.select), targets)
             stored = part.reference[:, 1] if part.reference is not None else None
             reference = self.reference.logps(model, inputs, targets, stored)
             labels = self.labels_of(part)
@@ -320,7 +349,8 @@ class KahnemanTversky(PreferenceObjective):
         step = self._step if model.training else self.estimate(model, batch)
         stored = batch.reference[:, 0] if batch.reference is not None else None
         reference = self.reference.logps(model, batch.inputs[:, 0], batch.targets[:, 0], stored)
-        return model(batch.inputs[:, 0]), reference, self.labels_of(batch), step
+        return (response_logits(model, batch.inputs[:, 0], batch.targets[:, 0], self.select), reference,
+                self.labels_of(batch), step)
 
     def labels_of(self, batch: Batch) -> torch.Tensor:
         """The batch's examples' labels, by their index in the prepared set."""
