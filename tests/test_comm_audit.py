@@ -141,9 +141,20 @@ def test_data_parallel_all_reduces_a_bucket_while_backward_still_runs():
     # output layer, the final norm, the last blocks: the first gradients backward produces), the
     # rest. The first bucket's all-reduce starts inside the blocks' backward, before the
     # embeddings' (the last module backward reaches); the second once the embeddings' gradient exists.
-    trace = on_ranks(trace_of_one_step, ["recipe=lm_2d", "mesh=2x1", "plan=none"])[0]
+    # (Overlap asked for: on CPUs the default waits for backward to end, the next test.)
+    trace = on_ranks(trace_of_one_step, ["recipe=lm_2d", "mesh=2x1", "plan=none", "parallel.overlap_dp_sync=true"])[0]
     backward = [e["module"] for e in trace if e["pass"] == "backward"]
     dp_all_reduces = [(e["pass"], e["module"]) for e in trace for c in e["collectives"] if c == "allreduce_[dp]"]
     assert len(dp_all_reduces) == 2
     assert dp_all_reduces[0][0] == "backward" and dp_all_reduces[0][1].startswith("layers.")
     assert dp_all_reduces[1] == ("backward", backward[-1]) == ("backward", "tok_embeddings")
+
+
+def test_on_cpus_data_parallel_waits_for_backward_by_default():
+    """parallel.overlap_dp_sync=null on a CPU mesh: both buckets' all-reduces start once backward
+    is done (gloo's threads would take the cores backward computes on), after the last module's
+    backward, the embeddings'."""
+    trace = on_ranks(trace_of_one_step, ["recipe=lm_2d", "mesh=2x1", "plan=none"])[0]
+    backward = [e["module"] for e in trace if e["pass"] == "backward"]
+    dp_all_reduces = [(e["pass"], e["module"]) for e in trace for c in e["collectives"] if c == "allreduce_[dp]"]
+    assert dp_all_reduces == [("backward", backward[-1])] * 2 and backward[-1] == "tok_embeddings"
