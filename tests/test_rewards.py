@@ -170,6 +170,13 @@ def test_combined_sums_its_parts_scores_times_their_weights_and_keeps_each_for_i
     assert shipped(["p"] * 2, ["<think>a</think><answer>x</answer>#### 3", "#### 3"], ["3", "3"]) == [1.5, 1.0]
 
 
+def test_a_combined_part_takes_its_own_keys_not_the_top_level_ones():
+    """reward.marker set beside reward=combined reaches no part: an exact_match part without a
+    marker compares the whole completion."""
+    made = reward("reward=combined", "reward.marker=ZZ", "reward.parts=[{kind: exact_match}]")
+    assert made(["p", "p"], ["ZZ 3", "3"], ["3", "3"]) == [0.0, 1.0]
+
+
 @pytest.mark.parametrize("parts, line", [
     ("[]", r"reward.parts=\[\]: name the rewards to combine"),
     ("[{kind: regex}]", r"reward.parts\[0\].pattern=None: give the regular expression"),

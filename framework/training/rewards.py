@@ -39,6 +39,7 @@ from omegaconf import OmegaConf
 
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
+from framework.config.schema import RewardConfig
 
 KINDS = ("none", "exact_match", "regex", "length", "math_verify", "file", "combined")
 PART_KEYS = ("kind", "weight", "name", "marker", "pattern", "target_length")  # what a combined part may set
@@ -244,8 +245,9 @@ NO_REWARD = "objective=grpo scores its completions with a reward; choose one: re
 
 
 def _combined(reward: Any) -> WeightedSum:
-    """combined's parts, each made as its own reward=<kind> would be (kind: file from the command
-    line's reward.file and reward.function), under a name no other part has."""
+    """combined's parts, each made from its own keys alone as its reward=<kind> would be (kind:
+    file from the command line's reward.file and reward.function; no other top-level key reaches
+    a part), under a name no other part has."""
     if not reward.parts:
         raise ConfigError("reward.parts", [], "name the rewards to combine, e.g. [{kind: exact_match, weight: 1.0}, "
                                               "{kind: regex, pattern: '<answer>', weight: 0.5}]")
@@ -270,7 +272,8 @@ def _combined(reward: Any) -> WeightedSum:
                               f"reward.file=my_rewards.py reward.function=score")
         settings = {key: value for key, value in part.items() if key not in ("weight", "name")}
         try:
-            made = make_reward(OmegaConf.merge(reward, {"parts": [], **settings}))
+            made = make_reward(OmegaConf.merge(OmegaConf.structured(RewardConfig), {**settings, "file": reward.file,
+                                                                                    "function": reward.function}))
         except ConfigError as error:  # named as the part's key (a file part's are the command line's own)
             own = error.key.startswith("reward.") and error.key not in ("reward.file", "reward.function")
             raise ConfigError(f"{at}.{error.key[len('reward.'):]}" if own else error.key, error.value,
