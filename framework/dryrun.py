@@ -253,8 +253,10 @@ def dry_run(cfg: DictConfig) -> List[RankReport]:
     cpu whatever mesh.device_type says: shapes and collectives do not depend on the device."""
     validate(cfg, world_size=math.prod(cfg.mesh.shape))
     check_dryrun(cfg)
-    # and uncompiled: compiling changes none of the shapes, bytes or collectives it reports
-    simulated = OmegaConf.merge(cfg, {"mesh": {"device_type": "cpu"}, "trainer": {"compile": "none"}})
+    # and uncompiled: compiling changes none of the shapes, bytes or collectives it reports; and
+    # the optimizer unfused: fused kernels refuse meta tensors, and hold the same state as the loop
+    unfused = {"optim": {"fused": False}} if cfg.optim.get("fused") else {}
+    simulated = OmegaConf.merge(cfg, {"mesh": {"device_type": "cpu"}, "trainer": {"compile": "none"}}, unfused)
     return [simulate_rank(simulated, rank) for rank in cfg.dryrun.ranks]
 
 

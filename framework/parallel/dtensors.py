@@ -2,6 +2,7 @@
 imports the models' and adapters' modules to validate a config and must not pay for DTensor's
 import (seconds); a DTensor exists only once that module is loaded, so until then none is one."""
 import sys
+from typing import Dict, Iterable, List
 
 import torch
 
@@ -19,3 +20,14 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole on every rank; a plain tensor as it is."""
     return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+
+def by_mesh(tensors: Iterable[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """The tensors in lists of one kind each, in their order: plain tensors, and the DTensors of
+    each device mesh. A foreach or fused kernel (AdamW's) takes one kind alone: DTensor refuses
+    a list that mixes plain tensors with DTensors (a TP plan leaving norms whole) or two meshes
+    (experts on their own)."""
+    kinds: Dict[object, List[torch.Tensor]] = {}
+    for tensor in tensors:
+        kinds.setdefault(tensor.device_mesh if is_dtensor(tensor) else None, []).append(tensor)
+    return list(kinds.values())

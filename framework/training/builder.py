@@ -27,6 +27,7 @@ from framework.models.nf4 import quantize_base
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
+from framework.parallel.dtensors import by_mesh
 from framework.parallel.fully_shard import FullyShardedSync, apply_fsdp
 from framework.parallel.context_parallel import SequenceChunks, apply_cp
 from framework.parallel.expert_parallel import ExpertGradients, apply_ep, update_biases_after_each_step
@@ -223,10 +224,12 @@ def stage_dataloader(run: Run) -> None:
 
 def stage_optimizer(run: Run) -> None:
     """What a step needs besides data: the optimizer, built over the parameters as they are
-    after DP and TP (DTensor shards included), its warmup / decay schedule, and the objective."""
+    after DP and TP (DTensor shards included; a group for each mesh's, one for plain tensors,
+    so a fused or foreach optimizer's kernels each take one kind), its warmup / decay schedule, and the objective."""
     t = run.cfg.trainer
     run.objective = instantiate(run.cfg.objective)
-    optimizer = instantiate(run.cfg.optim)([p for p in run.model.parameters() if p.requires_grad])
+    kinds = by_mesh(p for p in run.model.parameters() if p.requires_grad)
+    optimizer = instantiate(run.cfg.optim)(kinds[0] if len(kinds) == 1 else [{"params": k} for k in kinds])
     update_biases_after_each_step(optimizer, run.module)
     run.optimizer, run.scheduler = optimizer, build_scheduler(optimizer, t.warmup_steps, t.max_steps, t.lr_decay)
 
