@@ -126,7 +126,7 @@ def run_peer(args) -> None:
         output_dir=args.out, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         num_generations=GROUP, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, loss_type="grpo", scale_rewards="group", learning_rate=LR, weight_decay=0.0, adam_beta1=0.9,
-        adam_beta2=0.99, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch",
+        adam_beta2=0.99, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch_fused",
         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
         dataloader_num_workers=0, seed=0, disable_tqdm=True, log_completions=False, use_vllm=False,
         gradient_checkpointing=False, ddp_backend="gloo" if world > 1 else None)  # (TRL's default: on)

@@ -1,8 +1,9 @@
 """The framework against the peers a user would pick on the same machine: transformers' Trainer
 (full fine-tuning on one process, DDP over 2 ranks under torchrun, LoRA with PEFT) and TRL's
 DPOTrainer (LoRA with PEFT, the reference its adapters off), on the same random Hugging Face
-Llama, the same token windows (DPO: the same pairs), batch, optimizer (AdamW, fp32), grad clip
-and steps; the two sides alternating in each repeat; the median step of steps 5.. of each run.
+Llama, the same token windows (DPO: the same pairs), batch, optimizer (AdamW, fp32, fused:
+both sides' default), grad clip and steps; the two sides alternating in each repeat; the median
+step of steps 5.. of each run.
 
     .venv/bin/python bench/peers.py [--repeats 2] [--steps 20] [--rows full1,ddp2,lora1,dpo1] [--compile]
 
@@ -96,7 +97,7 @@ def run_dpo_peer(args, model, steps) -> None:
     records = [json.loads(line) for line in Path(args.pairs_jsonl).read_text().splitlines()]
     config = DPOConfig(output_dir=args.out, per_device_train_batch_size=PAIRS, max_length=2 * PAIR_BYTES + 2, beta=0.1,
                        loss_type=["sigmoid"], learning_rate=5e-6, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-                       warmup_steps=2, lr_scheduler_type="cosine", max_grad_norm=1.0, optim="adamw_torch",
+                       warmup_steps=2, lr_scheduler_type="cosine", max_grad_norm=1.0, optim="adamw_torch_fused",
                        max_steps=args.steps, logging_steps=10, save_strategy="no", report_to=[], use_cpu=True,
                        dataloader_num_workers=0, seed=0, disable_tqdm=True, gradient_checkpointing=False)
     DPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(records),
@@ -149,7 +150,7 @@ def run_peer(args) -> None:
     training = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=BATCH // world, max_steps=args.steps, learning_rate=2e-5,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, warmup_steps=2, lr_scheduler_type="cosine",
-        max_grad_norm=1.0, optim="adamw_torch", logging_steps=10, save_strategy="no", report_to=[],
+        max_grad_norm=1.0, optim="adamw_torch_fused", logging_steps=10, save_strategy="no", report_to=[],
         dataloader_num_workers=0, use_cpu=True, seed=0, disable_tqdm=True, torch_compile=args.compile,
         ddp_backend="gloo" if ddp else None)
     steps = StepTimes()

@@ -20,7 +20,7 @@ from framework.cli import compose_config
 from framework.training.builder import build_and_run
 from framework.training.trainer import Trainer
 
-from handwritten import batches_for, build_model, next_token_loss, train_step
+from handwritten import batches_for, build_model, fused_adamw, next_token_loss, train_step
 from run import FRAMEWORK_SETTINGS
 
 
@@ -49,7 +49,7 @@ def compare(args: argparse.Namespace, out_dir: str) -> None:
         return Trainer(run).train()["step_times_s"][-n:]
 
     model = build_model(run.mesh, args.compile)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.1, betas=(0.9, 0.95))
+    optimizer = fused_adamw(model)
     loss_fn, batches = next_token_loss, batches_for(run.mesh, cfg.data.global_batch_size, cfg.data.dataset.seq_len)
 
     def handwritten_steps(n: int) -> list:
