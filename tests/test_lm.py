@@ -142,3 +142,20 @@ def test_bf16_autocast_on_a_mesh_agrees_with_one_process_bf16_and_trains(tmp_pat
     assert error < 2e-2
     assert max_relative_error(mesh["losses"], fp32["losses"]) > 0  # autocast did change the numbers
     assert mesh["losses"][-1] < mesh["losses"][0]
+
+
+@pytest.mark.timeout(240)
+def test_fused_adamw_over_plain_and_sharded_parameters_trains_the_loops_curve_of_one_process(tmp_path):
+    """plan=lm_tp leaves the norms plain beside TP's DTensors: the fused kernel runs a param group
+    of each kind (one would be refused) and trains what torch's per-parameter loop trains in one
+    process, with clipping (the foreach sums of squares) on."""
+    steps = [*TINY_LM, "trainer.max_steps=10", "trainer.log_every=5", "trainer.grad_clip=0.5", "trainer.eval_every=null",
+             "trainer.warmup_steps=0", "trainer.lr_decay=constant", "logger.tensorboard=false"]
+    fused = compose_config([*steps, "mesh=1x2", "plan=lm_tp"])
+    assert fused.optim.fused
+    loop = reference_training(compose_config([*steps, "mesh=1x2", "plan=lm_tp", "optim.fused=false"]))
+    summary = launch_local(fused, str(tmp_path))
+    error = max_relative_error(summary["losses"], loop["losses"])
+    print(f"fused AdamW on 1x2 lm_tp against the loop on one process: max relative error {error:.2e}")
+    assert error < 1e-4
+    assert summary["losses"][-1] < summary["losses"][0]

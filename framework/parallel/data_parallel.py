@@ -337,7 +337,7 @@ def _buckets(tensors: List[torch.Tensor], first_bucket_bytes: int = BUCKET_BYTES
     return buckets
 
 
-def apply_dp(model: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: Optional[bool] = True, experts: Any = None,
+def apply_dp(model: nn.Module, dp_mesh: Optional[DeviceMesh], overlap: Optional[bool] = None, experts: Any = None,
              across: Any = None, device_type: str = "cpu") -> DataParallel:
     """Wrap `model`; with no DP dim (dp_mesh None) and nothing `across` the wrapper only keeps
     the `.module` shape. `overlap` None (parallel.overlap_dp_sync's default): overlap on GPUs,

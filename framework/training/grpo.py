@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -39,7 +40,7 @@ from framework.data.tokens import IGNORE, kind_of
 from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
 from framework.training.objectives import Objective, StepShare
-from framework.training.preference import Reference, reshard
+from framework.training.preference import Reference, response_logits, reshard, selects_positions
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -50,9 +51,14 @@ STD_FLOOR = 1e-4  # TRL's: advantages over (std + this)
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Each target's log-probability (batch, seq); 0 where the target is -100."""
-    token = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                                              reduction="none")
+    """Each target's log-probability (rows, seq); 0 where the target is -100. `logits` are
+    (rows, seq, vocab), or (count, vocab) at the targets that count alone, in row order (the
+    model's logits_at, response_logits)."""
+    if logits.dim() == 2:
+        counted = targets != IGNORE
+        token = F.cross_entropy(logits.float(), targets[counted], reduction="none")
+        return torch.zeros(targets.shape, dtype=token.dtype, device=token.device).masked_scatter(counted, -token)
+    token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
     return -token.view(targets.shape)
 
 
@@ -86,6 +92,7 @@ class GroupRelativePolicy(Objective):
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.num_iterations = num_iterations
         self.reference = Reference(reference) if beta > 0 else None  # DPO's (beta 0: no KL term)
+        self.select = False  # (setup: selects_positions)
         self._rollout_terms: Dict[str, torch.Tensor] = {}
         self._kl: Optional[torch.Tensor] = None
         self._clipped: Optional[torch.Tensor] = None
@@ -110,6 +117,7 @@ class GroupRelativePolicy(Objective):
         self.micro_batch = run.cfg.data.micro_batch_size
         plan = OmegaConf.to_container(run.cfg.plan, resolve=True) if run.cfg.plan else {}
         self.block = run.tp.get("size", 1) if shards_sequence(plan) else 1  # (generate_groups' `block`)
+        self.select = selects_positions(run)  # the policy's logits at the completions' tokens alone
         if self.reference is not None:
             self.reference.setup(run)
 
@@ -173,9 +181,11 @@ class GroupRelativePolicy(Objective):
                                      for prompt_text, text, reward in zip(prompt_texts[:n], texts[:n], rewards.tolist()))
         reference = old = None
         if self.reference is not None:
-            reference = self._logps(lambda rows: self.reference.logits(model, rows), model, inputs, targets)
+            reference = self._logps(lambda rows, counted: self.reference.logits(model, rows, counted), model, inputs,
+                                    targets)
         if self.num_iterations > 1:
-            old = self._logps(model, model, inputs, targets)
+            old = self._logps(lambda rows, counted: response_logits(model, rows, counted, self.select), model, inputs,
+                              targets)
         self.rollout_s.append(time.perf_counter() - start)
         grouped = (len(prompts), n, width)
         return Batch(inputs.view(grouped), targets.view(grouped),
@@ -209,11 +219,12 @@ class GroupRelativePolicy(Objective):
         self._tokens = float((targets != IGNORE).sum())
 
     def _logps(self, forward, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Each completion token's log-probability (0 elsewhere) under `forward` (the policy
-        `model` itself or its reference), in the step's micro-batches."""
+        """Each completion token's log-probability (0 elsewhere) under `forward` (rows, their
+        targets -> logits: the policy `model`'s or its reference's), in the step's micro-batches."""
         size, parts = (self.micro_batch or len(inputs)) * self.group_size, []
         for begin in range(0, len(inputs), size):
-            parts.append(token_logps(forward(inputs[begin:begin + size]), targets[begin:begin + size]))
+            rows, counted = inputs[begin:begin + size], targets[begin:begin + size]
+            parts.append(token_logps(forward(rows, counted), counted))
         if self.sharded:
             reshard(model)
         return torch.cat(parts)
@@ -221,10 +232,12 @@ class GroupRelativePolicy(Objective):
     # -- the learning phase -------------------------------------------------------------
 
     def forward(self, model: nn.Module, batch: Batch):
-        """The policy's logits of every completion (completions, seq_len, vocab), their advantages,
-        the reference's and the old policy's log-probabilities, a completion a row."""
+        """The policy's logits of every completion (completions, seq_len, vocab; where the mesh
+        allows, at the completions' tokens alone: the prompts' positions skip the output layer),
+        their advantages, the reference's and the old policy's log-probabilities, a completion a row."""
         reference, old = (t.flatten(0, 1) if t is not None else None for t in (batch.reference, batch.old_logps))
-        return model(batch.inputs.flatten(0, 1)), batch.advantages.flatten(), reference, old
+        logits = response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.select)
+        return logits, batch.advantages.flatten(), reference, old
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
         logits, advantages, reference, old = outputs
