@@ -53,8 +53,10 @@ def trl_loss(logps, old, ref, advantages, mask, loss_type, eps_low, eps_high, be
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_the_loss_is_trl_s_for_each_loss_type_and_its_gradient_the_policy_gradient(loss_type, beta):
-    """One update per rollout: the old policy is the new one detached, the ratio 1."""
+@pytest.mark.parametrize("selected", [False, True], ids=["all-logits", "logits-at-completions"])
+def test_the_loss_is_trl_s_for_each_loss_type_and_its_gradient_the_policy_gradient(loss_type, beta, selected):
+    """One update per rollout: the old policy is the new one detached, the ratio 1. `selected`:
+    the policy's logits at the completions' tokens alone (the model's logits_at, in row order)."""
     torch.manual_seed(0)
     rows, seq, vocab, max_new = 6, 10, 11, 5
     logits = torch.randn(rows, seq, vocab, dtype=torch.float64, requires_grad=True)
@@ -66,7 +68,8 @@ def test_the_loss_is_trl_s_for_each_loss_type_and_its_gradient_the_policy_gradie
     reference = torch.where(targets != IGNORE, -2.0 + 0.3 * torch.randn(rows, seq, dtype=torch.float64), 0.0)
     objective = GroupRelativePolicy(group_size=2, max_new_tokens=max_new, loss_type=loss_type, beta=beta)
     units = float(objective.count(targets))
-    ours = objective((logits, advantages, reference, None), targets, torch.nn.Linear(1, 1), StepShare(units, None))
+    given = logits[targets != IGNORE] if selected else logits
+    ours = objective((given, advantages, reference, None), targets, torch.nn.Linear(1, 1), StepShare(units, None))
 
     mask = (targets != IGNORE).double()
     logps = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
