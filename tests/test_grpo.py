@@ -158,7 +158,8 @@ def test_decoding_in_blocks_for_sequence_parallelism_gives_the_same_tokens():
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_prompts_of_different_lengths_decoded_together_as_each_alone(top_p):
     """Left-padded side by side, each prompt's rows are what decoding it alone gives: its logits
-    (the padding rotated past and masked) and its draws (its own generator), greedy and sampled."""
+    (the padding rotated past and masked) and its draws (its own generator), greedy and sampled;
+    and with last_only, the same."""
     model = tiny_lm()
     prompts, stop = [[3, 7, 1, 9, 4, 4], [5, 2], [8, 1, 6]], {11}
     seeds = [5, 6, 7]
@@ -169,6 +170,10 @@ def test_prompts_of_different_lengths_decoded_together_as_each_alone(top_p):
             alone, alone_lengths = generate_groups(model, [prompt], 3, 10, temperature, top_p,
                                                    [torch.Generator().manual_seed(seed)], stop, pad_id=0)
             assert torch.equal(together[3 * p:3 * p + 3], alone) and torch.equal(lengths[3 * p:3 * p + 3], alone_lengths)
+        # the prompts' forward projecting each row's last position alone draws the same tokens
+        last_only, _ = generate_groups(model, prompts, 3, 10, temperature, top_p,
+                                       [torch.Generator().manual_seed(s) for s in seeds], stop, pad_id=0, last_only=True)
+        assert torch.equal(last_only, together)
         if temperature == 0:
             for p, prompt in enumerate(prompts):
                 expected = decoded_without_cache(model, prompt, 10, stop)

@@ -155,7 +155,7 @@ class GroupRelativePolicy(Objective):
         model.eval()
         tokens, counts = generate_groups(model, prompts, n, self.max_new_tokens, self.temperature, self.top_p,
                                          generators, self.stop, self.pad_id, self.device,
-                                         stop_early=not self.sharded, block=self.block)
+                                         stop_early=not self.sharded, block=self.block, last_only=self.select)
         model.train()
         if self.sharded:
             reshard(model)
