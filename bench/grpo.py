@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.sides import run_side, wait_for_quiet  # noqa: E402
+from bench.sides import run_side, step_ends, wait_for_quiet  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS = 256, 4, 8, 4  # intermediate: hidden x 43 / 16 (688)
 PROMPTS, GROUP, MICRO = 8, 8, 2  # prompts per step, completions per prompt, prompts per micro-batch
@@ -97,7 +97,7 @@ def run_peer(args) -> None:
     import torch
     import torch.distributed as dist
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     spec = importlib.util.spec_from_file_location("bench_reward", args.reward)
@@ -109,17 +109,6 @@ def run_peer(args) -> None:
     per_device = MICRO * GROUP  # completions per micro-batch
     accumulation = PROMPTS * GROUP // (per_device * world)
 
-    class StepEnds(TrainerCallback):
-        """Step times as the framework's: from one step's end to the next (data, logging included)."""
-        ends, begin = [], None
-
-        def on_step_begin(self, *_, **__):
-            if self.begin is None:
-                self.begin = time.perf_counter()
-
-        def on_step_end(self, *_, **__):
-            self.ends.append(time.perf_counter())
-
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     config = GRPOConfig(
@@ -130,7 +119,7 @@ def run_peer(args) -> None:
         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
         dataloader_num_workers=0, seed=0, disable_tqdm=True, log_completions=False, use_vllm=False,
         gradient_checkpointing=False, ddp_backend="gloo" if world > 1 else None)  # (TRL's default: on)
-    steps = StepEnds()
+    steps = step_ends()
     trainer = GRPOTrainer(model=model, reward_funcs=[reward.trl_share], args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[steps])
     rollout_s, generate_s, tokens = [], [], []
@@ -151,10 +140,9 @@ def run_peer(args) -> None:
 
     trainer._generate_and_score_completions, trainer._generate_single_turn = timed_score, timed_single_turn
     trainer.train()
-    ends = [steps.begin, *steps.ends]
     rank = dist.get_rank() if dist.is_initialized() else 0
     Path(args.out, f"peer_rank{rank}.json").write_text(json.dumps({
-        "step_times_s": [b - a for a, b in zip(ends, ends[1:])], "rollout_s": rollout_s, "generate_s": generate_s,
+        "step_times_s": steps.times(), "rollout_s": rollout_s, "generate_s": generate_s,
         "tokens": tokens}))
 
 

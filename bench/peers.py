@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.sides import run_side  # noqa: E402
+from bench.sides import run_side, step_ends  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB, SEQ, BATCH = 512, 8, 8192, 256, 8
 LORA = {"rank": 8, "alpha": 16, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
@@ -104,17 +104,15 @@ def run_dpo_peer(args, model, steps) -> None:
                processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[steps],
                peft_config=LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
                                       target_modules=LORA["targets"])).train()
-    Path(args.out, "peer.json").write_text(json.dumps({"step_times_s": steps.times}))
+    Path(args.out, "peer.json").write_text(json.dumps({"step_times_s": steps.times()}))
 
 
 def run_peer(args) -> None:
     """One side of a row: transformers' Trainer on the framework's own token windows (TRL's
     DPOTrainer on the same pairs for dpo1)."""
-    import time
-
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from framework.data import TokenDataset
 
@@ -128,18 +126,9 @@ def run_peer(args) -> None:
             inputs = windows[i][0]
             return {"input_ids": inputs, "labels": inputs}
 
-    class StepTimes(TrainerCallback):
-        times, start = [], None
-
-        def on_step_begin(self, *_, **__):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *_, **__):
-            self.times.append(time.perf_counter() - self.start)
-
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     if args.peer == "dpo1":
-        return run_dpo_peer(args, model, StepTimes())
+        return run_dpo_peer(args, model, step_ends())
     windows = TokenDataset(args.tokens, SEQ, val_fraction=0.05, document_masking=False)
     if args.peer == "lora1":
         from peft import LoraConfig, get_peft_model
@@ -153,10 +142,10 @@ def run_peer(args) -> None:
         max_grad_norm=1.0, optim="adamw_torch_fused", logging_steps=10, save_strategy="no", report_to=[],
         dataloader_num_workers=0, use_cpu=True, seed=0, disable_tqdm=True, torch_compile=args.compile,
         ddp_backend="gloo" if ddp else None)
-    steps = StepTimes()
+    steps = step_ends()
     Trainer(model=model, args=training, train_dataset=Windows(), callbacks=[steps]).train()
     if not ddp or dist.get_rank() == 0:
-        Path(args.out, "peer.json").write_text(json.dumps({"step_times_s": steps.times}))
+        Path(args.out, "peer.json").write_text(json.dumps({"step_times_s": steps.times()}))
 
 
 def main() -> None:

@@ -47,3 +47,27 @@ def run_side(cmd: list) -> dict:
     own = usage.ru_utime + usage.ru_stime
     return {"peak_rss": usage.ru_maxrss * 1024,
             "others_cpu": max(0.0, ((busy2 - busy) / tick - own) / max((total2 - total) / tick, 1e-9))}
+
+
+def step_ends():
+    """A transformers TrainerCallback timing a peer's steps as the framework times its own: from
+    one step's end to the next (the batch's fetch and the logging included; Trainer's
+    on_step_begin comes after the fetch). `.times()`: the step times, the first from its begin."""
+    from transformers import TrainerCallback
+
+    class StepEnds(TrainerCallback):
+        def __init__(self):
+            self.ends, self.begin = [], None
+
+        def on_step_begin(self, *_, **__):
+            if self.begin is None:
+                self.begin = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            self.ends.append(time.perf_counter())
+
+        def times(self) -> list:
+            ends = [self.begin, *self.ends]
+            return [b - a for a, b in zip(ends, ends[1:])]
+
+    return StepEnds()

@@ -196,6 +196,13 @@ def test_a_bad_combined_reward_is_refused_naming_the_part_s_key(parts, line):
         checked(GRPO, "reward=combined", f"reward.parts={parts}")
 
 
+def test_two_file_parts_are_refused_the_command_line_names_one_function(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config error: reward.parts\[1\].kind='file': part 0 is kind: file too, and "
+                                          r"both would score with the one function the command line names"):
+        reward("reward=combined", f"reward.file={user_file(tmp_path)}", "reward.function=score",
+               "reward.parts=[{kind: file, name: a}, {kind: file, name: b}]")
+
+
 def checked(*overrides):
     check_reward(Checked(compose_config(list(overrides))))
 

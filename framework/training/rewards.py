@@ -251,7 +251,7 @@ def _combined(reward: Any) -> WeightedSum:
     if not reward.parts:
         raise ConfigError("reward.parts", [], "name the rewards to combine, e.g. [{kind: exact_match, weight: 1.0}, "
                                               "{kind: regex, pattern: '<answer>', weight: 0.5}]")
-    parts, names = [], {}
+    parts, names, file_part = [], {}, None
     for i, part in enumerate(reward.parts):
         at = f"reward.parts[{i}]"
         unknown = sorted(set(part) - set(PART_KEYS))
@@ -265,6 +265,11 @@ def _combined(reward: Any) -> WeightedSum:
         weight = part.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
             raise ConfigError(f"{at}.weight", weight, "must be a finite number (its score is multiplied by it)")
+        if kind == "file" and file_part is not None:
+            raise ConfigError(f"{at}.kind", kind, f"part {file_part} is kind: file too, and both would score with the "
+                                                 f"one function the command line names (reward.function); keep one "
+                                                 f"such part, its weight the two summed")
+        file_part = i if kind == "file" else file_part
         if kind == "file" and (reward.file is None or not reward.function):
             raise ConfigError("reward.file" if reward.file is None else "reward.function",
                               reward.file if reward.file is None else reward.function,
