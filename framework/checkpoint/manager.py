@@ -48,6 +48,7 @@ from framework.checkpoint.layout import (
 from framework.checkpoint.safe_load import SafeReader, load_checkpoint
 from framework.data.loader import DataPosition
 from framework.models.lora import is_adapter
+from framework.training.schedule import fitted_to_groups
 from framework.training.state import TrainState
 
 log = logging.getLogger("framework")
@@ -223,7 +224,7 @@ class Checkpointer:
             torch.set_rng_state(state[f"rng.rank{self.rank}"])
         if self.stream is not None and not self.cfg.checkpoint.reset_data:
             self.stream.load_state_dict(json.loads(state[f"stream.rank{self.rank}"]))
-        self.scheduler.load_state_dict(meta["scheduler"])
+        self.scheduler.load_state_dict(fitted_to_groups(meta["scheduler"], len(self.scheduler.optimizer.param_groups)))
         self.state.load_state_dict(meta)
         if self.cfg.checkpoint.reset_data:
             position = self.state.position
