@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from framework.data.tokens import IGNORE
 from framework.generate import generate, generate_groups
 from framework.models.transformer import Transformer
-from framework.training.grpo import GroupRelativePolicy, group_advantages, token_logps
+from framework.training.grpo import GroupRelativePolicy, group_advantages
+from framework.training.preference import token_logps
 from framework.training.objectives import StepShare
 
 

@@ -29,7 +29,6 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -40,7 +39,7 @@ from framework.data.tokens import IGNORE, kind_of
 from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
 from framework.training.objectives import Objective, StepShare
-from framework.training.preference import Reference, response_logits, reshard, selects_positions
+from framework.training.preference import Reference, response_logits, reshard, selects_positions, token_logps
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -48,18 +47,6 @@ REFERENCES = ("adapters_off", "frozen_copy")
 ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                    "completions/max_length", "completions/clipped_ratio", "clip_ratio")
 STD_FLOOR = 1e-4  # TRL's: advantages over (std + this)
-
-
-def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Each target's log-probability (rows, seq); 0 where the target is -100. `logits` are
-    (rows, seq, vocab), or (count, vocab) at the targets that count alone, in row order (the
-    model's logits_at, response_logits)."""
-    if logits.dim() == 2:
-        counted = targets != IGNORE
-        token = F.cross_entropy(logits.float(), targets[counted], reduction="none")
-        return torch.zeros(targets.shape, dtype=token.dtype, device=token.device).masked_scatter(counted, -token)
-    token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
-    return -token.view(targets.shape)
 
 
 def sampling_seed(seed: int, step: int, index: int) -> int:

@@ -85,20 +85,23 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
 
 
-def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, average: bool = False) -> torch.Tensor:
-    """Per sequence, the sum of its targets' log-probabilities (targets -100 left out); with
-    `average`, their mean (SimPO's length normalization; 0 for a sequence without targets).
-    `logits` are (sequences, seq_len, vocab), or (count, vocab) at the targets that count alone,
-    in row order (the model's logits_at, `response_logits`)."""
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each target's log-probability (rows, seq); 0 where the target is -100. `logits` are
+    (rows, seq, vocab), or (count, vocab) at the targets that count alone, in row order (the
+    model's logits_at, `response_logits`)."""
     if logits.dim() == 2:
         counted = targets != IGNORE
         token = F.cross_entropy(logits.float(), targets[counted], reduction="none")
-        rows = counted.nonzero()[:, 0]
-        total = -torch.zeros(targets.shape[0], dtype=token.dtype, device=token.device).index_add(0, rows, token)
-    else:
-        token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                                reduction="none")
-        total = -token.view(targets.shape).sum(-1)
+        return torch.zeros(targets.shape, dtype=token.dtype, device=token.device).masked_scatter(counted, -token)
+    token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
+    return -token.view(targets.shape)
+
+
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, average: bool = False) -> torch.Tensor:
+    """Per sequence, the sum of its targets' log-probabilities (targets -100 left out); with
+    `average`, their mean (SimPO's length normalization; 0 for a sequence without targets).
+    `logits` as token_logps takes them."""
+    total = token_logps(logits, targets).sum(-1)
     return total / response_lengths(targets) if average else total
 
 
