@@ -55,6 +55,8 @@ BAD_CONFIGS = [
     (["mesh.backend=nccl"], r"mesh.backend='nccl': nccl needs mesh.device_type=cuda"),
     (["optim.lr=-1"], r"optim.lr=-1: SGD refuses it: Invalid learning rate: -1$"),
     (["optim=adamw", "+optim.betas=[2,0.9]"], r"optim.betas=\[2, 0.9\]: AdamW refuses it: Invalid beta parameter at index 0"),
+    (["optim=adamw", "optim.fused=yes"], r"optim.fused='yes': must be true or false$"),  # torch takes any truthy value
+    (["+optim.nesterov=1"], r"optim.nesterov=1: must be true or false$"),
     (["plan.net3.output_layouts=null"],
      r"plan.net3=.*: colwise leaves the model's output \(net3\) as local shards \(shard\(-1\)\) on each of the 2 TP "
      r"ranks, so the loss would see only a slice of it; set output_layouts: replicate, or output_layouts: shard\(-1\) "

@@ -241,6 +241,12 @@ def check_optimizer(c: Checked) -> None:
     except TypeError as error:
         raise ConfigError("optim", options, f"{optimizer.__name__} cannot be built: {error}; fix or remove the "
                                             f"option (e.g. ~optim.KEY on the command line)") from None
+    # a switch (fused, foreach, amsgrad, ...) the optimizer takes as any truthy value: yes, 0.5
+    signature = inspect.signature(optimizer).parameters
+    for key, value in options.items():
+        switch = signature[key].annotation in (bool, Optional[bool], bool | None) if key in signature else False
+        if switch and not isinstance(value, bool) and value is not None:
+            raise ConfigError(f"optim.{key}", value, "must be true or false")
     error = _refusal(optimizer, options)
     if error is not None:
         # The option without which the optimizer accepts the rest is the one to name.
