@@ -70,8 +70,12 @@ def block_mask(starts: torch.Tensor, key_starts: torch.Tensor, index: torch.Tens
     def same_document_causal(b, h, q, k):
         return (starts[b, q] == key_starts[b, k]) & (index[q] >= key_index[k])
 
+    # Compiled on CUDA, as torchtitan builds its masks: eager, create_block_mask evaluates the mask
+    # over every (query, key) pair through vmap, a dense pass per forward that costs more than the
+    # attention it saves; compiled, one fused kernel per block row. (Not on CPU: there only the
+    # forward runs, in tests, and an inductor compile there costs seconds.)
     return create_block_mask(same_document_causal, starts.shape[0], None, starts.shape[1], key_starts.shape[1],
-                             device=starts.device)
+                             device=starts.device, _compile=starts.device.type == "cuda")
 
 
 @functools.cache
