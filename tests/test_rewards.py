@@ -52,8 +52,16 @@ def test_length_falls_linearly_from_the_target_to_zero():
     assert got == pytest.approx([0.0, 0.5, 1.0, 0.7, 0.0, 0.0], abs=1e-12)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
-                    reason="math-verify is not installed (pip install '.[rl]')")
+def test_char_share_is_the_share_of_characters_the_class_matches():
+    made = reward("reward=char_share")  # [a-z]
+    assert made.name == "char_share"
+    # counted by hand: 4 of 4, 2 of 4, 0 of 3, none of none, 3 of 6 ("é" and "Z" are not [a-z])
+    got = scores(made, ["abcd", "aB1c", "XYZ", "", "aébZ c"])
+    assert got == pytest.approx([1.0, 0.5, 0.0, 0.0, 0.5], abs=1e-12)
+    digits = reward("reward=char_share", 'reward.pattern="[0-9]"')
+    assert scores(digits, ["a1b2", "12"]) == pytest.approx([0.5, 1.0], abs=1e-12)
+
+
 def test_math_verify_compares_the_final_answer_as_mathematics():
     made = reward("reward=math_verify")
     assert made.name == "math_verify"
@@ -181,7 +189,7 @@ def test_a_combined_part_takes_its_own_keys_not_the_top_level_ones():
     ("[]", r"reward.parts=\[\]: name the rewards to combine"),
     ("[{kind: regex}]", r"reward.parts\[0\].pattern=None: give the regular expression"),
     ("[{kind: length, target_length: 5}, {kind: bleu}]", r"reward.parts\[1\].kind='bleu': use one of exact_match, "
-                                                         r"regex, length, math_verify, file$"),
+                                                         r"regex, char_share, length, math_verify, file$"),
     ("[{kind: regex, pattern: a}, {kind: regex, pattern: b}]", r"reward.parts\[1\].name=None: regex names part 0 "
                                                                r"too; give each part its own name"),
     ("[{kind: length, target_length: 5, weight: heavy}]", r"reward.parts\[0\].weight='heavy': must be a finite "
@@ -210,9 +218,9 @@ def checked(*overrides):
 def test_check_reward_refuses_before_launch_what_grpo_could_not_score_with(tmp_path, monkeypatch):
     for overrides, line in [
         ([], r"reward.kind='none': objective=grpo scores its completions with a reward; choose one: "
-             r"reward=exact_match, regex, length, math_verify, or file \(your own function\)$"),
-        (["reward.kind=bleu"], r"reward.kind='bleu': use one of none, exact_match, regex, length, math_verify, file, "
-                                    r"combined$"),
+             r"reward=exact_match, regex, char_share, length, math_verify, or file \(your own function\)$"),
+        (["reward.kind=bleu"], r"reward.kind='bleu': use one of none, exact_match, regex, char_share, length, "
+                                    r"math_verify, file, combined$"),
         (["reward=regex", "reward.pattern='(<answer>'"], r"reward.pattern='\(<answer>': is not a regular expression "
                                                        r"\(missing \), unterminated subpattern at position 0\)"),
         (["reward=regex", "reward.pattern=null"], r"reward.pattern=None: give the regular expression"),
@@ -247,7 +255,7 @@ def test_another_objective_takes_no_reward_and_never_imports_a_file(tmp_path):
 
 def test_every_reward_file_composes_and_file_leaves_the_code_to_the_command_line():
     options = sorted(p.stem for p in (CONF / "reward").glob("*.yaml"))
-    assert options == ["combined", "exact_match", "file", "length", "math_verify", "none", "regex"]
+    assert options == ["char_share", "combined", "exact_match", "file", "length", "math_verify", "none", "regex"]
     for option in options:
         cfg = compose_config([f"reward={option}"])
         assert cfg.reward.kind == option

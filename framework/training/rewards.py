@@ -9,6 +9,9 @@ matter, not the scale):
   without the marker (it did not answer in the asked form);
 - regex: 1.0 when `re.search(pattern, completion)` finds the pattern, else 0.0 (a format reward;
   flags go inline: `(?s)`, `(?m)`, `(?i)`);
+- char_share: the share of the completion's characters that `pattern` matches alone (a
+  character class such as `[a-z]`), 0.0 for an empty completion: a graded score, where a toy
+  task's all-or-nothing regex leaves every group of a random model at 0 and so teaches nothing;
 - length: max(0, 1 - |len(completion) - target_length| / target_length), in characters (a
   tokenizer's counts would tie a config to one tokenizer): 1.0 at the target, 0.0 at twice it
   or at none;
@@ -41,7 +44,7 @@ from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.config.schema import RewardConfig
 
-KINDS = ("none", "exact_match", "regex", "length", "math_verify", "file", "combined")
+KINDS = ("none", "exact_match", "regex", "char_share", "length", "math_verify", "file", "combined")
 PART_KEYS = ("kind", "weight", "name", "marker", "pattern", "target_length")  # what a combined part may set
 GRPO = ".GroupRelativePolicy"  # the objective that scores completions (framework.training.grpo)
 INSTALL = "pip install '.[rl]' (the math-verify package)"
@@ -148,6 +151,12 @@ def regex(pattern: str) -> Score:
     return lambda prompt, completion, answer: float(compiled.search(completion) is not None)
 
 
+def char_share(pattern: str) -> Score:
+    compiled = re.compile(pattern)
+    return lambda prompt, completion, answer: sum(compiled.fullmatch(c) is not None for c in completion) / \
+        max(len(completion), 1)
+
+
 def length(target: int) -> Score:
     return lambda prompt, completion, answer: max(0.0, 1.0 - abs(len(completion) - target) / target)
 
@@ -220,6 +229,11 @@ def _pattern(reward: Any) -> Score:
                                                             f"syntax, e.g. '<answer>.*?</answer>'") from None
 
 
+def _character_class(reward: Any) -> Score:
+    _pattern(reward)  # (refused as regex's is: missing, or not a regular expression)
+    return char_share(reward.pattern)
+
+
 def _target_length(reward: Any) -> Score:
     if reward.target_length is None or reward.target_length < 1:
         raise ConfigError("reward.target_length", reward.target_length, "must be >= 1 (characters)")
@@ -239,9 +253,10 @@ def _math_verify(reward: Any) -> Score:
     return math_verified()
 
 
-BUILT_IN = {"exact_match": _marker, "regex": _pattern, "length": _target_length, "math_verify": _math_verify}
-NO_REWARD = "objective=grpo scores its completions with a reward; choose one: reward=exact_match, regex, length, " \
-            "math_verify, or file (your own function)"
+BUILT_IN = {"exact_match": _marker, "regex": _pattern, "char_share": _character_class, "length": _target_length,
+            "math_verify": _math_verify}
+NO_REWARD = "objective=grpo scores its completions with a reward; choose one: reward=exact_match, regex, char_share, " \
+            "length, math_verify, or file (your own function)"
 
 
 def _combined(reward: Any) -> WeightedSum:
