@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from framework.models.protocol import ModelProtocol
 from framework.config.errors import ConfigError
 from framework.models.documents import AttentionLayout, additive_mask, attend, attention_layout, gather_keys
+from framework.models.initialization import init_transformer
 from framework.models.moe import MoE, count_step_load, load_balance_loss, moe_blocks, routing_metrics
 
 
@@ -283,6 +284,11 @@ class Transformer(ModelProtocol, nn.Module):
             self.matmul_params += self.output.weight.numel()
         for block in moe_blocks(self):  # a token runs top_k of the stacked experts' matmuls
             self.matmul_params += block.top_k * sum(w[0].numel() for w in block.experts.local_weights())
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """The declared starting weights (framework.models.initialization), the same on every layout."""
+        init_transformer(self)
 
     supports_context_parallel = True
 
