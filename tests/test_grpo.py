@@ -5,11 +5,15 @@ generation in the loop against decoding without a cache; and whole runs: a rewar
 a toy task, the same curve on 1x1 and 2x1, a resume that continues it, and the refusals."""
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import framework
 from framework.data.tokens import IGNORE
 from framework.generate import generate, generate_groups
 from framework.models.transformer import Transformer
@@ -268,6 +272,26 @@ def test_the_reward_rises_and_every_mesh_follows_one_process(mesh, one_process, 
     assert summary["grad_norms"] == pytest.approx(one_process["summary"]["grad_norms"], rel=1e-5, abs=1e-6)
     assert summary["losses"] == pytest.approx(one_process["summary"]["losses"], abs=1e-6)
     assert len(summary["rollout_s"]) == 20 and 0 < sum(summary["rollout_s"]) < sum(summary["step_times_s"])
+
+
+@pytest.mark.timeout(300)
+def test_the_toy_recipe_runs_as_shipped_from_a_directory_without_prompts(tmp_path):
+    """`python -m framework.train recipe=grpo_lm`, as docs/grpo.md writes it (two steps, not 60),
+    launched where no prompts lie: the package's own prompts, scored by the share of [a-z]."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "framework.train", "recipe=grpo_lm", "trainer.max_steps=2",
+                             "trainer.log_every=1", "trainer.progress_bar=false", "hydra.run.dir=run"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["mesh_shape"] == [2, 1]
+    prompts = {json.loads(line)["prompt"] for line in open(os.path.join(os.path.dirname(framework.__file__),
+                                                                         "prompts", "lowercase.jsonl"))}
+    first = logged_texts(tmp_path / "run" / "tb")[1]
+    assert any(prompt in first for prompt in prompts), first  # the shipped prompts were read
+    rewards = scalars(tmp_path / "run" / "tb")["reward"]
+    assert len(rewards) == 2 and all(0 < r < 0.5 for r in rewards), rewards  # a graded share, near 26/256
 
 
 @pytest.mark.timeout(300)

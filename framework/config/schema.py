@@ -8,6 +8,7 @@ the plan's entries) are checked by framework.config.validate instead.
 """
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
@@ -208,9 +209,9 @@ class AdapterConfig:
 @dataclass
 class RewardConfig:
     """What scores objective=grpo's completions (conf/reward/, framework.training.rewards)."""
-    kind: str = "none"  # none | exact_match | regex | length | math_verify | file | combined
+    kind: str = "none"  # none | exact_match | regex | char_share | length | math_verify | file | combined
     marker: Optional[str] = None  # exact_match: the answer follows the last one (null: the whole completion)
-    pattern: Optional[str] = None  # regex: 1.0 when re.search finds it
+    pattern: Optional[str] = None  # regex: 1.0 when re.search finds it; char_share: the class a character matches
     target_length: Optional[int] = None  # length: the best completion's length in characters
     file: Optional[str] = None  # file: a Python file, given on the command line only (framework.config.trust)
     function: Optional[str] = None  # file: its function(prompt, completion, answer) -> number
@@ -324,6 +325,12 @@ def _tokens_vocab(path: Optional[str], tokenizer: Optional[str] = None) -> int:
     return tokens_vocab(path, tokenizer)
 
 
+def _packaged(path: str) -> str:
+    """`${packaged:prompts/lowercase}`: a path inside the installed package, so a recipe's shipped
+    data (framework/prompts/) is found from any working directory."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+
+
 def _hf_text_reader(streaming: bool) -> str:
     """`${hf_text_reader:${data.streaming}}`: data=hf's dataset class, indexed or streamed."""
     return "framework.data.HFTokenStream" if streaming else "framework.data.HFTokenDataset"
@@ -336,3 +343,5 @@ def register_schema() -> None:
         OmegaConf.register_new_resolver("tokens_vocab", _tokens_vocab)
     if not OmegaConf.has_resolver("hf_text_reader"):
         OmegaConf.register_new_resolver("hf_text_reader", _hf_text_reader)
+    if not OmegaConf.has_resolver("packaged"):
+        OmegaConf.register_new_resolver("packaged", _packaged)
