@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import uuid
+from importlib.metadata import PackageNotFoundError
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from framework.checkpoint import manager
 from framework.checkpoint.layout import complete_checkpoints, keep_newest, newest_checkpoint, remove_partial, resolve
 from framework.config.errors import ConfigError
 from framework.config.validate import validate
@@ -376,3 +378,26 @@ def test_the_optimizer_saved_before_it_was_flattened_still_loads(tmp_path):
     dcp.load({"optim": OptimizerState(fresh_model, fresh, flat=False)}, checkpoint_id=str(tmp_path / "False"))
     for mine, theirs in zip(fresh.state.values(), optimizer.state.values()):
         assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_the_version_a_checkpoint_records_never_fails_the_save(monkeypatch, tmp_path):
+    def not_installed(name):
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(manager, "version", not_installed)
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "framework"\nversion = "9.8.7"\n')
+    assert manager.framework_version(str(pyproject)) == "9.8.7 (source tree, not installed)"
+    pyproject.write_text("[project\n")
+    assert manager.framework_version(str(pyproject)) == "unknown (not installed)"
+    assert manager.framework_version(str(tmp_path / "nowhere.toml")) == "unknown (not installed)"
+
+
+def test_a_checkpoint_dir_that_cannot_be_made_is_refused_before_launch(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    where = tmp_path / "a_file" / "checkpoints"
+    cfg = compose_config([*SEED, f"checkpoint.dir={where}"])
+    with pytest.raises(ConfigError, match=rf"checkpoint.dir='{where}': checkpoints go to {where}, but "
+                                          rf"{tmp_path / 'a_file'} is not a writable directory; point checkpoint.dir"):
+        validate(cfg, out_dir=str(tmp_path / "job"))
+    validate(compose_config([*SEED, f"checkpoint.dir={tmp_path / 'new' / 'checkpoints'}"]), out_dir=str(tmp_path / "job"))

@@ -1,13 +1,15 @@
 """A plain (not editable) install carries its configs: built as a wheel, installed into a
 directory of its own and run from elsewhere, the commands compose, validate and train."""
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 
 
 @pytest.mark.timeout(240)
@@ -35,3 +37,31 @@ def test_a_wheel_installed_elsewhere_finds_its_configs_and_trains(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert trained.returncode == 0, trained.stderr
     assert (job / "summary.json").is_file()
+
+
+# Run before anything else in each process (PYTHONPATH's sitecustomize): the package's metadata
+# lookup fails as it does for a tree importable but not installed (PYTHONPATH=., a copied tree).
+NOT_INSTALLED = '''import importlib.metadata as metadata
+_version = metadata.version
+def version(name):
+    if name == "framework":
+        raise metadata.PackageNotFoundError(name)
+    return _version(name)
+metadata.version = version
+'''
+
+
+@pytest.mark.timeout(240)
+def test_a_tree_not_installed_saves_its_checkpoints_with_the_version_from_pyproject(tmp_path):
+    """Its first save once died on PackageNotFoundError, after the training it was to keep."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(NOT_INSTALLED)
+    job = tmp_path / "job"
+    result = run_cli(["mesh=1x1", "trainer.max_steps=2", "checkpoint.every=1", "trainer.progress_bar=false",
+                      f"hydra.run.dir={job}"], env={"PYTHONPATH": str(hooks)})
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((job / "checkpoints" / "step_2" / "framework.json").read_text())
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        expected = tomllib.load(f)["project"]["version"]
+    assert saved["versions"]["framework"] == f"{expected} (source tree, not installed)"

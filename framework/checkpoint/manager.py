@@ -16,9 +16,11 @@ at most one is in flight, and the last one finishes before the run ends.
 """
 import json
 import logging
+import os
 import time
+import tomllib
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Dict, Optional
 
 import torch
@@ -46,12 +48,47 @@ from framework.checkpoint.layout import (
     write_meta_and_publish,
 )
 from framework.checkpoint.safe_load import SafeReader, load_checkpoint
+from framework.config.checked import Checked
+from framework.config.errors import ConfigError
 from framework.data.loader import DataPosition
 from framework.models.lora import is_adapter
 from framework.training.schedule import fitted_to_groups
 from framework.training.state import TrainState
 
 log = logging.getLogger("framework")
+# A source tree's pyproject.toml (framework/checkpoint/ -> the tree's root)
+SOURCE_PYPROJECT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "pyproject.toml")
+
+
+def framework_version(pyproject: str = SOURCE_PYPROJECT) -> str:
+    """The framework's version for a checkpoint's record, which is informational: a tree
+    importable but not installed (PYTHONPATH=.) has no package metadata, and its first save
+    once died there (PackageNotFoundError) after the training it was to keep. Then the tree's
+    pyproject.toml says it, else it is unknown."""
+    try:
+        return version("framework")
+    except PackageNotFoundError:
+        pass
+    try:
+        with open(pyproject, "rb") as f:
+            return f"{tomllib.load(f)['project']['version']} (source tree, not installed)"
+    except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return "unknown (not installed)"
+
+
+def check_checkpoint_writable(c: Checked) -> None:
+    """A run that saves (checkpoint.every) can make its checkpoint directory: the nearest part
+    of it that exists is a writable directory. Found before launch, not at the first save."""
+    if c.checkpoint_dir is None or not c.cfg.checkpoint.every:
+        return
+    existing = c.checkpoint_dir
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
+        raise ConfigError("checkpoint.dir", c.cfg.checkpoint.dir, f"checkpoints go to {c.checkpoint_dir}, but "
+                                                                  f"{existing} is not a writable directory; point "
+                                                                  f"checkpoint.dir at one")
 
 
 @dataclass
@@ -188,7 +225,7 @@ class Checkpointer:
             "mesh": {"shape": list(cfg.mesh.shape), "dim_names": list(cfg.mesh.dim_names)},
             "world_size": dist.get_world_size(),
             "config": OmegaConf.to_container(cfg, resolve=True),
-            "versions": {"torch": torch.__version__, "framework": version("framework")},
+            "versions": {"torch": torch.__version__, "framework": framework_version()},
             "saved_unix": time.time(),
         }
 

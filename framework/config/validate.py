@@ -12,6 +12,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
+from framework.checkpoint.manager import check_checkpoint_writable
 from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
@@ -319,6 +320,7 @@ MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_dataset,               # (here) a global batch per split
     check_responses,             # framework.data.tokens: instruction data keeps a response
     check_checkpoint_sources,    # framework.checkpoint.compat: the checkpoint the run starts from
+    check_checkpoint_writable,   # framework.checkpoint.manager: where the run saves
     check_reference_on_resume,   # framework.training.preference: DPO's stored reference on resume
     check_final_hf,              # (here) checkpoint.final_hf's model and directory
 )
