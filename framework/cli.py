@@ -27,6 +27,7 @@ from framework.config.errors import ConfigError
 from framework.config.schema import did_you_mean, register_schema, section_keys
 from framework.config.trust import check_composed
 from framework.launch.local import Interrupted, RankFailed
+from framework.training.logger import check_logger_overrides
 
 # The configs inside the package (framework/conf links to conf/ in the source tree; a wheel holds a copy).
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
@@ -36,6 +37,7 @@ def compose_checked(overrides: Sequence[str], config_name: str = "config") -> Di
     """The config for these overrides with its `hydra` section, refused (ConfigError) where a
     file would make anything run (framework.config.trust); nothing of it instantiated."""
     register_schema()
+    check_logger_overrides(overrides)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
     check_composed(cfg, overrides)

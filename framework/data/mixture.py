@@ -14,6 +14,7 @@ rank-seeded generator: the global batch would depend on the DP size, and resumin
 mesh could not continue it. Hence this index function instead.
 """
 import inspect
+import math
 from functools import lru_cache
 from typing import Optional
 
@@ -53,6 +54,7 @@ class Mixture(Dataset):
         if not sources:
             raise ConfigError("data.dataset.sources", None, "name at least one source: NAME: {weight: W, dataset: "
                                                             "{_target_: ..., ...}}")
+        _check_counts(seed, num_samples)
         self.source_names = list(sources)
         weights = np.array([_weight(name, sources[name]) for name in self.source_names], dtype=np.float64)
         if weights.sum() <= 0:
@@ -71,7 +73,7 @@ class Mixture(Dataset):
             raise ConfigError("data.dataset.sources", self.source_names, f"mix sources of one kind (packed text, or "
                                                                   f"instruction examples); these are {sorted(map(str, kinds))}")
         self.seq_len, self.seed, self.split = seq_len, seed, SPLITS[split]
-        self.size = int(num_samples) if num_samples else sum(len(source) for source in self.sources)
+        self.size = num_samples if num_samples is not None else sum(len(source) for source in self.sources)
         self.counts = self._counts()
 
     def _counts(self) -> np.ndarray:
@@ -107,10 +109,20 @@ class Mixture(Dataset):
 MIXTURES = ("framework.data.Mixture", f"{__name__}.Mixture")
 
 
+def _check_counts(seed, num_samples) -> None:
+    """The draws' seed seeds numpy's generator (which takes no negative); the epoch counts samples."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError("data.dataset.seed", seed, "must be an integer >= 0 (the draws' seed)")
+    if num_samples is not None and (not isinstance(num_samples, int) or isinstance(num_samples, bool)
+                                    or num_samples < 1):
+        raise ConfigError("data.dataset.num_samples", num_samples, "must be an integer >= 1 (samples per epoch of the "
+                                                                   "mixture), or null for the sources' samples summed")
+
+
 def _weight(name: str, source) -> float:
     weight = source.get("weight") if isinstance(source, (dict, DictConfig)) else None
-    if not isinstance(weight, (int, float)) or weight < 0:
-        raise ConfigError(f"data.dataset.sources.{name}.weight", weight, "give each source a weight >= 0")
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight) or weight < 0:
+        raise ConfigError(f"data.dataset.sources.{name}.weight", weight, "give each source a finite weight >= 0")
     return float(weight)
 
 

@@ -379,6 +379,7 @@ def check_token_data(cfg) -> None:
     (That each split holds a global batch is framework.config.validate's check_dataset.)"""
     from framework.data.mixture import source_nodes
 
+    check_sample_sizes(cfg.data.dataset, source_nodes(cfg.data.dataset))
     if cfg.data.get("streaming") and not issubclass(get_class(cfg.data.dataset._target_), IterableDataset):
         raise ConfigError("data.streaming", True, f"{cfg.data.dataset._target_} is read indexed: streaming reads text "
                                                   f"records (data=hf) only; set data.streaming=false")
@@ -406,6 +407,19 @@ def check_token_data(cfg) -> None:
                               f"{tokenizer['source']} holds ids up to {tokenizer['max_token_id']} (its tokenizer's "
                               f"vocabulary is {tokenizer['vocab_size']}); use at least {tokenizer['vocab_size']}, e.g. "
                               "${tokens_vocab:${data.path},${data.tokenizer}} as recipes/lm_files.yaml does")
+
+
+def check_sample_sizes(dataset, sources: dict) -> None:
+    """A sample's length and the held-out share, before a dataset divides by them (a seq_len of
+    0 ended in a ZeroDivisionError inside Hydra's instantiation)."""
+    nodes = {"data.dataset": dataset, **{f"data.dataset.sources.{name}.dataset": node
+                                         for name, node in sources.items() if name}}
+    for key, node in nodes.items():
+        seq_len, fraction = node.get("seq_len"), node.get("val_fraction")
+        if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+            raise ConfigError(f"{key}.seq_len", seq_len, "must be an integer >= 1 (tokens per sample)")
+        if fraction is not None and (isinstance(fraction, bool) or not 0 <= fraction < 1):
+            raise ConfigError(f"{key}.val_fraction", fraction, "must be in [0, 1): the share of the data held out")
 
 
 def check_document_masking(c: Checked) -> None:

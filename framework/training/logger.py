@@ -205,3 +205,25 @@ def check_loggers(cfg: DictConfig) -> None:
             raise ConfigError("logger.mlflow.tracking_uri", uri, f"no MLflow server answers there "
                                                                  f"({getattr(error, 'reason', error)}); start it "
                                                                  f"(mlflow server --host ...) or use a sqlite:/// URI") from None
+
+
+LOGGER_CONFIGS = Path(__file__).resolve().parent.parent / "conf" / "logger"
+
+
+def check_logger_overrides(overrides: List[str]) -> None:
+    """`logger=[...]` on the command line, before Hydra composes it: Hydra merges a logger named
+    twice silently, and names no option when one of a list does not exist."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for override in OverridesParser.create().parse_overrides([o for o in overrides if o.lstrip("+~").startswith(
+            "logger=")]):
+        names = override.value()
+        if not isinstance(names, list):
+            continue
+        known = sorted(path.stem for path in LOGGER_CONFIGS.glob("*.yaml"))
+        for name in names:
+            if names.count(name) > 1:
+                raise ConfigError("logger", names, f"names {name} twice; name each logger once")
+            if str(name) not in known:
+                raise ConfigError("logger", names, f"{name} is no logger config; the logger configs are: "
+                                                   f"{', '.join(known)}")
