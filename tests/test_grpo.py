@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import framework
@@ -40,6 +41,42 @@ def test_advantages_are_the_group_centred_rewards_over_the_chosen_std():
     batch_std = nanstd(rewards)
     expected = [a / float(batch_std + 1e-4) for a in by_hand_none]
     assert group_advantages(rewards, 4, "batch", batch_std).tolist() == pytest.approx(expected, rel=1e-12)
+
+
+BATCH_REWARDS = [[1.0, 0.0, 0.5, 0.5, 2.0, 0.0, 1.0, 1.0],   # rank 0's two groups of 4
+                 [3.0, 3.5, 4.0, 3.5, 3.25, 3.0, 3.5, 4.0]]  # rank 1's: another mean and spread
+
+
+def batch_std_on_rank() -> dict:
+    """(Run in each of 2 gloo ranks.) scale_rewards=batch's std of this rank's rewards over the DP
+    group (its moments all-reduced), and the advantages it gives; the group is the one setup
+    takes from the run (the world's two ranks here)."""
+    dist.init_process_group("gloo")
+    objective = GroupRelativePolicy(group_size=4, scale_rewards="batch")
+    objective.replicas, objective.replica_group, objective.device = 2, dist.group.WORLD, torch.device("cpu")
+    rewards = torch.tensor(BATCH_REWARDS[dist.get_rank()], dtype=torch.float64)
+    std = objective._batch_std(rewards)
+    advantages = group_advantages(rewards, 4, "batch", std)
+    dist.destroy_process_group()
+    return {"std": float(std), "advantages": advantages.tolist()}
+
+
+@pytest.mark.timeout(120)
+def test_batch_scaled_advantages_divide_by_the_std_of_every_replica_s_rewards():
+    """On 2 DP ranks each rank's std is the std of all 16 rewards (Bessel-corrected, TRL's nanstd
+    over the gathered batch), not its own 8's; each advantage its group-centred reward over it."""
+    from framework.launch.local import spawn_ranks
+
+    reports = spawn_ranks(2, batch_std_on_rank)
+    every = torch.tensor(BATCH_REWARDS, dtype=torch.float64).flatten()
+    by_hand = float(nanstd(every))
+    for rank in (0, 1):
+        own = float(nanstd(torch.tensor(BATCH_REWARDS[rank], dtype=torch.float64)))
+        assert abs(own - by_hand) > 0.8  # (0.65 and 0.39 against 1.50: the all-reduce is seen)
+        assert reports[rank]["std"] == pytest.approx(by_hand, rel=1e-5, abs=1e-6)  # moments vs two passes
+        expected = [(r - sum(group) / 4) / (by_hand + 1e-4)
+                    for group in torch.tensor(BATCH_REWARDS[rank]).view(2, 4).tolist() for r in group]
+        assert reports[rank]["advantages"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 def trl_loss(logps, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_len, items):
