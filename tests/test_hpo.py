@@ -1,12 +1,15 @@
 """Hyperparameter search, `-m hydra/sweeper=optuna` (framework/hpo.py, hydra_plugins/framework_sweepers,
 the trials' section of framework/report.py): real sweeps of the tiny LM, every trial a real run
-of 20 steps, the study read back from its sqlite file. Skipped without the hpo extra."""
+of 20 steps, the study read back from its sqlite file. make test installs the hpo extra, so an
+install without it fails here rather than skipping."""
 import csv
 import json
 import os
 import re
 from pathlib import Path
 
+import hydra_plugins.hydra_optuna_sweeper  # noqa: F401 (the sweeper the tests launch)
+import optuna
 import pytest
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -17,9 +20,6 @@ from framework.config.trust import check_composed
 from framework.hpo import check_before_sweep
 from framework.models import Transformer
 from tests.conftest import QUIET, TEST_MODELS, TINY_LM, run_cli
-
-optuna = pytest.importorskip("optuna")
-pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
 
 # 20 steps of the tiny LM on one rank, validated at steps 10 and 20: a trial takes about 3 s here.
 TINY_RUN = [*TINY_LM, *QUIET, "mesh=1x1", "plan=none", "trainer.max_steps=20", "trainer.eval_every=10",
