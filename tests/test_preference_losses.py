@@ -48,17 +48,16 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor):
 
 
 def trl_dpo(loss_type: str, beta: float, label_smoothing: float, logits, targets, reference) -> torch.Tensor:
-    """TRL 1.16 DPOTrainer._compute_loss (f_divergence_type=reverse_kl), the batch [chosen, rejected]."""
+    """TRL 1.16 DPOTrainer._compute_loss (f_divergence_type=reverse_kl), the batch [chosen, rejected]:
+    trl/trainer/dpo_trainer.py of trl 1.16.0 as installed here (lines 1387-1431). Its sigmoid does
+    not read label_smoothing (DPOConfig: "used in Robust DPO and EXO")."""
     logps, lengths = token_logps(logits, targets)
     chosen_logps, rejected_logps = logps[0::2], logps[1::2]
     chosen_logratios = chosen_logps - reference[:, 0]
     rejected_logratios = rejected_logps - reference[:, 1]
     delta_score = chosen_logratios - rejected_logratios
-    if loss_type == "sigmoid" and label_smoothing == 0:
+    if loss_type == "sigmoid":
         per_sequence_loss = -F.logsigmoid(beta * delta_score)
-    elif loss_type == "sigmoid":  # TRL < 1.0's conservative DPO (1.16 moved label smoothing to robust)
-        per_sequence_loss = (-F.logsigmoid(beta * delta_score) * (1 - label_smoothing)
-                             - F.logsigmoid(-beta * delta_score) * label_smoothing)
     elif loss_type == "hinge":
         per_sequence_loss = torch.relu(1 - beta * delta_score)
     elif loss_type == "ipo":
@@ -78,8 +77,28 @@ def step_of(objective, outputs, targets, model=torch.nn.Identity()):
     return objective(outputs, targets, model, step), {name: value.item() for name, value in step.terms.items()}
 
 
-@pytest.mark.parametrize("loss_type,label_smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0),
-                                                       ("hinge", 0.0), ("robust", 0.0), ("robust", 0.2)])
+def conservative_dpo(beta: float, e: float, logits, targets, reference) -> torch.Tensor:
+    """Conservative DPO (Mitchell 2023; TRL's sigmoid before 1.0; 1.16's trl.experimental CPOTrainer sigmoid):
+    each label trusted with probability 1 - e, (1 - e) x -log sigmoid(m) + e x -log sigmoid(-m)."""
+    logps, _ = token_logps(logits, targets)
+    margin = beta * ((logps[0::2] - reference[:, 0]) - (logps[1::2] - reference[:, 1]))
+    return (-(1 - e) * F.logsigmoid(margin) - e * F.logsigmoid(-margin)).mean()
+
+
+def test_sigmoid_with_label_smoothing_is_conservative_dpo_where_trl_1_16_ignores_it():
+    """The framework's sigmoid reads label_smoothing as conservative DPO (framework.training.
+    preference's docstring, docs/dpo.md); TRL 1.16's DPOTrainer sigmoid ignores it, so the two part
+    here: at e = 0.2 ours is conservative DPO by hand and not TRL 1.16's."""
+    beta, e = 0.3, 0.2
+    logits, targets, reference = fixed(0)
+    objective = DirectPreference(beta=beta, label_smoothing=e, loss_type="sigmoid")
+    loss, _ = step_of(objective, (logits, reference), targets.view(PAIRS, 2, SEQ))
+    torch.testing.assert_close(loss, conservative_dpo(beta, e, logits, targets, reference), **TOLERANCE)
+    assert abs(float(loss) - float(trl_dpo("sigmoid", beta, e, logits, targets, reference))) > 1e-2
+
+
+@pytest.mark.parametrize("loss_type,label_smoothing", [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0),
+                                                       ("robust", 0.0), ("robust", 0.2)])
 def test_each_dpo_loss_type_is_trl_s(loss_type, label_smoothing):
     beta = 0.3
     logits, targets, reference = fixed(0)
