@@ -11,6 +11,7 @@ read back for the sweep report (framework/report.py). Optuna is imported only wh
 import json
 import math
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -28,6 +29,7 @@ BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 METRICS = {"val_loss": "the last validation loss", "best_val_loss": "the lowest validation loss",
            "final_loss": "the last step's training loss", "samples_per_s": "samples/s", "tokens_per_s": "tokens/s"}
 VALIDATION_METRICS = ("val_loss", "best_val_loss")
+DIRECTIONS = ("minimize", "maximize")
 
 
 def optimizes(hydra_cfg: DictConfig) -> bool:
@@ -104,9 +106,58 @@ def check_before_sweep(argv: Sequence[str]) -> None:
     params = base.hydra.sweeper.get("params") or {}
     dims = parser.parse_overrides([f"{key}={value}" for key, value in params.items()]) + parsed
     fixed = [o.input_line for o in dims if not o.is_sweep_override()]
+    if "optuna" in base.hydra.sweeper._target_:
+        check_study(base.hydra.sweeper)
     for dim in (o for o in dims if o.is_sweep_override()):
+        check_dimension(dim)
         for value in _bounds(dim):
             compose_checked([*fixed, f"{dim.get_key_element()}={value}"], name)
+
+
+def check_study(sweeper: DictConfig) -> None:
+    """The Optuna study's settings, which the plugin takes as given: n_trials=0 ran nothing and
+    ended with an empty report and exit 1, an unknown direction in a traceback from the study."""
+    for key, what in (("n_trials", "the study's trials, counting those of earlier runs"),
+                      ("n_jobs", "trials asked for at once")):
+        value = sweeper.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"hydra.sweeper.{key}", value, f"must be an integer >= 1 ({what})")
+    direction = sweeper.get("direction")
+    named = [d.name if isinstance(d, Enum) else d for d in (direction if isinstance(direction, Sequence) and
+                                                              not isinstance(direction, str) else [direction])]
+    if len(named) != 1 or named[0] not in DIRECTIONS:
+        raise ConfigError("hydra.sweeper.direction", named if len(named) != 1 else named[0],
+                          f"use {' or '.join(DIRECTIONS)}: each job returns one number (trainer.sweep_metric)")
+    rate = sweeper.get("max_failure_rate")
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= 1:
+        raise ConfigError("hydra.sweeper.max_failure_rate", rate, "must be in [0, 1]: the share of failed trials "
+                                                                  "the sweep goes on after")
+    seed = (sweeper.get("sampler") or {}).get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise ConfigError("hydra.sweeper.sampler.seed", seed, "must be an integer >= 0, or null for an unseeded "
+                                                              "sampler")
+
+
+def check_dimension(dim: Override) -> None:
+    """A search dimension Optuna can draw from: an interval low < high (reversed, the study failed
+    in two tracebacks), finite, above 0 on a log scale; a range that holds a value; no choice twice."""
+    key, value = dim.get_key_element(), dim.value()
+    given = dim.input_line.partition("=")[2]
+    if dim.is_interval_sweep():
+        start, end = value.start, value.end
+        if not (math.isfinite(start) and math.isfinite(end)) or start >= end:
+            raise ConfigError(key, given, "give an interval(low, high) of finite numbers with low < high")
+        if "log" in value.tags and start <= 0:
+            raise ConfigError(key, given, "a log-scale interval needs low > 0; give e.g. interval(1e-5, ...)")
+    elif dim.is_range_sweep():
+        if value.step is None or value.step <= 0 or value.start >= value.stop:
+            raise ConfigError(key, given, "give a range(start, stop, step) with start < stop and step > 0")
+    elif dim.is_choice_sweep():
+        choices = [str(choice) for choice in dim.sweep_string_iterator()]
+        repeated = next((choice for choice in choices if choices.count(choice) > 1), None)
+        if repeated is not None:
+            raise ConfigError(key, given, f"names {repeated} twice: a repeated choice is drawn twice as often; "
+                                          f"name each once")
 
 
 def resume_study(storage: str, study_name: str) -> int:

@@ -189,6 +189,44 @@ def test_a_search_space_the_configs_refuse_is_refused_before_any_trial(tmp_path)
                         "trainer.warmup_steps=int(interval(0,5))"])  # and a search the configs take passes
 
 
+LR = "optim.lr=tag(log,interval(1e-4,1e-1))"
+STUDY_REFUSALS = [
+    (["optim.lr=interval(0.01,0.0001)"], "optim.lr='interval(0.01,0.0001)': give an interval(low, high) of finite "
+                                         "numbers with low < high"),
+    (["optim.lr=interval(nan,0.1)"], "optim.lr='interval(nan,0.1)': give an interval(low, high) of finite numbers"),
+    (["optim.lr=tag(log,interval(0,0.1))"], "optim.lr='tag(log,interval(0,0.1))': a log-scale interval needs low > 0"),
+    (["trainer.warmup_steps=range(5,1)"], "trainer.warmup_steps='range(5,1)': give a range(start, stop, step) with "
+                                          "start < stop and step > 0"),
+    (["trainer.warmup_steps=choice(1,2,1)"], "trainer.warmup_steps='choice(1,2,1)': names 1 twice"),
+    ([LR, "hydra.sweeper.n_trials=0"], "hydra.sweeper.n_trials=0: must be an integer >= 1 (the study's trials, "
+                                       "counting those of earlier runs)"),
+    ([LR, "hydra.sweeper.n_trials=-3"], "hydra.sweeper.n_trials=-3: must be an integer >= 1"),
+    ([LR, "hydra.sweeper.n_jobs=0"], "hydra.sweeper.n_jobs=0: must be an integer >= 1 (trials asked for at once)"),
+    ([LR, "hydra.sweeper.direction=sideways"], "hydra.sweeper.direction='sideways': use minimize or maximize"),
+    ([LR, "hydra.sweeper.direction=[minimize,maximize]"],
+     "hydra.sweeper.direction=['minimize', 'maximize']: use minimize or maximize: each job returns one number"),
+    ([LR, "hydra.sweeper.max_failure_rate=1.5"], "hydra.sweeper.max_failure_rate=1.5: must be in [0, 1]"),
+    ([LR, "hydra.sweeper.max_failure_rate=nan"], "hydra.sweeper.max_failure_rate=nan: must be in [0, 1]"),
+    ([LR, "hydra.sweeper.sampler.seed=-1"], "hydra.sweeper.sampler.seed=-1: must be an integer >= 0"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("search,line", STUDY_REFUSALS, ids=[" ".join(s) for s, _ in STUDY_REFUSALS])
+def test_a_study_optuna_cannot_run_is_refused_in_one_line_before_it_starts(search, line):
+    assert refusal(*search).startswith("config error: " + line), refusal(*search)
+
+
+@pytest.mark.timeout(120)
+def test_reversed_bounds_and_a_study_of_no_trial_are_refused_on_the_command_line(tmp_path):
+    """Before: reversed bounds ended in two tracebacks (66 lines), n_trials=0 in an empty report, exit 1."""
+    for search, line in (STUDY_REFUSALS[0], STUDY_REFUSALS[5]):
+        result = run_cli([*OPTUNA, *TINY_RUN, *search, f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=110)
+        assert result.returncode == 2, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("config error: " + line)
+        assert not (tmp_path / "sweep").exists()  # no study, no job
+
+
 @pytest.mark.timeout(60)
 def test_the_sweeper_may_build_optuna_samplers_and_call_only_a_function_the_command_line_names():
     cfg = compose_checked(["hydra/sweeper=optuna", "hydra/sweeper/sampler=random"])
