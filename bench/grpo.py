@@ -45,12 +45,19 @@ def make_model_and_data(root: Path, hidden: int = HIDDEN, layers: int = LAYERS) 
     """A random Llama (hidden 256 and 4 layers by default, GQA 8/4 heads, untied, the byte
     tokenizer's 256 ids), 64 prompts of 37-44 bytes prepared for the framework (and kept as JSONL
     for TRL), the reward file."""
-    from framework.prepare import main as prepare
     from tests.hf_models import make_hf_model
 
     model = make_hf_model("llama", str(root / "llama"), hidden_size=hidden, intermediate_size=hidden * 43 // 16,
                           num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                           rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=False)
+    return make_data(root, model)
+
+
+def make_data(root: Path, model: str) -> dict:
+    """The prompts, prepared with `model`'s tokenizer, and the reward file (bench/gpu.py brings
+    its own model)."""
+    from framework.prepare import main as prepare
+
     records = [{"prompt": f"Question {i}: what is {i % 17} plus {(3 * i) % 11}? Answer:" + " " * (i % 5),
                 "answer": str(i % 17 + (3 * i) % 11)} for i in range(64)]
     jsonl = root / "prompts.jsonl"
@@ -111,12 +118,13 @@ def run_peer(args) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    on_gpu = torch.cuda.is_available()  # bench/gpu.py: the GPU, bf16 autocast as the framework's side there
     config = GRPOConfig(
         output_dir=args.out, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         num_generations=GROUP, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, loss_type="grpo", scale_rewards="group", learning_rate=LR, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.99, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch_fused",
-        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not on_gpu, bf16=on_gpu,
         dataloader_num_workers=0, seed=0, disable_tqdm=True, log_completions=False, use_vllm=False,
         gradient_checkpointing=False, ddp_backend="gloo" if world > 1 else None)  # (TRL's default: on)
     steps = step_ends()
