@@ -18,12 +18,14 @@ from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.config.not_yet import check_not_yet
 from framework.config.trust import check_targets
+from framework.data.loader import check_loader
 from framework.data.mixture import source_nodes
 from framework.training.logger import check_loggers
 from framework.data.tokens import check_document_masking, check_responses, check_token_data, tokenizer_of
 from framework.models.hf import check_length, check_model_path, check_vocab, check_weights
 from framework.models.meta import SkipRandomInit
 from framework.models.hf_export import check_hf_out
+from framework.parallel.mesh import resolve_device_type
 from framework.parallel.roles import MeshRoles
 from framework.models.lifecycle import adapt
 from framework.models.lora import check_adapter, check_adapter_init_from
@@ -332,15 +334,16 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     model on meta and the dataset, which the launcher does once and the ranks skip; with the
     job's `out_dir`, also the checkpoint the run would start from."""
     check_known_keys(cfg)
+    mesh_size = math.prod(cfg.mesh.shape)
+    per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or mesh_size
+    resolve_device_type(cfg.mesh, per_host)  # mesh.device_type=auto: cuda or cpu from here on
     check_pipeline(cfg)
     check_mesh(cfg)
-    mesh_size = math.prod(cfg.mesh.shape)
     if world_size is not None and world_size != mesh_size:
         raise ConfigError("mesh.shape", list(cfg.mesh.shape),
                           f"its {mesh_size} positions differ from the launched world size {world_size}; "
                           f"launch {mesh_size} processes or pick a mesh of {world_size}")
     check_not_yet(cfg, MeshRoles.from_config(cfg))
-    per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or mesh_size
     check_ranks_per_node(cfg)
     check_threads(cfg)
     check_fault_tolerance(cfg)
@@ -351,6 +354,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     check_trainer_and_data(cfg)
     check_model_path(cfg)  # before check_token_data reads data.tokenizer, often ${model.path}
     check_token_data(cfg)
+    check_loader(cfg)
     check_checkpoint_keys(cfg)
     check_loggers(cfg)
     if deep:

@@ -98,6 +98,10 @@ def check_fields(dataset, path: str, fields: Sequence[str]) -> None:
     else:
         kinds = {name: getattr(feature, "dtype", type(feature).__name__) for name, feature in dataset.features.items()}
     for key, field in zip(field_keys(len(fields)), fields):
+        if list(fields).count(field) > 1:
+            other = next(k for k, f in zip(field_keys(len(fields)), fields) if f == field and k != key)
+            raise ConfigError(key, field, f"is also {other}: a record's parts come from different columns; name "
+                                          f"each its own")
         if field not in kinds:
             raise ConfigError(key, field, f"is not a column of {path}; its columns are {list(kinds)}")
         if kinds[field] not in ("string", "large_string"):

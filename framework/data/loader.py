@@ -17,6 +17,16 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from framework.config.errors import ConfigError
+
+
+def check_loader(cfg) -> None:
+    """The loader's worker count, before torch refuses it in every rank."""
+    workers = cfg.data.get("num_workers")
+    if workers is not None and workers < 0:
+        raise ConfigError("data.num_workers", workers, "must be >= 0 (0: the samples are read in the rank's own "
+                                                       "process)")
+
 
 class StreamEpochs:
     """A stream's (framework.data.stream) stand-in for the sampler: its replica's records, and

@@ -391,6 +391,7 @@ def check_token_data(cfg) -> None:
     found = {name: tokenizer_of(node) for name, node in source_nodes(cfg.data.dataset).items()}
     found = {name: tokenizer for name, tokenizer in found.items() if tokenizer is not None}
     for name, tokenizer in found.items():
+        check_pad_id(source_nodes(cfg.data.dataset)[name], tokenizer, name)
         key = f"data.dataset.sources.{name}" if name else "data.tokenizer"
         if named is not None and tokenizer["identity"] != named["identity"]:
             raise ConfigError(key, tokenizer["path"] if name else cfg.data.tokenizer,
@@ -420,6 +421,15 @@ def check_sample_sizes(dataset, sources: dict) -> None:
             raise ConfigError(f"{key}.seq_len", seq_len, "must be an integer >= 1 (tokens per sample)")
         if fraction is not None and (isinstance(fraction, bool) or not 0 <= fraction < 1):
             raise ConfigError(f"{key}.val_fraction", fraction, "must be in [0, 1): the share of the data held out")
+
+
+def check_pad_id(node, tokenizer: dict, source: str) -> None:
+    """A pad id the tokenizer has (completions and examples are padded with it)."""
+    pad_id, vocab = node.get("pad_id"), tokenizer["vocab_size"]
+    if pad_id is not None and (not isinstance(pad_id, int) or isinstance(pad_id, bool) or not 0 <= pad_id < vocab):
+        key = f"data.dataset.sources.{source}.dataset.pad_id" if source else "data.dataset.pad_id"
+        raise ConfigError(key, pad_id, f"must be a token id of {tokenizer['path']} (0 to {vocab - 1}), or null "
+                                       f"for its EOS")
 
 
 def check_document_masking(c: Checked) -> None:
