@@ -39,6 +39,7 @@ STAGES = [
 
 
 class DeviceType(str, Enum):
+    auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
 
@@ -80,8 +81,9 @@ class Backend(str, Enum):
 class MeshConfig:
     shape: List[int] = field(default_factory=lambda: [2, 2])
     dim_names: List[str] = field(default_factory=lambda: ["dp", "tp"])
-    device_type: DeviceType = DeviceType.cpu
+    device_type: DeviceType = DeviceType.auto  # auto: cuda when each local rank has a GPU, else cpu
     backend: Backend = Backend.auto
+    device_reason: Optional[str] = None  # set by validation: why that device (the rank-layout header)
     # Ranks that share one host; null: all ranks of a self-launched run, LOCAL_WORLD_SIZE under torchrun.
     ranks_per_host: Optional[int] = None
     auto: bool = False  # mesh=auto: framework.train lets the planner choose (framework.planner.auto)

@@ -57,7 +57,9 @@ def run_rank(cfg_container: dict, out_dir: str) -> Optional[dict]:
         threads = apply_in_rank(cfg.launcher.threads_per_rank, bind)
         if rank == 0:
             log.info("%s", threads)
-        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), deep=False)
+        # (this host's ranks: under torchrun across hosts, not the whole world)
+        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]), deep=False,
+                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
         run = build_and_run(cfg, out_dir)
     except Exception as error:
         log.exception("rank %d failed", rank)

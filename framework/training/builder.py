@@ -24,7 +24,7 @@ from framework.checkpoint.weights import base_checkpoint, load_base, restart_cou
 from framework.models.lifecycle import adapt, allocate, new_model, on_meta
 from framework.models.lora import load_peft_adapter
 from framework.models.nf4 import quantize_base
-from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
+from framework.parallel.mesh import build_mesh, coordinates_on, device_line, layout_table, resolve_device_type
 from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.dtensors import by_mesh
@@ -85,7 +85,7 @@ def stage_mesh(run: Run) -> None:
     run.samples = spread_over_groups(coordinates_on(run.roles.dp_mesh(run.mesh)))  # (and over replica groups)
     run.tp = coordinates_on(run.roles.tp_mesh(run.mesh))
     if run.rank == 0:
-        log.info("%s", layout_table(cfg.mesh.shape, cfg.mesh.dim_names, run.roles.spans()))
+        log.info("%s\n%s", device_line(cfg.mesh), layout_table(cfg.mesh.shape, cfg.mesh.dim_names, run.roles.spans()))
 
 
 def stage_model(run: Run) -> None:
@@ -296,6 +296,8 @@ def build_and_run(cfg: DictConfig, out_dir: str, through: Optional[str] = None, 
     inspect, dryrun), from `start` on. `run` may come with what the skipped stages would have
     set (verify's one-process reference has no process group or mesh; the dry run's model stays
     on meta)."""
+    # (a config no launcher validated, mesh.device_type=auto: as the launcher would, for this host's ranks)
+    resolve_device_type(cfg.mesh, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
     run = run or Run(cfg=cfg, out_dir=out_dir)
     names = list(cfg.pipeline) if through is None else STAGES[: STAGES.index(through) + 1]
     for name in names[names.index(start) if start else 0:]:

@@ -1,0 +1,58 @@
+"""mesh.device_type=auto, the default: cuda with nccl where each rank of a host has a GPU, else
+cpu with gloo, resolved once by the process that validates and said in the rank-layout header."""
+import pytest
+import torch
+
+from framework.config.validate import validate
+from framework.launch.handoff import rank_config
+from framework.parallel.mesh import resolve_device
+from tests.conftest import QUIET, compose_config, run_cli
+
+
+@pytest.mark.parametrize("requested,gpus,ranks,expected", [
+    ("auto", 0, 1, ("cpu", "gloo", "auto: no GPU")),
+    ("auto", 0, 4, ("cpu", "gloo", "auto: no GPU")),
+    ("auto", 8, 8, ("cuda", "nccl", "auto: 8 GPUs for 8 local ranks")),
+    ("auto", 1, 1, ("cuda", "nccl", "auto: 1 GPU for 1 local rank")),
+    ("auto", 8, 4, ("cuda", "nccl", "auto: 8 GPUs for 4 local ranks")),
+    ("auto", 4, 8, ("cpu", "gloo", "auto: 4 GPUs for 8 local ranks")),  # a rank without a GPU: all on cpu
+    ("cpu", 8, 8, ("cpu", "gloo", "mesh.device_type=cpu")),
+    ("cuda", 0, 2, ("cuda", "nccl", "mesh.device_type=cuda")),  # (validation refuses it: see below)
+])
+def test_the_resolver_picks_cuda_only_with_a_gpu_for_every_local_rank(requested, gpus, ranks, expected):
+    assert resolve_device(requested, gpus, ranks) == expected
+
+
+def test_auto_is_the_default_and_validation_makes_it_concrete_for_the_ranks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    cfg = compose_config(["mesh=2x2", *QUIET])
+    assert cfg.mesh.device_type == "auto"
+    validate(cfg, deep=False)
+    assert (cfg.mesh.device_type, cfg.mesh.device_reason) == ("cpu", "auto: no GPU")
+    handed = rank_config(cfg)["mesh"]
+    assert (handed["device_type"], handed["device_reason"]) == ("cpu", "auto: no GPU")
+
+
+def test_a_host_with_a_gpu_for_each_rank_resolves_to_cuda(monkeypatch):
+    """The launcher's choice with 4 GPUs seen (validation's device checks faked to pass too)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = compose_config(["mesh=2x2", *QUIET])
+    validate(cfg, deep=False)
+    assert (cfg.mesh.device_type, cfg.mesh.device_reason) == ("cuda", "auto: 4 GPUs for 4 local ranks")
+    cfg = compose_config(["mesh=2x2", "mesh.ranks_per_host=2", *QUIET])  # two hosts of 2 ranks
+    validate(cfg, deep=False)
+    assert cfg.mesh.device_reason == "auto: 4 GPUs for 2 local ranks"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.timeout(120)
+def test_the_rank_layout_header_says_the_device_and_why(tmp_path):
+    result = run_cli(["mesh=2x1", "trainer.max_steps=1", "trainer.progress_bar=false", f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.endswith("device: cpu (auto: no GPU)"))
+    assert lines[header + 1].startswith("DeviceMesh [dp=2, tp=1]")
+    forced = run_cli(["mesh=1x1", "mesh.device_type=cpu", "trainer.max_steps=1", "trainer.progress_bar=false",
+                      f"hydra.run.dir={tmp_path / 'forced'}"])
+    assert "device: cpu (mesh.device_type=cpu)" in forced.stdout, forced.stderr
