@@ -140,3 +140,72 @@ def test_a_bad_planner_command_is_refused_by_its_main(arguments, line, tmp_path,
 @pytest.mark.parametrize("arguments,line", one_per_feature(PLANNER_REFUSALS, {"planner.world=0"}))
 def test_a_bad_planner_command_is_refused_in_one_line(arguments, line, tmp_path):
     refused_in_one_line(run_cli(planner_arguments(arguments, tmp_path), module="framework.planner", timeout=140), line)
+
+
+# Data, loggers and their keys (issue 63): PACKED, PROMPTS and JSONL stand for prepared token data,
+# prepared prompts and a JSONL file of prompt / response records (made in the test).
+FILES = ["recipe=lm_files", "model=lm_tiny", "plan=none", "mesh=1x1", "data.global_batch_size=4",
+         "data.dataset.seq_len=16", "data.path=PACKED"]
+MIXED = [*FILES, "data=mixture", "data.tokenizer=bytes",
+         "+data.dataset.sources.a={weight: 0.5, dataset: {_target_: framework.data.TokenDataset, path: PACKED}}"]
+GRPO = ["recipe=grpo_lm", "data.path=PROMPTS", "mesh=1x1", "data.dataset.seq_len=64", "objective.max_new_tokens=8"]
+HF = [*FILES, "data=hf_instructions", "data.path=JSONL", "data.tokenizer=bytes"]
+DATA_REFUSALS = [
+    ([*MIXED, "data.dataset.num_samples=-5"], r"data.dataset.num_samples=-5: must be an integer >= 1 \(samples per "
+                                              r"epoch of the mixture\), or null for the sources' samples summed"),
+    ([*MIXED, "data.dataset.num_samples=0"], r"data.dataset.num_samples=0: must be an integer >= 1"),
+    ([*MIXED, "data.dataset.seed=-1"], r"data.dataset.seed=-1: must be an integer >= 0 \(the draws' seed\)"),
+    ([*MIXED[:-1], MIXED[-1].replace("0.5", "nan")],
+     r"data.dataset.sources.a.weight=nan: give each source a finite weight >= 0"),
+    ([*MIXED[:-1], MIXED[-1].replace("0.5", "inf")], r"data.dataset.sources.a.weight=inf: give each source a finite"),
+    ([*MIXED, "data.dataset.seq_len=0"], r"data.dataset.seq_len=0: must be an integer >= 1 \(tokens per sample\)"),
+    ([*FILES, "data.dataset.seq_len=-3"], r"data.dataset.seq_len=-3: must be an integer >= 1"),
+    ([*FILES, "data.dataset.val_fraction=1.0"], r"data.dataset.val_fraction=1.0: must be in \[0, 1\): the share of "
+                                                r"the data held out"),
+    ([*FILES, "data.dataset.val_fraction=nan"], r"data.dataset.val_fraction=nan: must be in \[0, 1\)"),
+    ([*FILES, "data.num_workers=-1"], r"data.num_workers=-1: must be >= 0"),
+    ([*FILES, "logger=[tensorboard,tensorboard]"], r"logger=\['tensorboard', 'tensorboard'\]: names tensorboard "
+                                                   r"twice; name each logger once"),
+    ([*FILES, "logger=[tensorboard,wandbx]"], r"logger=\['tensorboard', 'wandbx'\]: wandbx is no logger config; the "
+                                              r"logger configs are: mlflow, tensorboard, wandb"),
+    ([*GRPO, "data.dataset.pad_id=-1"], r"data.dataset.pad_id=-1: must be a token id of bytes \(0 to 255\), or null "
+                                        r"for its EOS"),
+    ([*GRPO, "data.dataset.pad_id=256"], r"data.dataset.pad_id=256: must be a token id of bytes \(0 to 255\)"),
+    ([*HF, "data.dataset.prompt_field=response"],
+     r"data.dataset.prompt_field='response': is also data.dataset.response_field: a record's parts come from "
+     r"different columns; name each its own"),
+]
+DATA_ON_THE_COMMAND_LINE = {"data.dataset.num_samples=-5", "logger=[tensorboard,tensorboard]"}
+
+
+@pytest.fixture
+def data_paths(prepared, tmp_path) -> dict:
+    jsonl = tmp_path / "chat.jsonl"
+    jsonl.write_text("".join(f'{{"prompt": "q{i}?", "response": "a{i}"}}\n' for i in range(64)))
+    return {"PACKED": prepared["packed"], "PROMPTS": prepared["prompts"], "JSONL": str(jsonl)}
+
+
+def with_paths(overrides: list, paths: dict) -> list:
+    for name, path in paths.items():
+        overrides = [o.replace(name, path) for o in overrides]
+    return overrides
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overrides,line", DATA_REFUSALS, ids=[o[-1] for o, _ in DATA_REFUSALS])
+def test_bad_data_and_logger_keys_are_refused_by_validation(overrides, line, data_paths):
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_config(with_paths(overrides, data_paths)))
+    assert re.match("config error: " + line, str(refused.value)), str(refused.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overrides,line", [
+    pytest.param(o, line, id=o[-1], marks=() if DATA_ON_THE_COMMAND_LINE & set(o) else pytest.mark.integration)
+    for o, line in DATA_REFUSALS])
+def test_bad_data_and_logger_keys_are_refused_in_one_line_before_launch(overrides, line, data_paths, tmp_path):
+    """Before: num_samples=-5 ended in a 13-line traceback, a NaN weight in Hydra's instantiation
+    error, a logger named twice trained with it merged."""
+    result = run_cli([*with_paths(overrides, data_paths), f"hydra.run.dir={tmp_path / 'job'}"], timeout=110)
+    refused_in_one_line(result, line)
+    assert not (tmp_path / "job").exists()
