@@ -146,6 +146,7 @@ class TrainerConfig:
     check_replicas_every: Optional[int] = 100
     compile: Compile = Compile.none
     profile_steps: int = 0
+    memory_snapshot: bool = False  # a GPU allocator's history from the first step, dumped at the end (framework.training.memory)
     sweep_metric: Optional[str] = None  # what a sweep job returns to an optimizing sweeper (framework/hpo.py METRICS); null: val_loss
 
 

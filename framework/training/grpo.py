@@ -273,6 +273,10 @@ class GroupRelativePolicy(Objective):
     def fixed_count(self, targets: torch.Tensor) -> int:
         return targets[..., 0].numel() * (self.max_new_tokens if self.loss_type == "dr_grpo" else 1)
 
+    def forwarded_tokens(self, batch: Batch) -> int:
+        """Each prompt's group_size sequences (prompt + completion, the prompt's width): the learning forward's."""
+        return batch.inputs.numel() * self.group_size
+
     def held_bytes(self) -> Dict[str, int]:
         return {"reference": self.reference.held_bytes() if self.reference is not None else 0}
 

@@ -10,8 +10,10 @@ config (flattened) and summary.json's figures at the end.
   for a whole sweep) or a server's; the experiment is the sweep's or the recipe's name; the final
   checkpoint and Hugging Face export as artifacts with `logger.mlflow.log_checkpoints`.
 """
+import html
 import importlib.util
 import json
+import logging
 import os
 import urllib.error
 import urllib.request
@@ -40,9 +42,9 @@ class TensorBoardLogger:
 
         self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
-    def log_text(self, tag: str, text: str, step: int = 0) -> None:
+    def log_text(self, tag: str, text: str, step: Optional[int] = None) -> None:
         # Markdown: indent four spaces so YAML and tables keep their layout.
-        self.writer.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
+        self.writer.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step or 0)
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         for tag, value in scalars.items():
@@ -80,8 +82,15 @@ class WandbLogger:
                               tags=list(options.tags), config=flattened(cfg), reinit="finish_previous",
                               settings=wandb.Settings(silent=True))  # the console is the run's log
 
-    def log_text(self, tag: str, text: str, step: int = 0) -> None:
-        self.run.summary[f"text/{tag}"] = text
+    def log_text(self, tag: str, text: str, step: Optional[int] = None) -> None:
+        """Once (step None: the config, the mesh layout) in the run's summary; a step's text (GRPO's
+        completions) as an HTML panel at its step, which W&B pages through."""
+        import wandb
+
+        if step is None:
+            self.run.summary[f"text/{tag}"] = text
+        else:
+            self.run.log({f"text/{tag}": wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         self.run.log(dict(scalars), step=step)
@@ -100,6 +109,8 @@ class MlflowLogger:
     def __init__(self, options: DictConfig, cfg: dict, out_dir: str, job: dict):
         import mlflow
 
+        for name in ("mlflow", "alembic"):  # its database's set-up lines ("Creating initial MLflow database tables")
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.mlflow, self.options = mlflow, options
         mlflow.set_tracking_uri(tracking_uri(options, out_dir))
         experiment = options.experiment or job.get("sweep") or job.get("recipe") or "framework"
@@ -113,13 +124,17 @@ class MlflowLogger:
                   for key, value in flattened(cfg).items()}
         keys = sorted(params)
         for start in range(0, len(keys), 100):  # MLflow takes at most 100 parameters a call
-            mlflow.log_params({key: params[key] for key in keys[start:start + 100]})
+            mlflow.log_params({key: params[key] for key in keys[start:start + 100]}, synchronous=False)
 
-    def log_text(self, tag: str, text: str, step: int = 0) -> None:
-        self.mlflow.log_text(text, f"text/{tag}.txt")
+    def log_text(self, tag: str, text: str, step: Optional[int] = None) -> None:
+        """text/<tag>.txt once (the config), a step's as text/<tag>/step_<N>.txt: one artifact a step."""
+        self.mlflow.log_text(text, f"text/{tag}.txt" if step is None else f"text/{tag}/step_{step:07d}.txt")
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-        self.mlflow.log_metrics({tag.replace("@", "_"): float(value) for tag, value in scalars.items()}, step=step)
+        """Asynchronous (MLflow's queue: no database transaction or HTTP round trip in the step);
+        close() flushes it."""
+        self.mlflow.log_metrics({tag.replace("@", "_"): float(value) for tag, value in scalars.items()}, step=step,
+                                synchronous=False)
 
     def log_hparams(self, hparam_values: Dict[str, Any], final_metrics: Dict[str, float], step: int) -> None:
         self.log_scalars(step, final_metrics)
@@ -127,7 +142,7 @@ class MlflowLogger:
     def log_summary(self, summary: dict, out_dir: str) -> None:
         """summary.json's numbers as metrics, the file itself, and with log_checkpoints the
         final checkpoint and the Hugging Face export (checkpoint.final_hf) as artifacts."""
-        self.mlflow.log_metrics({f"summary/{key}": value for key, value in _numbers(summary).items()})
+        self.mlflow.log_metrics({f"summary/{key}": value for key, value in _numbers(summary).items()}, synchronous=False)
         self.mlflow.log_dict(summary, "summary.json")
         if self.options.log_checkpoints:
             saved = summary.get("checkpoints") or []
@@ -137,6 +152,7 @@ class MlflowLogger:
                     self.mlflow.log_artifacts(path, name)
 
     def close(self) -> None:
+        self.mlflow.flush_async_logging()  # every queued metric stored before the run ends
         self.mlflow.end_run()
 
 

@@ -1,6 +1,7 @@
 """What a run measures and reports, apart from the loop that trains: step and window timers
 (evaluation kept out, a save's blocking recorded with the save), the progress bar, TensorBoard
-(rank 0), tokens/s and MFU, the training state's bytes after the first step, and summary.json."""
+(rank 0), tokens/s and MFU over the tokens a step forwards, the training state's bytes after the
+first step, on a GPU the allocator's peaks (framework.training.memory), and summary.json."""
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from framework.data.tokens import IGNORE
 from framework.checkpoint.weights import restart_count
 from framework.parallel.mesh import layout_table
 from framework.training.logger import Loggers, build_loggers
-from framework.training.memory import state_bytes
+from framework.training.memory import DeviceMemory, MemorySnapshot, figures_line, state_bytes, trouble
 from framework.training.run import Run
 from framework.models.protocol import offered
 
@@ -70,6 +71,7 @@ class Metrics:
                              disable=not (run.rank == 0 and cfg.trainer.progress_bar))
         self.global_batch = cfg.data.global_batch_size
         self.seq_len = getattr(run.dataset, "seq_len", None)  # token datasets: also report tokens/s
+        self.tokens_per_sample: Optional[float] = None  # forwarded, the objective's count (taken)
         model = run.module
         self.flops_per_token = offered(model).flops_per_token(self.seq_len) if self.seq_len else None
         self.peak = peak_flops(cfg)
@@ -81,9 +83,18 @@ class Metrics:
         # a mixture's sources (framework.data.mixture): learned tokens per source since the last logging step
         self.source_names = list(getattr(run.dataset, "source_names", ()))
         self.source_tokens = torch.zeros(len(self.source_names), device=cfg.mesh.device_type)
+        self.device_memory = DeviceMemory.of(torch.device(cfg.mesh.device_type).type)
+        self.snapshot = MemorySnapshot(run.out_dir, run.rank, cfg.trainer.memory_snapshot) if self.device_memory \
+            else None
+        if cfg.trainer.memory_snapshot and not self.device_memory and run.rank == 0:
+            log.warning("trainer.memory_snapshot=true records a GPU allocator's history: nothing to record on %s",
+                        cfg.mesh.device_type)
 
     def taken(self, batch: Batch) -> Batch:
-        """A batch the loop takes: a mixture's counts its learned tokens per source."""
+        """A batch the loop takes: the tokens a step forwards per sample (the objective's count:
+        GRPO's group, a pair's two sequences), and a mixture's learned tokens per source."""
+        if self.seq_len and self.tokens_per_sample is None:
+            self.tokens_per_sample = self.run.objective.forwarded_tokens(batch) / len(batch.inputs)
         if batch.source is not None:
             learned = (batch.targets != IGNORE).flatten(1).sum(1).float()
             self.source_tokens += torch.bincount(batch.source, weights=learned, minlength=len(self.source_names))
@@ -100,7 +111,9 @@ class Metrics:
                                 for name, count in zip(self.source_names, tokens)})
 
     def scalars(self, step: int, values: dict) -> None:
-        self.loggers.log_scalars(step, values)
+        """To every logger, on steps with something to log (a tracker call is a round trip)."""
+        if values:
+            self.loggers.log_scalars(step, values)
 
     def exclude(self, seconds: float) -> None:
         """Time spent outside training (evaluation): kept out of step times and throughput."""
@@ -133,11 +146,25 @@ class Metrics:
         self.progress.set_postfix(loss=f"{loss:.4f}")
         values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": self.global_batch / step_time,
                   "step_time_s": step_time}
-        if self.seq_len:
-            values["tokens_per_s"] = self.global_batch * self.seq_len / step_time
-        if self.flops_per_token and self.peak:
+        if self.tokens_per_sample:
+            values["tokens_per_s"] = self.global_batch * self.tokens_per_sample / step_time
+        if self.flops_per_token and self.peak and self.tokens_per_sample:
             values["mfu"] = mfu(values["tokens_per_s"], self.flops_per_token, self.peak * dist.get_world_size())
+        if self.device_memory:
+            values.update(self.device_window(step))
         self.scalars(step, values)
+
+    def device_window(self, step: int) -> dict:
+        """This rank's allocator peaks since the last logging step in its log (a warning when it
+        retried or ran out), the largest over ranks (one all-reduce) for the loggers."""
+        figures = self.device_memory.window()
+        log.info("step %d: %s", step, figures_line(figures))
+        warning = trouble(figures)
+        if warning:
+            log.warning("rank %d: %s", self.run.rank, warning)
+        largest = torch.tensor(list(figures.values()), dtype=torch.float64, device=self.source_tokens.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return {f"memory/{name}": value for name, value in zip(figures, largest.tolist())}
 
     def summary(self, history: dict, stopped_by: Optional[str] = None) -> dict:
         """The attempt's summary; rank 0 also logs it, gives the loggers the hparams and the
@@ -167,18 +194,33 @@ class Metrics:
             "step_times_s": self.step_times,
             "wall_s": wall,
             "samples_per_s": samples_per_s,
-            "tokens_per_s": samples_per_s * self.seq_len if self.seq_len and samples_per_s else None,
+            # every token a step forwards (docs/training.md): GRPO's completions, both sequences of DPO's pairs
+            "tokens_per_step": self.global_batch * self.tokens_per_sample if self.tokens_per_sample else None,
+            "tokens_per_s": samples_per_s * self.tokens_per_sample if self.tokens_per_sample and samples_per_s else None,
             "resumed_from": {"path": run.resumed.path, "step": run.resumed.step, "load_s": run.resumed.load_s}
             if run.resumed else None,
             "restarts": restart_count(),
             "checkpoints": history["checkpoints"],
             "memory": self.memory,  # bytes of parameters, gradients, optimizer state: rank 0's and the max over ranks
+            "device_memory": self.device_summary(),  # on a GPU: the allocator's peaks over the run (None on a CPU)
             **run.fault_tolerance.summary(),  # launcher.fault_tolerance: the live replica groups of each step
             **run.objective.summary(),  # objective=grpo: the seconds each step spent generating
         }
         if run.rank == 0:
             self._report(summary)
         return summary
+
+    def device_summary(self) -> Optional[dict]:
+        """The run's allocator peaks, rank 0's and the largest over ranks (one all-reduce); with
+        trainer.memory_snapshot, each rank's snapshot dumped."""
+        if not self.device_memory:
+            return None
+        self.device_memory.window()  # (the steps since the last logging step)
+        self.snapshot.close()
+        mine = self.device_memory.run_peak
+        largest = torch.tensor(list(mine.values()), dtype=torch.float64, device=self.source_tokens.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return {f"rank{self.run.rank}": mine, "max_over_ranks": dict(zip(mine, largest.tolist()))}
 
     def _report(self, summary: dict) -> None:
         cfg, samples_per_s = self.run.cfg, summary["samples_per_s"]

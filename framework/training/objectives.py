@@ -63,6 +63,11 @@ class Objective:
         """The outputs loss_sum scores: the model's, on the batch's inputs."""
         return model(batch.inputs, **batch.model_inputs())
 
+    def forwarded_tokens(self, batch) -> int:
+        """The tokens a step forwards for this loader batch (tokens/s and MFU count them): every
+        position of its inputs, padding included (DPO's pairs both sequences, KTO's KL row too)."""
+        return batch.inputs.numel()
+
     def held_bytes(self) -> Dict[str, int]:
         """Bytes of state the objective holds besides the model's (summary.json memory)."""
         return {}
