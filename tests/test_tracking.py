@@ -106,6 +106,11 @@ def test_every_logger_gets_the_same_loss_series_the_config_and_the_summary(tmp_p
     assert series(client, run, "summary/final_loss") == [(0, summary["final_loss"])]
     assert experiment == "lm_2d" and run.info.run_name == "outputs/job"  # the recipe; the job dir
     assert os.path.isdir(tmp_path / "outputs" / "mlartifacts") and not os.path.exists(ROOT / "mlruns")
+    # tokens/s over the tokens a step forwards: 8 windows of 32, by hand; no GPU here, so no device_memory
+    assert summary["tokens_per_step"] == 8 * 32 and summary["tokens_per_s"] == summary["samples_per_s"] * 32
+    assert summary["device_memory"] is None
+    # MLflow's database set-up lines (INFO) stay off the console
+    assert "Creating initial MLflow database tables" not in result.stderr and "alembic" not in result.stderr
 
 
 @pytest.mark.integration  # (make test: one run's series in every logger)
@@ -179,3 +184,37 @@ def test_a_logger_that_cannot_start_is_refused_in_one_line_before_launch(tmp_pat
         result = run_cli([*TRACKED, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
         assert result.returncode == 2 and result.stderr.strip().startswith(message), result.stderr[-1500:]
         assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_step_s_text_is_kept_at_its_step_the_config_once_and_queued_metrics_all_stored(tmp_path):
+    """GRPO's completions at steps 2 and 4 stay two texts in W&B (a panel at each step) and MLflow
+    (an artifact a step), where one name per tag overwrote the last; the config once; 50 steps of
+    MLflow's asynchronous metrics all stored when the logger closes."""
+    from omegaconf import OmegaConf
+
+    from framework.training.logger import MlflowLogger, WandbLogger
+
+    out = tmp_path / "outputs" / "job"
+    out.mkdir(parents=True)
+    wandb_options = OmegaConf.create({"mode": "offline", "project": "p", "name": None, "group": None, "tags": []})
+    mlflow_options = OmegaConf.create({"tracking_uri": None, "experiment": "texts", "log_checkpoints": False})
+    loggers = [WandbLogger(wandb_options, {"a": 1}, str(out), {}), MlflowLogger(mlflow_options, {"a": 1}, str(out), {})]
+    for logger in loggers:
+        logger.log_text("config", "a: 1")
+        for step in range(1, 51):
+            logger.log_scalars(step, {"loss": 1.0 / step})
+            if step in (2, 4):
+                logger.log_text("completions", f"'ab' -> 'cd{step}'", step)
+        logger.close()
+    run = wandb_run(out)
+    panels = [(row["_step"], row["text/completions/path"]) for row in run["history"] if "text/completions/path" in row]
+    files = glob.glob(str(out / "wandb" / "offline-run-*" / "files"))[0]
+    assert [(step, "cd%d" % step in Path(files, path).read_text()) for step, path in panels] == [(2, True), (4, True)]
+    assert run["summary"]["text/config"] == "a: 1"
+    (client, _, mlrun), = mlflow_runs(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    texts = sorted(a.path for a in client.list_artifacts(mlrun.info.run_id, "text/completions"))
+    assert texts == ["text/completions/step_0000002.txt", "text/completions/step_0000004.txt"]
+    stored = [Path(client.download_artifacts(mlrun.info.run_id, path, str(tmp_path))).read_text() for path in texts]
+    assert stored == ["'ab' -> 'cd2'", "'ab' -> 'cd4'"]
+    assert {a.path for a in client.list_artifacts(mlrun.info.run_id, "text")} == {"text/config.txt", "text/completions"}
+    assert series(client, mlrun, "loss") == [(step, 1.0 / step) for step in range(1, 51)]
