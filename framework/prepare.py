@@ -199,6 +199,7 @@ def _jsonl_records(path: Path, fields: List[str], not_empty: List[str], flags: L
             values, problem = _jsonl_problem(line, fields, not_empty, flags)
             if problem and skip_bad:
                 skipped[0] += 1
+                skipped[1:] = skipped[1:] or [f"{path}:{number} {problem}"]  # the first, for "nothing was left"
                 continue
             if problem:
                 raise InputError(f"{path}:{number}", f"{problem}; fix it, or pass --skip-bad-lines to skip and "
@@ -402,7 +403,7 @@ def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path
     progress.close()
     offsets = np.cumsum(np.concatenate(lengths))
     if len(offsets) == 1:
-        raise InputError(" ".join(args.inputs), "holds no document")
+        raise InputError(" ".join(args.inputs), "holds no document" if not skipped[0] else _all_skipped(args, skipped))
     np.save(partial / OFFSETS, offsets)
     meta = {
         "format": FORMAT, "kind": kind(args),
@@ -417,6 +418,20 @@ def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path
     return meta
 
 
+def _all_skipped(args: argparse.Namespace, skipped: list) -> str:
+    """Every line skipped (--skip-bad-lines): the first one's problem, and the flag that names a field."""
+    flags = {getattr(args, f"{name}_field"): f"--{name}-field" for name in ("text", "prompt", "response", "chosen",
+                                                                           "rejected", "label", "answer")}
+    missing = [field for field in _fields(args) if "has no field" in skipped[1] and repr(field) in skipped[1]]
+    fix = f"name the field your records hold with {flags[missing[0]]}" if missing else "fix the lines"
+    return f"--skip-bad-lines skipped every line ({skipped[0]}; the first: {skipped[1]}); {fix}"
+
+
+# What a user gave, per kind: a preference pair is two documents ([prompt, chosen], [prompt, rejected]).
+GIVEN = {"packed": ("documents", 1), "instruction": ("examples", 1), "preference": ("pairs", 2),
+         "unpaired": ("examples", 1), "prompts": ("prompts", 1)}
+
+
 def main(argv: List[str]) -> int:
     from framework.cli import command_status
 
@@ -426,7 +441,8 @@ def main(argv: List[str]) -> int:
         except argparse.ArgumentError as error:
             raise InputError("arguments", str(error)) from None
         meta = prepare(args)
-        print(f"prepared {meta['documents']} documents, {meta['tokens']} tokens ({meta['kind']}, "
+        unit, documents = GIVEN[meta["kind"]]
+        print(f"prepared {meta['documents'] // documents} {unit}, {meta['tokens']} tokens ({meta['kind']}, "
               f"{meta['dtype']}) into {args.out}" + (f"; skipped {meta['skipped_lines']} bad lines"
                                                       if meta["skipped_lines"] else ""))
         return 0

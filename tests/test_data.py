@@ -357,3 +357,46 @@ def test_random_tokens_are_made_per_window_from_the_seed_within_the_vocabulary()
     assert torch.equal(inputs, again[123_456_789][0]) and not torch.equal(inputs, train[0][0])
     assert 0 <= int(inputs.min()) and int(inputs.max()) < 1000
     assert not torch.equal(inputs, RandomTokens(1000, 16, 10**9, split="val")[123_456_789][0])
+
+
+@pytest.mark.timeout(120)
+def test_prepare_counts_what_the_user_gave_pairs_examples_or_prompts(tmp_path):
+    """Before: 200 preference pairs were reported as "prepared 400 documents" (each pair is two)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"p": f"q{i}", "c": "yes", "r": "no", "l": i % 2 == 0}) + "\n"
+                            for i in range(200)))
+    kinds = {"pairs": ["--prompt-field", "p", "--chosen-field", "c", "--rejected-field", "r"],
+             "examples": ["--prompt-field", "p", "--response-field", "c", "--label-field", "l"],
+             "prompts": ["--prompt-field", "p"]}
+    for unit, flags in kinds.items():
+        result = run_cli([str(rows), "--out", str(tmp_path / unit), *flags], module="framework.prepare", timeout=60)
+        assert result.returncode == 0 and result.stdout.startswith(f"prepared 200 {unit}, "), result.stdout
+    assert json.loads((tmp_path / "pairs" / "meta.json").read_text())["documents"] == 400  # the format's count
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags,flag", [(["--text-field", "body"], "--text-field"),
+                                        (["--prompt-field", "p", "--response-field", "resp"], "--response-field")])
+def test_a_field_no_record_holds_after_skip_bad_lines_names_the_flag_that_fixes_it(tmp_path, flags, flag):
+    """Before: "holds no document", which says neither the field nor the flag."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"p": f"q{i}", "text": "t", "response": "r"}) + "\n" for i in range(5)))
+    result = run_cli([str(rows), "--out", str(tmp_path / "out"), "--skip-bad-lines", *flags],
+                     module="framework.prepare", timeout=60)
+    field = flags[-1]
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"input error: {rows}: --skip-bad-lines skipped every line (5; the first: {rows}:1 has no field {field!r}); "
+        f"name the field your records hold with {flag}"), result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_kto_on_data_prepared_without_labels_names_the_label_flag(tmp_path, prepared):
+    result = run_cli(["recipe=lm_files", "model=lm_tiny", "plan=none", "mesh=1x1", "data=kto", "adapter=lora",
+                      f"data.path={prepared['instruction']}", "data.dataset.seq_len=32", "data.global_batch_size=4",
+                      f"hydra.run.dir={tmp_path / 'job'}"], timeout=110)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"config error: data.path='{prepared['instruction']}': holds instruction data; this dataset reads unpaired "
+        f"data: prepare it again with python -m framework.prepare --prompt-field P --response-field R --label-field L "
+        f"(then data=kto), or read it as it is with data=instructions"), result.stderr
+    assert not (tmp_path / "job").exists()

@@ -131,3 +131,19 @@ def test_cli_refuses_bad_config_in_one_line_before_starting_anything(tmp_path):
     assert "Traceback" not in result.stderr
     assert "DeviceMesh" not in result.stdout  # no rank ever started
     assert not out.exists()  # the job's dir is not left half-made
+
+
+@pytest.mark.timeout(180)
+def test_a_truncated_checkpoint_metadata_says_which_checkpoint_to_resume_from(tmp_path):
+    """A save cut short in .metadata: the refusal names the checkpoint before it, not only the pickle error."""
+    run = ["mesh=1x1", "trainer.max_steps=2", "checkpoint.every=1", "trainer.progress_bar=false",
+           f"hydra.run.dir={tmp_path}"]
+    assert run_cli(run, timeout=170).returncode == 0
+    metadata = tmp_path / "checkpoints" / "step_2" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[: metadata.stat().st_size // 2])
+    result = run_cli([*run[:1], "trainer.max_steps=3", *run[2:]], timeout=170)
+    step_1, step_2 = tmp_path / "checkpoints" / "step_1", tmp_path / "checkpoints" / "step_2"
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"config error: checkpoint.resume='auto': checkpoint {step_2}: unreadable .metadata (UnpicklingError: pickle "
+        f"data was truncated); the save was cut short or the file is not a DCP checkpoint's: delete {step_2} "
+        f"(checkpoint.resume=auto then takes the one before it) or give checkpoint.resume={step_1}"), result.stderr

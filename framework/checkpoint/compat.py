@@ -120,12 +120,9 @@ def check_model_keys(path: str, model: nn.Module, which: str = "all") -> None:
     without loading a tensor): name the first key missing on either side, or both shapes.
     `which` keys: "all"; "base" (checkpoint.init_from: the LoRA adapters of neither side, as
     framework.checkpoint.weights.load_base loads none); "adapters" (a LoRA run's checkpoint holds those)."""
-    from framework.checkpoint.safe_load import SafeReader  # only when a checkpoint is given
+    from framework.checkpoint.safe_load import read_checkpoint_metadata  # only when a checkpoint is given
 
-    try:
-        metadata = SafeReader(path).read_metadata().state_dict_metadata
-    except Exception as error:  # a truncated or foreign .metadata file unpickles into anything
-        raise CheckpointError(path, f"unreadable .metadata ({type(error).__name__}: {error})") from None
+    metadata = read_checkpoint_metadata(path).state_dict_metadata
     saved = {k.removeprefix("model."): list(v.size) for k, v in metadata.items()
              if k.startswith("model.") and hasattr(v, "size")}
     kept = {"all": lambda k: True, "base": lambda k: not is_adapter(k), "adapters": is_adapter}[which]

@@ -11,6 +11,7 @@ key check) goes through these two.
 import dataclasses
 import enum
 import io
+import os
 import pickle
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from framework.checkpoint.layout import CheckpointError, first_failure
+from framework.checkpoint.layout import CheckpointError, complete_checkpoints, first_failure
 
 # Callables a DCP `.metadata` pickle names besides DCP's own dataclasses and enums.
 ADMITTED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
@@ -66,6 +67,26 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def read_checkpoint_metadata(path: str) -> Metadata:
+    """A checkpoint's `.metadata` through SafeReader; a truncated or foreign file (it unpickles
+    into anything, or fails anywhere) is a CheckpointError that says which checkpoint to use
+    instead."""
+    try:
+        return SafeReader(path).read_metadata()
+    except Exception as error:
+        raise CheckpointError(path, f"unreadable .metadata ({type(error).__name__}: {error}); "
+                                    f"{_instead(path)}") from None
+
+
+def _instead(path: str) -> str:
+    """The fix for a checkpoint whose .metadata cannot be read: the checkpoint before it."""
+    path = os.path.normpath(path)
+    earlier = [p for _, p in complete_checkpoints(os.path.dirname(path)) if os.path.normpath(p) != path]
+    before = f"checkpoint.resume={earlier[-1]}" if earlier else "checkpoint.resume=null to start afresh"
+    return (f"the save was cut short or the file is not a DCP checkpoint's: delete {path} (checkpoint.resume=auto "
+            f"then takes the one before it) or give {before}")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -69,6 +69,14 @@ def packed_windows(tokens: int, seq_len: int, val_fraction: float, split: str) -
     return max(0, (end - start - 1) // seq_len)
 
 
+# Each kind of prepared data: the data= config that reads it, and framework.prepare's flags that make it.
+KINDS = {"packed": ("data=tokens", "--text-field FIELD"),
+         "instruction": ("data=instructions", "--prompt-field P --response-field R"),
+         "preference": ("data=preferences", "--prompt-field P --chosen-field C --rejected-field R"),
+         "prompts": ("data=prompts", "--prompt-field P [--answer-field A]"),
+         "unpaired": ("data=kto", "--prompt-field P --response-field R --label-field L")}
+
+
 class PreparedDocuments:
     """A prepared directory's documents: the token stream, where each document starts, and for
     instruction data which tokens are learned. The datasets below read documents through this
@@ -78,10 +86,10 @@ class PreparedDocuments:
         self.path = os.path.expanduser(path)
         meta = read_meta(path)
         if meta["kind"] != kind:
-            raise ConfigError("data.path", path, f"holds {meta['kind']} data; this dataset reads {kind} "
-                              f"data (data=tokens for packed, data=instructions for instruction, "
-                              f"data=preferences for preference, data=prompts for prompts, data=kto for unpaired "
-                              f"data)")
+            given, wanted = KINDS[meta["kind"]], KINDS[kind]
+            raise ConfigError("data.path", path, f"holds {meta['kind']} data; this dataset reads {kind} data: prepare "
+                                                 f"it again with python -m framework.prepare {wanted[1]} (then "
+                                                 f"{wanted[0]}), or read it as it is with {given[0]}")
         self.tokenizer = meta["tokenizer"]  # path, identity, vocab_size, eos_id
         self.stream = np.memmap(os.path.join(self.path, TOKENS), dtype=meta["dtype"], mode="r")
         self.offsets = np.load(os.path.join(self.path, OFFSETS))
