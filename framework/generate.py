@@ -1,11 +1,12 @@
 """`python -m framework.generate SOURCE --prompt TEXT [--max-new-tokens N] [--temperature T
---top-p P --seed S] [--adapter PEFT_DIR]`: continue a prompt with a trained model, on this one process.
+--top-p P --seed S] [--device auto|cpu|cuda] [--adapter PEFT_DIR]`: continue a prompt with a trained
+model, on this one process, on the GPU where there is one (--device auto, the default).
 
 SOURCE is a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a
 framework checkpoint (a step_N dir, or a checkpoints dir: its newest). The prompt is encoded
 with the model's tokenizer (the HF directory's tokenizer.json; for the framework's own LMs the
 run's data.tokenizer, else bytes), decoded token by token with a KV cache (each new token
-attends to the cached keys and values instead of recomputing the prefix), until N tokens or the
+attends to the cached keys and values instead of recomputing the prefix; framework.models.decode), until N tokens or the
 end-of-text token. `--adapter PEFT_DIR` adds a PEFT LoRA adapter (PEFT's or framework.export
 --format peft's) to SOURCE's model. Greedy (temperature 0, the default) or sampled with nucleus (top-p)
 filtering, seeded. A Hugging Face model is checked as training checks it (its safetensors, a
@@ -28,98 +29,40 @@ from framework.checkpoint.weights import load_base
 from framework.models.hf import HFTransformer, check_length, check_vocab, check_weights
 from framework.models.lifecycle import allocate
 from framework.models.lora import add_peft_adapter, is_adapter, load_peft_adapter
-from framework.models.transformer import LayerCache
 from framework.models.protocol import from_hugging_face, offered
+# (next_tokens: tests and bench import the decoder from here too)
+from framework.models.decode import decoding_generators, generate_groups, next_tokens  # noqa: F401
 
+DEVICES = ("auto", "cpu", "cuda")
 SOURCES = ("a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a step_N checkpoint or a "
            "checkpoints dir (its newest)")
 # (option, whether its value is allowed, the rule): each refused alone, by name
 OPTION_RULES = [("max_new_tokens", lambda n: n >= 1, "must be >= 1"),
                 ("temperature", lambda t: t >= 0, "must be >= 0 (0: greedy)"),
-                ("top_p", lambda p: 0 < p <= 1, "must be in (0, 1]")]
-
-
-def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
-                generators: List[torch.Generator]) -> torch.Tensor:
-    """One token per row of `logits` (rows, vocab): the most likely (temperature 0), else sampled
-    from the smallest set of most likely tokens whose probability reaches top_p (all of them at
-    top_p 1, with no sort). The rows are split evenly among `generators` in order, each part
-    drawn from its own: a prompt's draws do not depend on which prompts decode beside it."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    order = None
-    if top_p < 1:
-        probs, order = probs.sort(dim=-1, descending=True)
-        probs[probs.cumsum(-1) - probs >= top_p] = 0
-    parts = probs.cpu().split(len(probs) // len(generators))
-    drawn = torch.cat([torch.multinomial(part, 1, generator=g) for part, g in zip(parts, generators)])
-    drawn = drawn.to(logits.device)
-    return (drawn if order is None else order.gather(-1, drawn)).squeeze(-1)
-
-
-@torch.no_grad()
-def generate_groups(model: nn.Module, prompts: List[List[int]], n: int, max_new_tokens: int, temperature: float,
-                    top_p: float, generators: List[torch.Generator], stop: Set[int], pad_id: int,
-                    device: Optional[torch.device] = None, stop_early: bool = True,
-                    block: int = 1, last_only: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`n` continuations of each of `prompts`, all decoded side by side with a KV cache, prompt
-    p's rows sampled from generators[p]: (tokens (prompts x n, max_new_tokens), prompt p's rows
-    p*n .. p*n + n - 1, each ending at its first stop id and padded with pad_id after it; lengths
-    (prompts x n,), the stop id counted). Shorter prompts are left-padded to the longest, their
-    padding rotated past and masked (framework.models.transformer.left_padded_layout).
-    `stop_early` False decodes all max_new_tokens positions even when every row has stopped: a
-    model sharded over ranks (FSDP2) gathers its weights in every forward, so every rank must
-    run as many. `block` > 1 (a plan with sequence parallelism, whose forwards split the
-    sequence over the TP ranks) feeds each forward a multiple of it: the tokens, then pad_id up
-    to it, whose keys and values come after every real position (no real query sees them) and
-    leave the cache again. `last_only` (the output layer whole on this rank: no TP plan, no
-    pipeline): the prompts' forward projects each row's last position alone (the model's
-    logits_at), not every prompt position (2,048 of them over a 150k vocabulary: 1.2 GB of
-    logits a row), as transformers' generate keeps one."""
-    longest = max(len(prompt) for prompt in prompts)
-    rows = len(prompts) * n
-    first = torch.tensor([[pad_id] * (longest - len(prompt)) + prompt for prompt in prompts],
-                         device=device).repeat_interleave(n, 0)
-    pad = torch.tensor([longest - len(prompt) for prompt in prompts], device=device).repeat_interleave(n)
-    cache = [LayerCache(longest + max_new_tokens + block, pad if bool(pad.any()) else None) for _ in model.layers]
-
-    def last_logits(tokens: torch.Tensor) -> torch.Tensor:
-        filler = -tokens.shape[1] % block
-        padded = torch.cat([tokens, tokens.new_full((rows, filler), pad_id)], 1) if filler else tokens
-        if last_only:
-            at = torch.zeros(padded.shape, dtype=torch.bool, device=padded.device)
-            at[:, tokens.shape[1] - 1] = True
-            logits = model(padded, cache, logits_at=at)
-        else:
-            logits = model(padded, cache)[:, tokens.shape[1] - 1]
-        for layer in cache:
-            layer.length -= filler
-        return logits
-
-    logits = last_logits(first)
-    tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.int64, device=logits.device)
-    lengths = torch.zeros(rows, dtype=torch.int64, device=logits.device)
-    done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
-    stops = torch.tensor(sorted(stop), dtype=torch.int64, device=logits.device)
-    for position in range(max_new_tokens):
-        new = torch.where(done, pad_id, next_tokens(logits, temperature, top_p, generators))
-        tokens[:, position] = new
-        lengths += (~done).long()
-        done |= torch.isin(new, stops)
-        if position == max_new_tokens - 1 or (stop_early and bool(done.all())):
-            break
-        logits = last_logits(new[:, None])
-    return tokens, lengths
+                ("top_p", lambda p: 0 < p <= 1, "must be in (0, 1]"),
+                ("device", lambda d: d in DEVICES, f"use one of {', '.join(DEVICES)}"),
+                ("device", lambda d: d != "cuda" or torch.cuda.is_available(),
+                 "torch sees no GPU here; use --device cpu (or auto: the GPU where there is one)")]
 
 
 def generate(model: nn.Module, prompt: List[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, stop: Optional[Set[int]] = None) -> List[int]:
-    """The new token ids after `prompt` (the last one a stop id, or max_new_tokens of them)."""
+    """The new token ids after `prompt` (the last one a stop id, or max_new_tokens of them),
+    decoded on the model's device."""
     model.eval()
+    device = next(model.parameters()).device
     tokens, lengths = generate_groups(model, [prompt], 1, max_new_tokens, temperature, top_p,
-                                      [torch.Generator().manual_seed(seed)], stop or set(), pad_id=0, last_only=True)
+                                      decoding_generators([seed], device), stop or set(), pad_id=0, device=device,
+                                      last_only=True)
+    tokens, lengths = tokens.cpu(), lengths.cpu()
     return tokens[0, :int(lengths[0])].tolist()
+
+
+def chosen_device(name: str) -> torch.device:
+    """--device's: auto is the GPU where torch sees one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
 
 
 def stop_ids(model_dir: Optional[str], tokenizer) -> Set[int]:
@@ -217,6 +160,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens whose probability "
                                                             "reaches this, in (0, 1] (default 1: all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling's seed (default 0)")
+    p.add_argument("--device", default="auto", help="where to decode: auto (the GPU where torch sees one, else the "
+                                                    "CPU; the default), cpu or cuda")
     p.add_argument("--adapter", metavar="PEFT_DIR", help="a PEFT LoRA adapter directory (adapter_config.json + "
                                                          "adapter_model.safetensors) to apply to SOURCE's model")
     return p
@@ -225,6 +170,7 @@ def parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     check_options(args)
     model, tokenizer, stop = load_source(args.source, args.adapter)
+    model.to(chosen_device(args.device))
     prompt = encoded_prompt(args, model, tokenizer)
     new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, stop)
     print(args.prompt + tokenizer.decode([t for t in new if t not in stop]))

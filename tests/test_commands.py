@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from framework import dryrun, export, generate, inspect, verify
 from tests.conftest import ROOT, run_cli
@@ -85,6 +86,14 @@ def test_a_model_path_from_a_checkpoint_that_is_gone_is_said_to_come_from_the_ch
     (["--max-new-tokens", "0"], "--max-new-tokens=0: must be >= 1"),
     (["--temperature", "-1"], "--temperature=-1.0: must be >= 0 (0: greedy)"),
     (["--top-p", "1.5"], "--top-p=1.5: must be in (0, 1]"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens=-3: must be >= 1"),
+    (["--temperature", "nan"], "--temperature=nan: must be >= 0 (0: greedy)"),
+    (["--top-p", "0"], "--top-p=0.0: must be in (0, 1]"),
+    (["--top-p", "nan"], "--top-p=nan: must be in (0, 1]"),
+    (["--device", "tpu"], "--device='tpu': use one of auto, cpu, cuda"),
+    pytest.param(["--device", "cuda"], "--device='cuda': torch sees no GPU here; use --device cpu (or auto: the GPU "
+                                       "where there is one)",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
     ([], "SOURCE='{source}': no such directory; give a Hugging Face model directory (config.json, *.safetensors, "
          "tokenizer.json), a step_N checkpoint or a checkpoints dir (its newest)"),
 ])
@@ -125,3 +134,10 @@ def test_the_launcher_validates_without_loading_dtensor():
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_generate_s_device_is_refused_on_the_command_line_before_the_source_is_read(tmp_path):
+    """`python -m framework.generate`: one line and exit 2 (the source does not even exist)."""
+    result = run_cli([str(tmp_path / "none"), "--prompt", "hi", "--device", "gpu"], module="framework.generate")
+    assert result.returncode == 2
+    assert result.stderr == "generate failed: config error: --device='gpu': use one of auto, cpu, cuda\n"

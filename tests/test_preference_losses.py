@@ -328,6 +328,7 @@ def test_the_responses_logits_alone_give_the_whole_logits_log_probabilities():
     does the same); their sequence log-probabilities are the whole logits' (measured: 3.8e-6 at
     sums near -50 in fp32, the logits themselves equal)."""
     from framework.models.transformer import Transformer
+    from framework.training.chunked_loss import Projection
     from framework.training.preference import response_logits, sequence_logps
 
     torch.manual_seed(0)
@@ -336,8 +337,8 @@ def test_the_responses_logits_alone_give_the_whole_logits_log_probabilities():
     targets = torch.full((4, 12), -100)
     for row, start in enumerate((3, 5, 11, 0)):
         targets[row, start:] = torch.randint(64, (12 - start,))
-    whole = response_logits(model, inputs, targets, select=False)
-    selected = response_logits(model, inputs, targets, select=True)
+    whole = response_logits(model, inputs, targets, Projection(select=False))
+    selected = response_logits(model, inputs, targets, Projection(select=True))
     assert selected.shape == (int((targets != -100).sum()), 64)
     torch.testing.assert_close(selected, whole[targets != -100], rtol=1e-5, atol=1e-5)
     for average in (False, True):

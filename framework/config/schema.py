@@ -147,6 +147,7 @@ class TrainerConfig:
     compile: Compile = Compile.none
     profile_steps: int = 0
     memory_snapshot: bool = False  # a GPU allocator's history from the first step, dumped at the end (framework.training.memory)
+    loss_chunk_tokens: Optional[int] = None  # the loss by chunks of N tokens (framework.training.chunked_loss); 0: whole logits; null: auto
     sweep_metric: Optional[str] = None  # what a sweep job returns to an optimizing sweeper (framework/hpo.py METRICS); null: val_loss
 
 

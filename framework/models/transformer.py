@@ -120,6 +120,9 @@ class LayerCache:
         self.length = end
         return self.keys[:, :end], self.values[:, :end]
 
+    def layout(self, rope: "Rope", head_dim: int, tokens: torch.Tensor, hidden: torch.Tensor) -> Optional[AttentionLayout]:
+        return left_padded_layout(rope, head_dim, self, tokens, hidden)
+
 
 def left_padded_layout(rope: "Rope", head_dim: int, cache: LayerCache, tokens: torch.Tensor,
                        hidden: torch.Tensor) -> Optional[AttentionLayout]:
@@ -341,8 +344,8 @@ class Transformer(ModelProtocol, nn.Module):
         h = self.tok_embeddings(tokens)
         if cache is None:
             h = self.run_blocks(self.layers, h, self.attention_layout(positions, h))
-        else:  # decoding (framework.generate): each block extends its layer's cache
-            layout = left_padded_layout(self.rope, self.head_dim, cache[0], tokens, h)
+        else:  # decoding (framework.models.decode): each block extends its layer's cache, whose layout it is
+            layout = cache[0].layout(self.rope, self.head_dim, tokens, h)
             for layer, layer_cache in zip(self.layers, cache):
                 h = layer(h, layer_cache, layout)
         if self.sparse_layers and torch.is_grad_enabled():  # training: evaluation and decoding need no term

@@ -3,9 +3,10 @@ prompts (data=prompts) with a reward (the `reward` group, framework.training.rew
 
 Each step rolls out before it learns (`rollout`, called by the Trainer before the step's units
 are counted): every DP replica continues each of its prompts `group_size` times with the model as
-it trains (its own KV-cache decoding, framework.generate.generate_groups, all its prompts at
-once, on the module the parallel stages made: FSDP2 shards gather as in any forward), sampled with temperature / top-p
-from a generator seeded by (trainer.seed, the step, the prompt's index in its dataset), so a
+it trains (its own KV-cache decoding, framework.models.decode.generate_groups, all its prompts at
+once, on the module the parallel stages made: FSDP2 shards gather as in any forward; with
+`compile_decode`, null: on for CUDA without FSDP or TP, a compiled one-token step), sampled with temperature / top-p
+from a generator (on the device) seeded by (trainer.seed, the step, the prompt's index in its dataset), so a
 prompt draws the same completions on every mesh. The completions are scored, and each one's
 advantage is its reward less its group's mean, over the group's std (`scale_rewards: group`),
 the batch's (`batch`: over every DP replica) or nothing (`none`), as TRL computes them.
@@ -25,7 +26,7 @@ count of them: the same numbers on every mesh. The reference (beta > 0) is DPO's
 (adapters_off, frozen_copy; framework.training.preference).
 """
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.data.batch import Batch
 from framework.data.tokens import IGNORE, kind_of
+from framework.models.decode import compiled_step, decoding_generators, generate_groups
 from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
 from framework.training.objectives import Objective, StepShare
@@ -71,13 +73,16 @@ class GroupRelativePolicy(Objective):
     def __init__(self, group_size: int = 4, max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                  scale_rewards: str = "group", loss_type: str = "grpo", epsilon: float = 0.2,
                  epsilon_high: Optional[float] = None, beta: float = 0.0, reference: str = "adapters_off",
-                 num_iterations: int = 1, aux_coefficients: Optional[Dict[str, float]] = None):
+                 num_iterations: int = 1, compile_decode: Optional[bool] = None,
+                 aux_coefficients: Optional[Dict[str, float]] = None):
         super().__init__(aux_coefficients)
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p, self.scale_rewards = temperature, top_p, scale_rewards
         self.loss_type, self.epsilon, self.beta = loss_type, epsilon, beta
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
-        self.num_iterations = num_iterations
+        self.num_iterations, self.compile_decode = num_iterations, compile_decode
+        self.step = None  # (setup: the compiled one-token decode step, where compile_decode)
+        self.tp_group = None  # (setup: under TP, the group whose rank 0 scores the completions for all)
         self.reference = Reference(reference) if beta > 0 else None  # DPO's (beta 0: no KL term)
         self.select = False  # (setup: selects_positions)
         self._rollout_terms: Dict[str, torch.Tensor] = {}
@@ -100,10 +105,15 @@ class GroupRelativePolicy(Objective):
         self.pad_id = run.dataset.pad_id
         self.seed, self.device = run.cfg.trainer.seed, torch.device(run.cfg.mesh.device_type)
         self.replicas, self.replica_group = run.dp_cp["size"], run.dp_cp_group
+        if run.tp.get("size", 1) > 1:
+            self.tp_group = run.roles.tp_mesh(run.mesh).get_group()
         self.sharded = run.cfg.parallel.dp_strategy != "replicate"
         self.micro_batch = run.cfg.data.micro_batch_size
         plan = OmegaConf.to_container(run.cfg.plan, resolve=True) if run.cfg.plan else {}
         self.block = run.tp.get("size", 1) if shards_sequence(plan) else 1  # (generate_groups' `block`)
+        plain = not self.sharded and run.tp.get("size", 1) == 1
+        if self.compile_decode if self.compile_decode is not None else self.device.type == "cuda" and plain:
+            self.step = compiled_step(self.device)
         self.select = selects_positions(run)  # the policy's logits at the completions' tokens alone
         if self.reference is not None:
             self.reference.setup(run)
@@ -131,39 +141,28 @@ class GroupRelativePolicy(Objective):
         group_size, seq_len) each prompt + completion (padded), targets the completion's tokens (the
         rest -100), each completion's advantage (prompts, group_size), with beta > 0 the
         reference's per-token log-probabilities, with num_iterations > 1 the policy's."""
-        from framework.generate import generate_groups
-
         start = time.perf_counter()
-        prompts = [row[row != IGNORE].tolist() for row in batch.inputs]
-        answers = [self.tokenizer.decode(row[row != IGNORE].tolist()) or None for row in batch.targets]
+        rows, answer_rows = batch.inputs.cpu(), batch.targets.cpu()
+        prompts = [row[row != IGNORE].tolist() for row in rows]
+        answers = [self.tokenizer.decode(row[row != IGNORE].tolist()) or None for row in answer_rows]
         width, n = batch.inputs.shape[1], self.group_size
-        generators = [torch.Generator().manual_seed(sampling_seed(self.seed, step, index))
-                      for index in batch.index.tolist()]
+        generators = decoding_generators([sampling_seed(self.seed, step, index) for index in batch.index.tolist()],
+                                         self.device)
         model.eval()
         tokens, counts = generate_groups(model, prompts, n, self.max_new_tokens, self.temperature, self.top_p,
                                          generators, self.stop, self.pad_id, self.device,
-                                         stop_early=not self.sharded, block=self.block, last_only=self.select)
+                                         stop_early=not self.sharded, block=self.block, last_only=self.select,
+                                         capacity=width + self.block if self.step else None, step=self.step)
         model.train()
         if self.sharded:
             reshard(model)
-        inputs = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.int64, device=self.device)
-        targets = torch.full_like(inputs, IGNORE)
-        texts, lengths = [], []
-        for p, prompt in enumerate(prompts):
-            for g in range(n):
-                r = p * n + g
-                length = int(counts[r])
-                completion = tokens[r, :length]
-                sequence = torch.cat([torch.tensor(prompt, device=self.device), completion])
-                inputs[r, :len(sequence) - 1] = sequence[:-1]
-                targets[r, len(prompt) - 1:len(sequence) - 1] = completion
-                texts.append(self.tokenizer.decode([t for t in completion.tolist() if t not in self.stop]))
-                lengths.append(length)
+        tokens, counts = tokens.cpu(), counts.cpu()  # the decoder's one transfer
+        inputs, targets, texts = self._sequences(prompts, tokens, counts, width)
         prompt_texts = [self.tokenizer.decode(p) for p in prompts for _ in range(n)]
-        rewards = torch.tensor(self.reward(prompt_texts, texts, [a for a in answers for _ in range(n)]),
-                               dtype=torch.float64)
+        scores, curves = self._scored(prompt_texts, texts, [a for a in answers for _ in range(n)])
+        rewards = torch.tensor(scores, dtype=torch.float64)
         advantages = group_advantages(rewards, n, self.scale_rewards, self._batch_std(rewards))
-        self._note_rollout(rewards, torch.tensor(lengths, dtype=torch.float64), targets)
+        self._note_rollout(rewards, curves, counts.double(), targets)
         self._samples = "\n\n".join(f"{prompt_text!r} -> {text!r} (reward {reward:.4g})"
                                      for prompt_text, text, reward in zip(prompt_texts[:n], texts[:n], rewards.tolist()))
         reference = old = None
@@ -180,6 +179,42 @@ class GroupRelativePolicy(Objective):
                      advantages=advantages.float().to(self.device).view(grouped[:2]),
                      old_logps=old.view(grouped) if old is not None else None)
 
+    def _sequences(self, prompts: List[List[int]], tokens: torch.Tensor, counts: torch.Tensor,
+                   width: int) -> Tuple[torch.Tensor, torch.Tensor, List[str]]:
+        """Each prompt + completion as a row to learn from (inputs; targets the completion's
+        tokens, the rest -100; on the device) and the completions' texts, made on the host from
+        the decoder's tokens and lengths (moved once, not a sync per completion)."""
+        n = self.group_size
+        inputs = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.int64)
+        targets = torch.full_like(inputs, IGNORE)
+        texts = []
+        for r, length in enumerate(counts.tolist()):
+            prompt, completion = prompts[r // n], tokens[r, :length]
+            sequence = torch.cat([torch.tensor(prompt, dtype=torch.int64), completion])
+            inputs[r, :len(sequence) - 1] = sequence[:-1]
+            targets[r, len(prompt) - 1:len(sequence) - 1] = completion
+            texts.append(self.tokenizer.decode([t for t in completion.tolist() if t not in self.stop]))
+        return inputs.to(self.device), targets.to(self.device), texts
+
+    def _scored(self, prompts: List[str], completions: List[str],
+                answers: List[Optional[str]]) -> Tuple[List[float], Dict[str, List[float]]]:
+        """The completions' rewards and the reward's curves. Under TP every rank of a TP group
+        holds the same completions: its rank 0 scores them and hands the scores to the rest, so a
+        user's reward (which may call a compiler or a sandbox) runs once a replica; what it raises
+        is raised on every rank of the group (none is left waiting)."""
+        if self.tp_group is None:
+            return self.reward(prompts, completions, answers), self.reward.curves()
+        scored: List[object] = [None]
+        if dist.get_rank(self.tp_group) == 0:
+            try:
+                scored = [(self.reward(prompts, completions, answers), self.reward.curves())]
+            except Exception as error:  # noqa: BLE001 (handed to the group, raised below)
+                scored = [error]
+        dist.broadcast_object_list(scored, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        if isinstance(scored[0], Exception):
+            raise scored[0]
+        return scored[0]
+
     def _batch_std(self, rewards: torch.Tensor) -> Optional[torch.Tensor]:
         """scale_rewards=batch: the std of every replica's rewards (one all-reduce over DP)."""
         if self.scale_rewards != "batch":
@@ -193,17 +228,28 @@ class GroupRelativePolicy(Objective):
         total, squares, count = moments
         return ((squares - total ** 2 / count) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
 
-    def _note_rollout(self, rewards: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor) -> None:
-        """This replica's means of the rollout's metrics (the Trainer averages them over DP)."""
+    def _note_rollout(self, rewards: torch.Tensor, curves: Dict[str, List[float]], lengths: torch.Tensor,
+                      targets: torch.Tensor) -> None:
+        """This replica's means of the rollout's metrics (the Trainer averages them over DP), and
+        the longest completion of every replica (TRL's max_length: the global one)."""
         grouped = rewards.view(-1, self.group_size)
         self._rollout_terms = {
             "reward": rewards.mean(), "reward_std": grouped.std(1).mean(),
             "frac_reward_zero_std": torch.isclose(grouped.std(1), torch.zeros_like(grouped[:, 0])).double().mean(),
-            "completions/mean_length": lengths.mean(), "completions/max_length": lengths.max(),
+            "completions/mean_length": lengths.mean(), "completions/max_length": self._longest(lengths.max()),
             "completions/clipped_ratio": (lengths >= self.max_new_tokens).double().mean(),
             **{f"rewards/{name}": torch.tensor(scores, dtype=torch.float64).mean()
-               for name, scores in self.reward.curves().items()}}
+               for name, scores in curves.items()}}
         self._tokens = float((targets != IGNORE).sum())
+
+    def _longest(self, length: torch.Tensor) -> torch.Tensor:
+        """The longest completion over every DP replica (one all-reduce MAX: the same on all, so
+        the Trainer's average over DP keeps it)."""
+        if self.replicas > 1:
+            length = length.to(self.device)
+            dist.all_reduce(length, op=dist.ReduceOp.MAX, group=self.replica_group)
+            length = length.cpu()
+        return length
 
     def _logps(self, forward, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Each completion token's log-probability (0 elsewhere) under `forward` (rows, their
@@ -325,7 +371,8 @@ def check_grpo(c: Checked) -> None:
              ("epsilon", lambda v: v > 0, "must be > 0"),
              ("epsilon_high", lambda v: v is None or v >= objective.epsilon, "must be >= objective.epsilon (or null)"),
              ("beta", lambda v: v >= 0, "must be >= 0 (0: no KL term, no reference)"),
-             ("num_iterations", lambda v: v >= 1, "must be >= 1 (policy updates per rollout)")]
+             ("num_iterations", lambda v: v >= 1, "must be >= 1 (policy updates per rollout)"),
+             ("compile_decode", lambda v: v in (None, True, False), "use true, false or null (null: on for cuda)")]
     for key, allowed, rule in rules:
         if not allowed(objective.get(key)):
             raise ConfigError(f"objective.{key}", objective.get(key), rule)

@@ -23,6 +23,8 @@ from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.data.tokens import IGNORE
 from framework.models.protocol import offered
+from framework.training.chunked_loss import (LossSum, Projection, check_loss_chunks, cross_entropy_sum,
+                                             output_projection, project)
 
 
 @dataclass
@@ -126,10 +128,22 @@ class NextTokenCrossEntropy(Objective):
     """Cross entropy of logits (batch, seq, vocab) against targets (batch, seq), summed over the
     targets that count (not -100: pre-training counts every token, instruction data its
     responses). Logits the plan leaves sharded on the vocabulary come under torch's loss_parallel,
-    which the Trainer enters (once: it does not nest) around forward and backward."""
+    which the Trainer enters (once: it does not nest) around forward and backward. With
+    trainer.loss_chunk_tokens the model's head sums it by chunks of tokens instead of logits
+    (framework.training.chunked_loss: LossSum)."""
 
-    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(outputs.flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
+    def __init__(self, aux_coefficients: Optional[Mapping[str, float]] = None):
+        super().__init__(aux_coefficients)
+        self.projection = Projection()  # (setup: every position, by trainer.loss_chunk_tokens' chunks)
+
+    def setup(self, run) -> None:
+        self.projection = output_projection(run, select=False)
+
+    def forward(self, model: nn.Module, batch) -> torch.Tensor:
+        return project(model, batch.inputs, batch.targets, self.projection, per_token=False, **batch.model_inputs())
+
+    def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
+        return outputs.value if isinstance(outputs, LossSum) else cross_entropy_sum(outputs, targets)
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         return (targets != IGNORE).sum()
@@ -149,10 +163,11 @@ class MeanSquaredError(Objective):
 
 
 def check_objective(c: Checked) -> None:
-    """Before launch: the auxiliary terms' weights name terms the model reports (a mistyped name
-    would leave the model's own weight in place), and no weighted term under pipeline
-    parallelism (the last stage's loss cannot add a term an earlier stage's module reports; a
-    term of weight 0 is only not reported there)."""
+    """Before launch: trainer.loss_chunk_tokens (check_loss_chunks); the auxiliary terms' weights
+    name terms the model reports (a mistyped name would leave the model's own weight in place),
+    and no weighted term under pipeline parallelism (the last stage's loss cannot add a term an
+    earlier stage's module reports; a term of weight 0 is only not reported there)."""
+    check_loss_chunks(c)
     objective_cfg, model, pp_size = c.cfg.objective, c.model, c.roles.pp_size
     reports, declared = offered(model).auxiliary_losses is not None, dict(offered(model).aux_coefficients)
     if reports and pp_size > 1:

@@ -73,6 +73,7 @@ from framework.data.tokens import IGNORE, kind_of, read_meta
 from framework.models.lifecycle import allocate
 from framework.models.lora import adapters_disabled
 from framework.parallel.plan import final_output_layout
+from framework.training.chunked_loss import Projection, output_projection, project, token_logps
 from framework.training.objectives import Objective, StepShare
 from framework.models.protocol import offered
 
@@ -85,18 +86,6 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Each target's log-probability (rows, seq); 0 where the target is -100. `logits` are
-    (rows, seq, vocab), or (count, vocab) at the targets that count alone, in row order (the
-    model's logits_at, `response_logits`)."""
-    if logits.dim() == 2:
-        counted = targets != IGNORE
-        token = F.cross_entropy(logits.float(), targets[counted], reduction="none")
-        return torch.zeros(targets.shape, dtype=token.dtype, device=token.device).masked_scatter(counted, -token)
-    token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
-    return -token.view(targets.shape)
-
-
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, average: bool = False) -> torch.Tensor:
     """Per sequence, the sum of its targets' log-probabilities (targets -100 left out); with
     `average`, their mean (SimPO's length normalization; 0 for a sequence without targets).
@@ -105,18 +94,11 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, average: bool = 
     return total / response_lengths(targets) if average else total
 
 
-def selects_positions(run) -> bool:
-    """Whether a forward may project only the responses' positions (logits_at): the final norm
-    and the output layer whole on this rank, i.e. no TP plan (it shards the sequence or the
-    vocabulary there) and no pipeline."""
-    return run.tp.get("size", 1) == 1 and run.pp.get("size", 1) == 1
-
-
-def response_logits(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, select: bool) -> torch.Tensor:
-    """`model`'s logits of `inputs` (rows, seq_len): with `select` only at the targets that count
-    (the prompt's positions skip the output layer: on the peers' DPO row it is half of them),
-    else all of them."""
-    return model(inputs, logits_at=targets != IGNORE) if select else model(inputs)
+def response_logits(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, projection: Projection):
+    """`model`'s logits of `inputs` (rows, seq_len), token_logps reads them: with projection.select
+    only at the targets that count (the prompt's positions skip the output layer: on the peers'
+    DPO row it is half of them), by projection.chunk's chunks a head's TokenLogps."""
+    return project(model, inputs, targets, projection, per_token=True)
 
 
 def response_lengths(targets: torch.Tensor) -> torch.Tensor:
@@ -161,10 +143,10 @@ class Reference:
     def __init__(self, kind: str):
         self.kind = kind
         self.model: Optional[nn.Module] = None  # frozen_copy's
-        self.select = False  # (selects_positions)
+        self.projection = Projection()  # (output_projection)
 
     def setup(self, run) -> None:
-        self.select = selects_positions(run)
+        self.projection = output_projection(run)
         if self.kind == "frozen_copy":
             self.model = frozen_copy(run)
         elif self.kind == "precomputed":
@@ -191,16 +173,16 @@ class Reference:
         """The reference's logits of `inputs` (rows, seq_len): frozen_copy's model's, or the
         policy `model`'s with its adapters off; given `targets`, at the ones that count alone
         where the mesh allows (response_logits)."""
-        select = self.select and targets is not None
+        projection = self.projection if targets is not None else Projection()
         if self.kind == "frozen_copy":
             if self.model is None:
                 raise RuntimeError("objective.reference=frozen_copy: no reference model (the objective's setup builds "
                                    "it)")
-            logits = response_logits(self.model, inputs, targets, select)
+            logits = response_logits(self.model, inputs, targets, projection)
             reshard(self.model)
             return logits
         with adapters_disabled(model):
-            return response_logits(model, inputs, targets, select)
+            return response_logits(model, inputs, targets, projection)
 
     def held_bytes(self) -> int:
         """The reference's parameters (frozen_copy's; the others hold none)."""
@@ -219,10 +201,10 @@ class PreferenceObjective(Objective):
     def __init__(self, aux_coefficients: Optional[Dict[str, float]] = None):
         super().__init__(aux_coefficients)
         self._sums: Dict[str, torch.Tensor] = {}
-        self.select = False  # the responses' logits alone (selects_positions, set up per run)
+        self.projection = Projection()  # the responses' logits alone, by chunks (output_projection, per run)
 
     def setup(self, run) -> None:
-        self.select = selects_positions(run)
+        self.projection = output_projection(run)
         if self.reference is not None:
             self.reference.setup(run)
 
@@ -268,7 +250,7 @@ class DirectPreference(PreferenceObjective):
         """The policy's logits for every sequence of the pairs (chosen, rejected, ...), and the
         reference's log-probabilities of each pair's two (pairs, 2)."""
         reference = self.reference.logps(model, batch.inputs, batch.targets, batch.reference)
-        return response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.select), reference
+        return response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.projection), reference
 
     def loss_sum(self, outputs: Tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         logits, reference = outputs
@@ -289,7 +271,7 @@ class SimplePreference(PreferenceObjective):
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
         """The policy's logits for every sequence of the pairs: no reference."""
-        return response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.select)
+        return response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.projection)
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         average = sequence_logps(outputs, targets.flatten(0, 1), average=True).view(-1, 2)
@@ -334,7 +316,7 @@ class KahnemanTversky(PreferenceObjective):
         sums = torch.zeros(3, dtype=torch.float64, device=batch.inputs.device)
         for part in batch.split(self.micro_batch or len(batch.inputs)):
             inputs, targets = part.inputs[:, 1], part.targets[:, 1]
-            policy = sequence_logps(response_logits(model, inputs, targets, self.select), targets)
+            policy = sequence_logps(response_logits(model, inputs, targets, self.projection), targets)
             stored = part.reference[:, 1] if part.reference is not None else None
             reference = self.reference.logps(model, inputs, targets, stored)
             labels = self.labels_of(part)
@@ -352,7 +334,7 @@ class KahnemanTversky(PreferenceObjective):
         step = self._step if model.training else self.estimate(model, batch)
         stored = batch.reference[:, 0] if batch.reference is not None else None
         reference = self.reference.logps(model, batch.inputs[:, 0], batch.targets[:, 0], stored)
-        return (response_logits(model, batch.inputs[:, 0], batch.targets[:, 0], self.select), reference,
+        return (response_logits(model, batch.inputs[:, 0], batch.targets[:, 0], self.projection), reference,
                 self.labels_of(batch), step)
 
     def labels_of(self, batch: Batch) -> torch.Tensor:

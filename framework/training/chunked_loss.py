@@ -1,0 +1,279 @@
+"""A loss that never holds the whole logits (`trainer.loss_chunk_tokens`).
+
+At a 128k vocabulary the fp32 logits of 8 x 2048 tokens are 8.4 GB, and the loss's backward
+holds as much again. Here the objective hands the model a *head*: its forward passes the final
+norm's hidden states and its output layer to the head instead of projecting them, and the head
+scores them a chunk of tokens at a time (Liger's fused linear cross entropy, torchtitan's
+ChunkedLossWrapper, TRL's chunked NLL):
+- the LM objective's summed cross entropy computes each chunk's gradients of the hidden states
+  and the output weight in the forward (the chunk's logits freed at once), the backward only
+  scales them (_CrossEntropySum): no logits kept, none recomputed;
+- the per-token log-probabilities DPO / KTO / SimPO and GRPO read keep each token's gradient
+  unknown until their nonlinear loss is taken, so their backward recomputes each chunk's logits
+  (_TokenLogps);
+- an output layer that is not a bare weight (TP's vocabulary-sharded DTensor under
+  loss_parallel, LoRA's hook, NF4) is called as a module on chunks of rows under
+  torch.utils.checkpoint, whose backward recomputes the chunk.
+The peak then holds one chunk's logits, not all. The head's result is wrapped (LossSum,
+TokenLogps: pytree dataclasses, so DataParallel's and FSDP2's output hooks see their tensors) and
+the objectives read it where they read logits.
+"""
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._pytree import register_dataclass
+from torch.utils.checkpoint import checkpoint
+
+from framework.config.errors import ConfigError
+from framework.data.tokens import IGNORE
+from framework.models.protocol import offered
+
+AUTO_CHUNK = 2048  # tokens a chunk under trainer.loss_chunk_tokens=null: 1 GB of fp32 logits at 128k
+AUTO_VOCAB = 32768  # ... where the vocabulary is at least this, on a GPU
+
+
+@dataclass
+class LossSum:
+    """A head's summed cross entropy (the LM objective's loss sum)."""
+    value: torch.Tensor
+
+
+@dataclass
+class TokenLogps:
+    """A head's per-token log-probabilities, in the targets' shape (0 where a target is -100)."""
+    values: torch.Tensor
+
+
+register_dataclass(LossSum)
+register_dataclass(TokenLogps)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """How a forward meets the output layer: at the counted targets alone (`select`: the layer
+    whole on this rank) and by chunks of `chunk` tokens (0: whole logits)."""
+    select: bool = False
+    chunk: int = 0
+
+
+def output_projection(run, select: bool = True) -> Projection:
+    """The run's Projection: positions selected (where `select` asks) if no TP plan and no pipeline
+    split the final norm and the output layer; chunks as trainer.loss_chunk_tokens says (null:
+    AUTO_CHUNK on a GPU with a vocabulary of AUTO_VOCAB or more) where the model takes a head
+    (ModelProtocol.takes_loss_head) and no pipeline's last stage scores whole logits instead."""
+    whole = run.tp.get("size", 1) == 1 and run.pp.get("size", 1) == 1
+    chunk = run.cfg.trainer.get("loss_chunk_tokens")
+    if not offered(run.module).takes_loss_head or run.pp.get("size", 1) > 1:
+        chunk = 0
+    elif chunk is None:
+        big = run.module.output.weight.shape[0] >= AUTO_VOCAB
+        chunk = AUTO_CHUNK if run.cfg.mesh.device_type == "cuda" and big else 0
+    return Projection(select=select and whole, chunk=chunk)
+
+
+def check_loss_chunks(c) -> None:
+    """Before launch: trainer.loss_chunk_tokens a count of tokens, and chunks only where a forward
+    can score them (a model that takes a head; no pipeline, whose last stage scores whole logits)."""
+    chunk = c.cfg.trainer.get("loss_chunk_tokens")
+    if chunk is None or chunk == 0:
+        return
+    if chunk < 0:
+        raise ConfigError("trainer.loss_chunk_tokens", chunk, "must be > 0 (tokens a chunk), 0 for whole logits, or "
+                                                              "null for the automatic choice")
+    if c.roles.pp_size > 1:
+        raise ConfigError("trainer.loss_chunk_tokens", chunk, "a pipeline's last stage scores whole logits; set 0 "
+                                                              "(or null), or use a mesh without a pp dim")
+    if not offered(c.model).takes_loss_head:
+        raise ConfigError("trainer.loss_chunk_tokens", chunk, f"{type(c.model).__name__}'s forward takes no loss head "
+                                                              f"(ModelProtocol.takes_loss_head); set 0 or null")
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each target's log-probability (rows, seq); 0 where the target is -100. `logits` are
+    (rows, seq, vocab), or (count, vocab) at the targets that count alone, in row order (the
+    model's logits_at), or a head's TokenLogps already."""
+    if isinstance(logits, TokenLogps):
+        return logits.values
+    if logits.dim() == 2:
+        counted = targets != IGNORE
+        token = F.cross_entropy(logits.float(), targets[counted], reduction="none")
+        return torch.zeros(targets.shape, dtype=token.dtype, device=token.device).masked_scatter(counted, -token)
+    token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
+    return -token.view(targets.shape)
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross entropy of logits (rows, seq, vocab) against targets (rows, seq)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
+
+
+def project(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, projection: Projection, per_token: bool,
+            **model_inputs):
+    """`model`'s forward on `inputs` scored against `targets`: its logits (at the counted targets
+    alone with projection.select), or, where the projection chunks, a head's TokenLogps (`per_token`) or LossSum."""
+    if projection.select:
+        model_inputs["logits_at"] = targets != IGNORE
+    if projection.chunk:
+        model_inputs["head"] = Head(targets, projection.chunk, per_token)
+    return model(inputs, **model_inputs)
+
+
+class Head:
+    """What a model's forward calls in place of its output layer (ModelProtocol.takes_loss_head):
+    `head(hidden, output)` with the final norm's hidden states, (rows, seq, dim), or (count, dim)
+    at the counted targets alone."""
+
+    def __init__(self, targets: torch.Tensor, chunk: int, per_token: bool):
+        self.targets, self.chunk, self.per_token = targets, chunk, per_token
+
+    def __call__(self, hidden: torch.Tensor, output: nn.Module):
+        chunk, targets = self.chunk, self.targets[self.targets != IGNORE] if hidden.dim() == 2 else self.targets
+        if bare_weight(output):
+            scored = fused(hidden.reshape(-1, hidden.shape[-1]), output.weight, targets.reshape(-1), chunk, self.per_token)
+        else:
+            scored = by_module(hidden, output, targets, chunk, self.per_token)
+        if not self.per_token:
+            return LossSum(scored)
+        if hidden.dim() == 2:  # back to the targets' places
+            counted = self.targets != IGNORE
+            return TokenLogps(torch.zeros(self.targets.shape, dtype=scored.dtype, device=scored.device)
+                              .masked_scatter(counted, scored))
+        return TokenLogps(scored.view(self.targets.shape))
+
+
+def bare_weight(output: nn.Module) -> bool:
+    """Whether the output layer is hidden @ weight.T and nothing else (no bias, no hook, a plain
+    tensor: not TP's DTensor, not NF4), so the fused functions may use its weight directly."""
+    return type(output) is nn.Linear and output.bias is None and not output._forward_hooks \
+        and not output._forward_pre_hooks and type(output.weight) in (nn.Parameter, torch.Tensor) \
+        and type(output.weight.data) is torch.Tensor
+
+
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The matmul's dtype: autocast's where it is on (as F.linear would compute), else the hidden
+    states' (FSDP2's bf16 parameters come with bf16 inputs)."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+def fused(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, per_token: bool):
+    """hidden (tokens, dim) @ weight.T scored by chunks: per-token log-probabilities (tokens,), or the
+    summed cross entropy (a 0-dim tensor)."""
+    dtype = compute_dtype(hidden)
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        with torch.autocast(hidden.device.type, enabled=False):
+            lse, picked, _, _ = by_chunks(hidden, weight.to(dtype), targets, chunk)
+        counted = targets != IGNORE
+        return torch.where(counted, picked - lse, 0.0) if per_token else torch.where(counted, lse - picked, 0.0).sum()
+    function = _TokenLogps if per_token else _CrossEntropySum
+    return function.apply(hidden, weight, targets, chunk, dtype)
+
+
+def by_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+              scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:
+    """Each token's logsumexp and target logit (fp32 at least, as cross entropy's upcast), a chunk
+    of `chunk` tokens' logits at a time (`weight` already in the matmul's dtype); with `scale`
+    (tokens,), also the gradients of sum(scale x (logsumexp - target logit)) w.r.t. hidden (its
+    dtype) and weight (fp32 at least), from each chunk's logits turned in place into softmax - one-hot."""
+    tokens, upcast = hidden.shape[0], torch.promote_types(weight.dtype, torch.float32)
+    lse = torch.empty(tokens, dtype=upcast, device=hidden.device)
+    picked = torch.empty_like(lse)
+    grad_hidden = torch.empty_like(hidden) if scale is not None else None
+    grad_weight = torch.zeros(weight.shape, dtype=upcast, device=weight.device) if scale is not None else None
+    for start in range(0, tokens, chunk):
+        end = min(start + chunk, tokens)
+        h, t = hidden[start:end].to(weight.dtype), targets[start:end].clamp(min=0)
+        logits = torch.mm(h, weight.t()).to(upcast)
+        lse[start:end] = logits.logsumexp(-1)
+        picked[start:end] = logits.gather(1, t[:, None]).squeeze(1)
+        if scale is None:
+            continue
+        grad = logits.sub_(lse[start:end, None]).exp_()  # softmax
+        grad[torch.arange(end - start, device=grad.device), t] -= 1
+        grad = grad.mul_(scale[start:end, None]).to(weight.dtype)
+        grad_hidden[start:end] = torch.mm(grad, weight)
+        grad_weight += torch.mm(grad.t(), h)
+    return lse, picked, grad_hidden, grad_weight
+
+
+class _CrossEntropySum(torch.autograd.Function):
+    """The summed cross entropy; its gradients made in the forward, chunk by chunk (Liger's way):
+    the backward scales them by the loss's gradient, a scalar."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, dtype):
+        counted = (targets != IGNORE).float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            lse, picked, grad_hidden, grad_weight = by_chunks(hidden, weight.to(dtype), targets, chunk, counted)
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return ((lse - picked) * counted).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad.to(grad_hidden.dtype), grad_weight * grad.to(grad_weight.dtype), None, None, None
+
+
+class _TokenLogps(torch.autograd.Function):
+    """Per-token log-probabilities; the backward recomputes each chunk's logits (a token's
+    gradient is known only then)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, dtype):
+        with torch.autocast(hidden.device.type, enabled=False):
+            lse, picked, _, _ = by_chunks(hidden, weight.to(dtype), targets, chunk)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        return torch.where(targets != IGNORE, picked - lse, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets = ctx.saved_tensors
+        scale = -grad * (targets != IGNORE)  # d(logp)/d(logits) = one-hot - softmax
+        with torch.autocast(hidden.device.type, enabled=False):
+            _, _, grad_hidden, grad_weight = by_chunks(hidden, weight.to(ctx.dtype), targets, ctx.chunk, scale)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+def by_module(hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor, chunk: int, per_token: bool):
+    """The output layer called as a module on chunks of `chunk` tokens' rows (whole rows of
+    (rows, seq, dim) hidden states, whatever the sequence's TP layout), each under
+    torch.utils.checkpoint so its backward recomputes the chunk's logits; vocabulary-sharded
+    logits (TP's loss_parallel plans) scored under loss_parallel, whose backward the Trainer
+    enters for a DTensor loss."""
+    rows = max(1, chunk // hidden.shape[1]) if hidden.dim() == 3 else chunk
+    score = _score_tokens if per_token else _score_sum
+    parts = [checkpoint(score, output, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(output, h, t)
+             for h, t in zip(hidden.split(rows), targets.split(rows))]
+    return torch.cat(parts) if per_token else sum(parts[1:], parts[0])
+
+
+def _sharded_context(logits: torch.Tensor):
+    sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
+    return loss_parallel() if sharded and not _in_loss_parallel() else nullcontext()
+
+
+def _in_loss_parallel() -> bool:
+    """Whether loss_parallel is entered (the Trainer's backward): it does not nest."""
+    return torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
+
+
+def _score_sum(output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = output(hidden)
+    if hidden.dim() == 2:
+        logits, targets = logits[:, None], targets[:, None]
+    with _sharded_context(logits):
+        return cross_entropy_sum(logits, targets)
+
+
+def _score_tokens(output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = output(hidden)
+    with _sharded_context(logits):
+        return token_logps(logits[:, None] if hidden.dim() == 2 else logits, targets[:, None] if hidden.dim() == 2
+                           else targets).flatten()
