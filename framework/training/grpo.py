@@ -41,7 +41,8 @@ from framework.models.decode import compiled_step, decoding_generators, generate
 from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
 from framework.training.objectives import Objective, StepShare
-from framework.training.preference import Reference, response_logits, reshard, selects_positions, token_logps
+from framework.training.chunked_loss import Projection, output_projection
+from framework.training.preference import Reference, response_logits, reshard, token_logps
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -84,7 +85,7 @@ class GroupRelativePolicy(Objective):
         self.step = None  # (setup: the compiled one-token decode step, where compile_decode)
         self.tp_group = None  # (setup: under TP, the group whose rank 0 scores the completions for all)
         self.reference = Reference(reference) if beta > 0 else None  # DPO's (beta 0: no KL term)
-        self.select = False  # (setup: selects_positions)
+        self.select, self.projection = False, Projection()  # (setup: output_projection)
         self._rollout_terms: Dict[str, torch.Tensor] = {}
         self._kl: Optional[torch.Tensor] = None
         self._clipped: Optional[torch.Tensor] = None
@@ -114,7 +115,8 @@ class GroupRelativePolicy(Objective):
         plain = not self.sharded and run.tp.get("size", 1) == 1
         if self.compile_decode if self.compile_decode is not None else self.device.type == "cuda" and plain:
             self.step = compiled_step(self.device)
-        self.select = selects_positions(run)  # the policy's logits at the completions' tokens alone
+        self.projection = output_projection(run)  # the policy's logits at the completions' tokens alone, by chunks
+        self.select = self.projection.select
         if self.reference is not None:
             self.reference.setup(run)
 
@@ -170,7 +172,7 @@ class GroupRelativePolicy(Objective):
             reference = self._logps(lambda rows, counted: self.reference.logits(model, rows, counted), model, inputs,
                                     targets)
         if self.num_iterations > 1:
-            old = self._logps(lambda rows, counted: response_logits(model, rows, counted, self.select), model, inputs,
+            old = self._logps(lambda rows, counted: response_logits(model, rows, counted, self.projection), model, inputs,
                               targets)
         self.rollout_s.append(time.perf_counter() - start)
         grouped = (len(prompts), n, width)
@@ -269,7 +271,7 @@ class GroupRelativePolicy(Objective):
         allows, at the completions' tokens alone: the prompts' positions skip the output layer),
         their advantages, the reference's and the old policy's log-probabilities, a completion a row."""
         reference, old = (t.flatten(0, 1) if t is not None else None for t in (batch.reference, batch.old_logps))
-        logits = response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.select)
+        logits = response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.projection)
         return logits, batch.advantages.flatten(), reference, old
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
