@@ -33,6 +33,7 @@ from framework.checkpoint.layout import CheckpointError, read_meta
 from framework.cli import checkpoint_source, parsed_status
 from framework.config.errors import ConfigError
 from framework.models.hf import HFTransformer
+from framework.models.nf4 import torchao_quietly
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval_tasks")
 SOURCES = "a Hugging Face model directory (config.json), a step_N checkpoint or a checkpoints dir (its newest)"
@@ -89,7 +90,10 @@ def task_names(value: str) -> List[str]:
     names = [name.strip() for name in value.split(",")]
     if not all(names):
         raise ConfigError("--tasks", value, "give task names separated by commas, e.g. --tasks next_letter")
-    return list(dict.fromkeys(names))
+    repeated = next((name for name in names if names.count(name) > 1), None)
+    if repeated is not None:
+        raise ConfigError("--tasks", value, f"names {repeated} twice; name each task once")
+    return names
 
 
 def task_specs(names: List[str], value: str):
@@ -130,7 +134,8 @@ def lm_eval_results(hf_dir: str, manager, specs: list, limit: Optional[int], bat
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    model = HFLM(pretrained=hf_dir, batch_size=batch_size, device="cuda" if torch.cuda.is_available() else "cpu")
+    with torchao_quietly():  # (its model class imports transformers' modeling_utils, whose quantizers load torchao)
+        model = HFLM(pretrained=hf_dir, batch_size=batch_size, device="cuda" if torch.cuda.is_available() else "cpu")
     return simple_evaluate(model=model, tasks=specs, limit=limit, task_manager=manager, log_samples=False)
 
 

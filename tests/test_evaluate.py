@@ -128,6 +128,8 @@ REFUSALS = [  # (arguments after SOURCE, SOURCE, what the line says)
     (["--tasks", "next_letter,"], "model", "config error: --tasks='next_letter,': give task names separated by commas"),
     (["--tasks", "next_leter"], "model", "config error: --tasks='next_leter': no such task; the local ones are "
                                          "next_letter (lm-eval's own: lm-eval ls tasks)"),
+    (["--tasks", "next_letter,next_letter"], "model", "config error: --tasks='next_letter,next_letter': names "
+                                                      "next_letter twice; name each task once"),
     (["--tasks", "next_letter", "--limit", "0"], "model", "config error: --limit=0: must be >= 1"),
     (["--tasks", "next_letter", "--batch-size", "0"], "model", "config error: --batch-size=0: must be >= 1"),
     (["--tasks", "next_letter", "--out", "{file}"], "model", "is a file; name a directory"),
