@@ -74,7 +74,7 @@ def run_row(row: Row, deadline: float, work: Path, memory: GpuMemory) -> dict:
     left = deadline - time.monotonic()
     if left < row.estimate_s:
         return {"status": "skipped", "why": f"{left:.0f} s of the budget left, the row needs about {row.estimate_s} s"}
-    out = work / row.name.replace(" ", "_").replace(",", "")
+    out = work / row.name.replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     try:
@@ -111,27 +111,13 @@ def run_row(row: Row, deadline: float, work: Path, memory: GpuMemory) -> dict:
 
 def reported_memory(raw: dict) -> tuple:
     """(allocated, reserved) peak GiB the row's own process reported: the peer's allocator
-    figures, or whatever summary.json holds of the GPU's (keys naming max active / allocated
-    and reserved, in bytes or GiB), the largest over ranks; None where it reports none."""
-    found = {"allocated": [], "reserved": []}
-
-    def walk(node, path: str) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, f"{path}/{key}".lower())
-        elif isinstance(node, (int, float)) and not isinstance(node, bool):
-            if any(word in path for word in ("pct", "percent", "retries", "ooms", "num_")):
-                return
-            gib = node / GIB if path.endswith("bytes") else node if "gib" in path else None
-            if gib is None:
-                return
-            if "reserved" in path:
-                found["reserved"].append(gib)
-            elif "active" in path or "allocated" in path:
-                found["allocated"].append(gib)
-
-    walk(raw, "")
-    return tuple(max(found[k]) if found[k] else None for k in ("allocated", "reserved"))
+    figures, or summary.json's device_memory (max active and reserved, the largest over ranks);
+    None where it reports none (a CPU, or a framework from before those figures)."""
+    if "max_reserved_bytes" in raw:
+        return tuple(raw[key] / GIB if raw[key] is not None else None
+                     for key in ("max_allocated_bytes", "max_reserved_bytes"))
+    peaks = (raw.get("device_memory") or {}).get("max_over_ranks", {})
+    return peaks.get("max_active_gib"), peaks.get("max_reserved_gib")
 
 
 def figures(row: Row, result: dict, peak_flops) -> dict:
@@ -182,10 +168,10 @@ RATIOS = [("native eager", "peer eager", "step_s", "framework / transformers, ea
           ("lm_bench doc masking", "lm_bench causal", "step_s", "document masking / causal step (goal <= 1.1)"),
           ("grpo framework", "grpo TRL", "step_s", "GRPO framework / TRL step (goal <= 0.7)"),
           ("grpo framework", "grpo TRL", "tokens_per_s", "GRPO rollout tokens/s, framework / TRL (goal >= 3)"),
-          ("native compiled", "native compiled, whole logits", "step_s", "loss by chunks (default) / whole logits, step"),
-          ("native compiled", "native compiled, whole logits", "reserved_gib",
+          ("native compiled", "native compiled whole logits", "step_s", "loss by chunks (default) / whole logits, step"),
+          ("native compiled", "native compiled whole logits", "reserved_gib",
            "loss by chunks (default) / whole logits, peak reserved"),
-          ("native compiled, float8", "native compiled", "tokens_per_s", "float8 / bf16 tokens/s (goal >= 1.25)")]
+          ("native compiled float8", "native compiled", "tokens_per_s", "float8 / bf16 tokens/s (goal >= 1.25)")]
 
 
 def ratios(by_name: dict) -> list:

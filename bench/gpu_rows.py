@@ -218,15 +218,13 @@ def read_grpo(side: str) -> Callable[[Path], dict]:
     return lambda out: grpo.measured(side, out, 1)
 
 
-def optional_key(overrides: list, candidates: tuple) -> Optional[str]:
-    """The first of `candidates` that the composed config has (a feature another change adds),
-    or None."""
+def has_key(overrides: list, key: str) -> bool:
+    """Whether the config these overrides compose has `key` (a feature another change adds)."""
     from omegaconf import OmegaConf
 
     from framework.cli import compose_config
 
-    cfg = compose_config(overrides)
-    return next((key for key in candidates if OmegaConf.select(cfg, key, default=KeyError) is not KeyError), None)
+    return OmegaConf.select(compose_config(overrides), key, default=KeyError) is not KeyError
 
 
 def rows(scale: Scale, work: Path) -> list:
@@ -236,15 +234,14 @@ def rows(scale: Scale, work: Path) -> list:
     native = flops_per_token(scale.native, scale.seq)
     hf = flops_per_token(scale.hf, scale.seq)
     train = dict(tokens=native_tokens, flops_per_token=native)
+    bench = dict(tokens=native_tokens, flops_per_token=flops_per_token(scale.bench, scale.seq))
     return [
         Row("native eager", native_cmd(scale, "none"), read_summary, 30, 120, **train,
             note=f"ln V = {lnv(scale.native):.2f}"),
         Row("peer eager", peer_cmd(scale, False), read_peer, 30, 120, **train, note="transformers, SDPA"),
         Row("native compiled", native_cmd(scale, "blocks"), read_summary, 45, 150, **train),
-        Row("lm_bench causal", masking_cmd(scale, shared, False), read_summary, 25, 120,
-            tokens=native_tokens, flops_per_token=flops_per_token(scale.bench, scale.seq)),
-        Row("lm_bench doc masking", masking_cmd(scale, shared, True), read_summary, 30, 150,
-            tokens=native_tokens, flops_per_token=flops_per_token(scale.bench, scale.seq)),
+        Row("lm_bench causal", masking_cmd(scale, shared, False), read_summary, 25, 120, **bench),
+        Row("lm_bench doc masking", masking_cmd(scale, shared, True), read_summary, 30, 150, **bench),
         Row("hf finetune_hf", hf_cmd(scale, shared, "finetune_hf"), read_summary, 50, 150, tokens=native_tokens,
             flops_per_token=hf, note=f"vocab {scale.hf['vocab_size']}"),
         Row("hf lora_hf", hf_cmd(scale, shared, "lora_hf"), read_summary, 30, 120, tokens=native_tokens,
@@ -255,26 +252,20 @@ def rows(scale: Scale, work: Path) -> list:
     ] + optional_rows(scale, train)
 
 
-# issue 66's features, by the config keys their changes add (the first the config has is used)
-WHOLE_LOGITS = ("trainer.loss_chunk_tokens",)  # 0: the whole logits (null, the default: chunks on a GPU)
-FLOAT8 = ("trainer.float8",)
-
-
 def optional_rows(scale: Scale, train: dict) -> list:
-    """The native compiled row with one setting of a feature the framework may not have yet
-    (issue 66): the loss over the whole logits (the default on a GPU is by chunks), float8.
-    Skipped, saying so, where the composed config lacks its key."""
-    def feature(name: str, candidates: tuple, value: str) -> Row:
+    """The native compiled row with one setting of an issue-66 feature the framework may not have
+    yet: the loss over the whole logits (the default on a GPU at this vocabulary is by chunks),
+    float8. Skipped, saying so, where the composed config lacks its key."""
+    def feature(name: str, key: str, value: str) -> Row:
         def command(out: Path) -> list:
             base = native_overrides(scale, "blocks", out)
-            key = optional_key(base, candidates)
-            if key is None:
-                raise Skip(f"this framework has none of {', '.join(candidates)}")
+            if not has_key(base, key):
+                raise Skip(f"this framework has no {key}")
             return train_cmd([*base, f"{key}={value}"])
         return Row(name, command, read_summary, 45, 150, **train)
 
-    return [feature("native compiled, whole logits", WHOLE_LOGITS, "0"),
-            feature("native compiled, float8", FLOAT8, "tensorwise")]
+    return [feature("native compiled whole logits", "trainer.loss_chunk_tokens", "0"),
+            feature("native compiled float8", "trainer.float8", "tensorwise")]
 
 
 class Skip(Exception):
