@@ -10,6 +10,7 @@ read back for the sweep report (framework/report.py). Optuna is imported only wh
 """
 import json
 import math
+import warnings
 import os
 from enum import Enum
 from pathlib import Path
@@ -102,6 +103,8 @@ def check_before_sweep(argv: Sequence[str]) -> None:
             import hydra_plugins.hydra_optuna_sweeper  # noqa: F401 (only whether it is installed)
         except ImportError:
             raise ConfigError("hydra/sweeper", "optuna", f"the Optuna sweeper needs the hpo extra: {INSTALL}") from None
+        # the plugin builds its search space with optuna 2's distributions, deprecated in optuna 3: a line each, per trial
+        warnings.filterwarnings("ignore", message=r".*Distribution has been deprecated in v3\.0\.0", category=FutureWarning)
     check_objective(base)
     params = base.hydra.sweeper.get("params") or {}
     dims = parser.parse_overrides([f"{key}={value}" for key, value in params.items()]) + parsed

@@ -66,7 +66,8 @@ def build_dataloader(dataset: Dataset, sampler: DistributedSampler, per_replica_
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StatefulDataLoader(dataset, batch_size=per_replica_batch, drop_last=True,
                                   sampler=None if isinstance(sampler, StreamEpochs) else sampler,
-                                  num_workers=num_workers, generator=torch.Generator().manual_seed(0))
+                                  num_workers=dataset.workers(num_workers) if isinstance(sampler, StreamEpochs)
+                                  else num_workers, generator=torch.Generator().manual_seed(0))
 
 
 @dataclass

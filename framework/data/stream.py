@@ -11,6 +11,7 @@ only. The position inside the stream is each rank's loader state (the shard and 
 it, from `datasets`, and the tokens read but not yet trained on), saved per rank with the model.
 """
 import copy
+import logging
 from typing import Optional
 
 import numpy as np
@@ -22,12 +23,15 @@ from framework.data.hf import check_fields, open_dataset
 from framework.data.tokenizer import described, load_tokenizer
 from framework.data.tokens import positions_in_documents
 
+log = logging.getLogger("framework")
+
 
 class HFTokenStream(IterableDataset):
     """Windows of the replica's records' texts, packed; state_dict / load_state_dict are what
     torchdata's StatefulDataLoader saves and restores in each worker."""
     kind = "packed"
     streamed = True
+    said = False  # (workers: the cap said once a process)
 
     def __init__(self, path: str, tokenizer: Optional[str], text_field: str = "text", hf_split: str = "train",
                  name: Optional[str] = None, seq_len: int = 128, document_masking: bool = False):
@@ -48,6 +52,15 @@ class HFTokenStream(IterableDataset):
         from datasets.distributed import split_dataset_by_node
 
         self.replica = split_dataset_by_node(self.source, rank=rank, world_size=replicas)
+
+    def workers(self, asked: int) -> int:
+        """The loader's workers for this replica: at most its shards (datasets would stop the rest
+        itself, with a warning at every iterator: each epoch, the validation loader's too)."""
+        shards = self.replica.num_shards
+        if asked > shards and not HFTokenStream.said:
+            HFTokenStream.said = True
+            log.info("data.num_workers=%d: %d worker(s), one a shard of the replica's %d", asked, shards, shards)
+        return min(asked, shards)
 
     def set_epoch(self, epoch: int) -> None:
         self.replica.set_epoch(epoch)

@@ -10,7 +10,8 @@ weight must hold a multiple of block_size x scaler_block_size values. FSDP2 shar
 aten.split(NF4Tensor, dim=1), which a rowwise layer needs), and is refused.
 """
 import logging
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -20,18 +21,27 @@ from framework.config.checked import Checked
 from framework.models.lora import adapter_layers, targets_of
 
 
-def _nf4() -> Callable:
-    """torchao's to_nf4, imported quietly: on a machine without CUDA its CUDA kernels fail to
-    load, with a warning each, and none of them is used here."""
+@contextmanager
+def torchao_quietly() -> Iterator[None]:
+    """Around an import that loads torchao (ours for NF4; transformers' quantizers, which lm-eval's
+    Hugging Face backend imports): without its CUDA build torchao logs "Failed to load
+    ..._C_mxfp8 / _C_cutlass_90a" and torch a pytree deprecation line per enum it registers, none
+    of which concerns a run that uses no torchao kernel."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+        yield
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+def _nf4() -> Callable:
+    """torchao's to_nf4, imported where NF4 is used and quietly."""
+    with torchao_quietly():
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     return to_nf4
 
 
