@@ -218,21 +218,21 @@ def main() -> None:
     deadline = time.monotonic() + budget
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu_out_"))
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
     memory = GpuMemory()
     head = header(args.smoke, memory, budget)
     print(head, flush=True)
-    chosen = rows(scale, work)
-    if args.rows:
-        chosen = [row for row in chosen if row.name in args.rows.split(",")]
-    done = []
-    for row in chosen:
-        result = run_row(row, deadline, work, memory)
-        if result["status"] == "ok":
-            result["figures"] = figures(row, result, scale.peak_flops)
-        done.append((row, result))
-        report(row, result)
-        write(out, done, head)  # after every row: a call cut short still brings back the rows it ran
+    with tempfile.TemporaryDirectory(prefix="gpu_bench_") as work:  # the models and data: gigabytes on the GPU run
+        chosen = rows(scale, Path(work))
+        if args.rows:
+            chosen = [row for row in chosen if row.name in args.rows.split(",")]
+        done = []
+        for row in chosen:
+            result = run_row(row, deadline, Path(work), memory)
+            if result["status"] == "ok":
+                result["figures"] = figures(row, result, scale.peak_flops)
+            done.append((row, result))
+            report(row, result)
+            write(out, done, head)  # after every row: a call cut short still brings back the rows it ran
     print("\n" + table(done, head), flush=True)
     print(f"(written to {out})")
 
