@@ -51,7 +51,8 @@ def test_the_fused_cross_entropy_sum_and_its_gradients_are_the_whole_logits_ones
     whole = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE, reduction="sum")
     chunked = fused(hidden, weight, targets, 16, per_token=False)
     torch.testing.assert_close(chunked, whole, **LOSS_TOL)
-    for a, b in zip(torch.autograd.grad(2.5 * chunked, (hidden, weight)), torch.autograd.grad(2.5 * whole, (hidden, weight))):
+    for a, b in zip(torch.autograd.grad(2.5 * chunked, (hidden, weight)),
+                    torch.autograd.grad(2.5 * whole, (hidden, weight))):
         torch.testing.assert_close(a, b, **GRAD_TOL)
     with torch.no_grad():  # evaluation: the loss alone
         torch.testing.assert_close(fused(hidden, weight, targets, 16, per_token=False), whole.detach(), **LOSS_TOL)
@@ -77,7 +78,8 @@ def lm(seed: int = 0, vocab: int = 300) -> Transformer:
 
 def step_grads_and_weights(objective, chunk: int, batch: Batch):
     """One step of an LM on `batch` under `objective` with chunks of `chunk` tokens (0: whole
-    logits): the loss, every parameter's gradient, the parameters after an SGD step (AdamW's first step, lr x sign(gradient), flips on gradients near 0)."""
+    logits): the loss, every parameter's gradient, the parameters after an SGD step (AdamW's
+    first step, lr x sign(gradient), flips on gradients near 0)."""
     model = lm()
     objective.projection = Projection(select=getattr(objective.projection, "select", False), chunk=chunk)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -206,7 +208,7 @@ def test_under_tp_loss_parallel_the_chunks_train_the_model_one_process_trains(tm
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer.loss_chunk_tokens=-1"], "trainer.loss_chunk_tokens=-1: must be > 0 (tokens a chunk), 0 for whole logits"),
+    (["trainer.loss_chunk_tokens=-1"], "trainer.loss_chunk_tokens=-1: must be > 0 (tokens a chunk), 0 for whole"),
     (["trainer.loss_chunk_tokens=64", "mesh=pp2x1x1", "model.n_layers=4", "plan=none"],
      "trainer.loss_chunk_tokens=64: a pipeline's last stage scores whole logits; set 0"),
     (["trainer.loss_chunk_tokens=64", "model=seed_mlp", "plan=none", "mesh=1x1"],

@@ -135,7 +135,8 @@ class Head:
     def __call__(self, hidden: torch.Tensor, output: nn.Module):
         chunk, targets = self.chunk, self.targets[self.targets != IGNORE] if hidden.dim() == 2 else self.targets
         if bare_weight(output):
-            scored = fused(hidden.reshape(-1, hidden.shape[-1]), output.weight, targets.reshape(-1), chunk, self.per_token)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            scored = fused(flat, output.weight, targets.reshape(-1), chunk, self.per_token)
         else:
             scored = by_module(hidden, output, targets, chunk, self.per_token)
         if not self.per_token:

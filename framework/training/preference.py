@@ -250,7 +250,8 @@ class DirectPreference(PreferenceObjective):
         """The policy's logits for every sequence of the pairs (chosen, rejected, ...), and the
         reference's log-probabilities of each pair's two (pairs, 2)."""
         reference = self.reference.logps(model, batch.inputs, batch.targets, batch.reference)
-        return response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.projection), reference
+        policy = response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.projection)
+        return policy, reference
 
     def loss_sum(self, outputs: Tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         logits, reference = outputs
