@@ -172,8 +172,8 @@ class GroupRelativePolicy(Objective):
             reference = self._logps(lambda rows, counted: self.reference.logits(model, rows, counted), model, inputs,
                                     targets)
         if self.num_iterations > 1:
-            old = self._logps(lambda rows, counted: response_logits(model, rows, counted, self.projection), model, inputs,
-                              targets)
+            old = self._logps(lambda rows, counted: response_logits(model, rows, counted, self.projection), model,
+                              inputs, targets)
         self.rollout_s.append(time.perf_counter() - start)
         grouped = (len(prompts), n, width)
         return Batch(inputs.view(grouped), targets.view(grouped),
