@@ -5,8 +5,9 @@ summary.json losses (and validation losses) saved, or compared bitwise with a sa
     .venv/bin/python bench/fixed_losses.py --compare before.json   # on the new: bitwise, or by how much
 
 The set: the tiny LM of lm_2d on 1x1 and 2x2 TP+SP, pp2x2x1 1F1B, lm_moe 2x1 with experts over
-DP, cp 1x2x1cp, LoRA on a tiny Hugging Face Llama under fsdp 2x1, DPO (adapters_off) 1x1, and
-torchft replica groups on 2x1: 6 steps each, from a fresh clone's data (the byte corpus and a
+DP, cp 1x2x1cp, LoRA on a tiny Hugging Face Llama under fsdp 2x1, DPO (adapters_off) 1x1,
+torchft replica groups on 2x1, GRPO (recipe=grpo_lm, its shipped prompts) on 2x1, KTO on the HF
+Llama 1x1 and a two-source mixture of the tokens on 1x1: 6 steps each, from a fresh clone's data (the byte corpus and a
 tiny random Llama made with transformers, the dev extra)."""
 import argparse
 import json
@@ -40,6 +41,16 @@ def runs(data: dict) -> dict:
         "DPO adapters_off 1x1": ["recipe=dpo_hf", *hf, f"data.path={data['pairs']}", "mesh=1x1",
                                  "parallel.dp_strategy=replicate"],
         "torchft 2x1": [*LM, "mesh=2x1", "plan=none", "launcher.fault_tolerance=torchft"],
+        "GRPO grpo_lm 2x1": ["recipe=grpo_lm", "trainer.max_steps=6", "trainer.progress_bar=false",
+                             "logger.tensorboard=false"],
+        "KTO 1x1": ["recipe=dpo_hf", *hf, "data=kto", f"data.path={data['kto']}", "mesh=1x1",
+                    "parallel.dp_strategy=replicate"],
+        "mixture 1x1": ["recipe=lora_hf", *hf, "data=mixture", "mesh=1x1", "parallel.dp_strategy=replicate",
+                        "data.dataset.seq_len=24", "data.dataset.num_samples=64",
+                        f"+data.dataset.sources.a={{weight: 0.7, dataset: {{_target_: framework.data.TokenDataset, "
+                        f"path: {data['tokens']}}}}}",
+                        f"+data.dataset.sources.b={{weight: 0.3, dataset: {{_target_: framework.data.TokenDataset, "
+                        f"path: {data['tokens']}}}}}"],
     }
 
 
@@ -58,7 +69,13 @@ def make_data(root: str) -> dict:
     assert prepare([os.path.join(root, "text.txt"), "--tokenizer", model, "--out", os.path.join(root, "tokens")]) == 0
     assert prepare([os.path.join(root, "pairs.jsonl"), "--prompt-field", "prompt", "--chosen-field", "chosen",
                     "--rejected-field", "rejected", "--tokenizer", model, "--out", os.path.join(root, "pairs")]) == 0
-    return {"model": model, "tokens": os.path.join(root, "tokens"), "pairs": os.path.join(root, "pairs")}
+    with open(os.path.join(root, "kto.jsonl"), "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"prompt": f"q{i}:", "completion": "ab" * (i % 4 + 2) if i % 2 else "cdx" * (i % 3 + 1),
+                                "label": bool(i % 2)}) + "\n")
+    assert prepare([os.path.join(root, "kto.jsonl"), "--prompt-field", "prompt", "--response-field", "completion",
+                    "--label-field", "label", "--tokenizer", model, "--out", os.path.join(root, "kto")]) == 0
+    return {"model": model, **{name: os.path.join(root, name) for name in ("tokens", "pairs", "kto")}}
 
 
 def losses_of(overrides: list, out: str) -> dict:
