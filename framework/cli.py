@@ -18,13 +18,14 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import imports_done
 from framework.checkpoint.layout import CheckpointError, resolve
 from framework.config.errors import ConfigError
 from framework.config.schema import did_you_mean, register_schema, section_keys
+from framework.data.tokens import tokens_vocab
 from framework.config.trust import check_composed
 from framework.launch.local import Interrupted, RankFailed
 from framework.training.logger import check_logger_overrides
@@ -33,10 +34,18 @@ from framework.training.logger import check_logger_overrides
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 
+def register_config() -> None:
+    """The schema and every resolver a config may use, data's `${tokens_vocab:${data.path},${data.tokenizer}}`
+    (the vocabulary of prepared tokens) among them."""
+    register_schema()
+    if not OmegaConf.has_resolver("tokens_vocab"):
+        OmegaConf.register_new_resolver("tokens_vocab", tokens_vocab)
+
+
 def compose_checked(overrides: Sequence[str], config_name: str = "config") -> DictConfig:
     """The config for these overrides with its `hydra` section, refused (ConfigError) where a
     file would make anything run (framework.config.trust); nothing of it instantiated."""
-    register_schema()
+    register_config()
     check_logger_overrides(overrides)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)

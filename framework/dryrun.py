@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from framework.data.batch import Batch
 from framework.models.lifecycle import new_model
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.parallel.roles import MeshRoles
 from framework.parallel.collectives import CollectiveRecorder, counted
 from framework.parallel.mesh import coordinates

@@ -30,7 +30,7 @@ from framework.cli import parsed_status
 from framework.config.errors import ConfigError
 from framework.config.schema import Config
 from framework.config.trust import check_targets
-from framework.config.validate import instantiate_checked
+from framework.config.checked import instantiate_checked
 from framework.checkpoint.base_model import base_model, describe, same_base
 from framework.checkpoint.weights import load_base
 from framework.models.lifecycle import adapt, allocate, new_model

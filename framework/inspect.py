@@ -39,7 +39,7 @@ from framework.launch.threads import binds_cores
 from framework.data.loader import DataPosition, batches
 from framework.training.profiling import format_summary, profiled, summary, trace_path
 from framework.training.trainer import Trainer
-from framework.config.validate import validate
+from framework.validate import validate
 
 USAGE = ("usage: python -m framework.inspect {comm|trace|profile} [--out=DIR (profile)] "
          "[hydra overrides, e.g. recipe=lm_2d mesh=1x2]")

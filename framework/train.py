@@ -27,17 +27,16 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.checkpoint.compat import checkpoint_dir, nothing_to_train
-from framework.cli import CONFIG_DIR, command_status
-from framework.config.schema import register_schema
+from framework.cli import CONFIG_DIR, command_status, register_config
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.hpo import check_before_sweep, check_objective, objective, optimizes
 from framework.launch.handoff import HYDRA_ONLY, under_torchrun
 from framework.launch.local import Interrupted, RankFailed, launch_local
 from framework.launch.slurm import in_submitit_job
 from framework.report import clear_failure, record_failure
 
-register_schema()
+register_config()
 # conf/hydra/launcher/submitit_*.yaml take the submitit plugin's options as their schema, on purpose.
 warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
 

@@ -29,7 +29,7 @@ from framework.data.batch import Batch
 from framework.data.loader import DataPosition, batches
 from framework.cli import command_status, compose_config
 from framework.config.errors import ConfigError
-from framework.config.validate import check_model_and_plan, validate
+from framework.validate import check_model_and_plan, validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
 from framework.models.moe import Experts

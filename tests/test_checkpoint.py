@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from framework.checkpoint import manager
 from framework.checkpoint.layout import complete_checkpoints, keep_newest, newest_checkpoint, remove_partial, resolve
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models import SeedMLP

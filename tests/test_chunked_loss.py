@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.data.batch import Batch
 from framework.data.tokens import IGNORE
 from framework.launch.local import spawn_ranks

@@ -128,7 +128,7 @@ def test_the_launcher_validates_without_loading_dtensor():
     # Importing DTensor and the ranks' machinery costs seconds; the launcher only composes,
     # validates and starts ranks (and reads their stall reports).
     probe = ("import sys, framework.train; from framework.cli import compose_config; "
-             "from framework.config.validate import validate; validate(compose_config(['recipe=lm_2d'])); "
+             "from framework.validate import validate; validate(compose_config(['recipe=lm_2d'])); "
              "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.tensor', "
              "'framework.parallel.data_parallel'))))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=50)

@@ -11,7 +11,7 @@ from framework.cli import hydra_error_line
 from framework.config.errors import ConfigError
 from framework.config.schema import register_schema
 
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.launch.handoff import rank_config
 from tests.conftest import CONF, ROOT, compose_config
 

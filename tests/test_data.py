@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from framework.config.checked import Checked
+from framework.validate import checked_config
 from framework.data.tokens import IGNORE, InstructionDataset, TokenDataset, check_responses
 from framework.launch.local import spawn_ranks
 from framework.prepare import main as prepare_main
@@ -238,7 +238,7 @@ def test_instruction_data_whose_seq_len_cuts_off_every_response_is_refused_befor
 def test_instruction_examples_that_lose_their_response_are_counted_in_a_warning(tmp_path, capsys):
     prompts = [3, 8, 9, 12] * 5  # with seq_len=8, a prompt of 8 keeps one response target, of 9 none
     data = prepare_instructions(tmp_path, prompts)
-    check_responses(Checked(compose_config([*SFT_RUN, f"data.path={data}"])))
+    check_responses(checked_config(compose_config([*SFT_RUN, f"data.path={data}"])))
     train = InstructionDataset(data, seq_len=8)
     lost = sum(bool((targets == IGNORE).all()) for _, targets in (train[i] for i in range(len(train))))
     assert lost == sum(n > 8 for n in prompts[:len(train)]) == 9
@@ -246,7 +246,7 @@ def test_instruction_examples_that_lose_their_response_are_counted_in_a_warning(
         f"warning: data.dataset.seq_len=8: {lost} of the {len(train)} train examples in {data} keep no response "
         f"token within seq_len+1=9 tokens (their prompts fill it) and add nothing to the loss; raise it to at least "
         f"12 (the longest prompt, in tokens) or shorten the prompts")
-    check_responses(Checked(compose_config([*SFT_RUN, f"data.path={data}", "data.dataset.seq_len=12"])))
+    check_responses(checked_config(compose_config([*SFT_RUN, f"data.path={data}", "data.dataset.seq_len=12"])))
     assert capsys.readouterr().err == ""
 
 

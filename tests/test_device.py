@@ -3,7 +3,7 @@ cpu with gloo, resolved once by the process that validates and said in the rank-
 import pytest
 import torch
 
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.launch.handoff import rank_config
 from framework.parallel.mesh import resolve_device
 from tests.conftest import QUIET, compose_config, run_cli

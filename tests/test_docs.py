@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import pytest
 
-from framework.config.validate import check_known_keys, validate
+from framework.validate import check_known_keys, validate
 from tests.conftest import ROOT, compose_config
 from tests.hf_models import make_hf_model
 
@@ -166,7 +166,7 @@ def test_every_flag_the_docs_give_another_command_is_one_its_help_lists(module):
 
 
 def test_the_docs_list_every_pair_of_features_that_does_not_compose_yet():
-    from framework.config.not_yet import NOT_YET
+    from framework.not_yet import NOT_YET
 
     page = text("docs/checks-and-trust.md")
     rows = [line for line in page.split("## Features that do not compose yet")[1].splitlines() if line.startswith("| `")]

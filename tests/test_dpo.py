@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.data import PreferenceDataset
 from framework.launch.local import launch_local
 from framework.models.lora import add_adapters

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from tests.conftest import TEST_MODELS, TINY_LM, compose_config, run_cli
 from tests.errors import max_relative_error
 from tests.reference import reference_training

@@ -480,7 +480,7 @@ def test_greedy_generation_in_the_loop_is_framework_generate_s(mesh, prepared, r
 ])
 def test_bad_grpo_configs_are_refused_before_launch_naming_the_key(overrides, message, prepared, reward_file):
     from framework.config.errors import ConfigError
-    from framework.config.validate import validate
+    from framework.validate import validate
     from tests.conftest import compose_config
 
     data = [f"data.path={prepared['instruction']}"] if "data=instructions" in overrides else []

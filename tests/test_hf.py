@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader, DistributedSampler
 
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.launch.handoff import rank_config
 from framework.export import load_model
 from framework.generate import generate, main as generate_main

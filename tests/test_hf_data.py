@@ -21,7 +21,7 @@ from framework.data import (HFInstructionDataset, HFPreferenceDataset, HFTokenDa
 from framework.data.loader import build_dataloader, build_sampler
 from framework.prepare import main as prepare_main
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from tests.conftest import QUIET, compose_config, run_cli
 from tests.test_data import sentence, tokenizer_file  # noqa: F401 (a fixture)
 

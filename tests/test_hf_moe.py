@@ -12,7 +12,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models.hf import HFTransformer, hf_state_dict, load_hf_weights, materialize, model_state_dict

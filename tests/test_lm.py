@@ -8,7 +8,7 @@ from framework.config.errors import ConfigError
 from framework.launch.handoff import rank_config
 from framework.launch.local import launch_local, spawn_ranks
 from framework.models.transformer import Transformer
-from framework.config.validate import validate
+from framework.validate import validate
 from tests.conftest import TINY_LM, compose_config
 from tests.test_dryrun import tiny_lm_elements_per_rank_under_tp2
 from tests.errors import max_relative_error

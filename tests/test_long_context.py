@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.data.tokens import TokenDataset
 from framework.inspect import count_collectives
 from framework.launch.handoff import rank_config

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from framework.checkpoint.base_model import weights_fingerprint
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.export import export, load_model
 from framework.launch.local import launch_local
 from framework.models.hf import hf_name

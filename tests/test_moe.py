@@ -8,7 +8,7 @@ from omegaconf import open_dict
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.launch.handoff import rank_config
 from framework.dryrun import dry_run
 from framework.inspect import collectives_of_one_step, count_collectives, on_ranks

@@ -9,7 +9,7 @@ from torch import nn
 
 from framework.launch.local import launch_local
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.models.protocol import ModelProtocol
 from framework.training.objectives import MeanSquaredError, NextTokenCrossEntropy, StepShare
 from tests.conftest import QUIET, TEST_MODELS, TINY_LM, compose_config, run_cli

@@ -9,7 +9,7 @@ from hydra.errors import HydraException
 
 from framework.cli import hydra_error_line
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.inspect import count_collectives, first_difference, on_ranks, trace_of_one_step
 from framework.launch.local import launch_local
 from framework.verify import verify

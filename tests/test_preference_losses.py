@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.data import UnpairedPreferenceDataset
 from framework.data.batch import Batch
 from framework.launch.local import launch_local

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
-from framework.config.checked import Checked
+from framework.validate import checked_config
 from framework.config.errors import ConfigError
 from framework.config.schema import DataConfig
 from framework.data import InstructionDataset, PromptDataset
@@ -109,8 +109,8 @@ def test_instruction_checks_leave_prompts_data_alone_and_the_kinds_do_not_mix(pr
     cfg = compose_config(["recipe=lm_files", "data=instructions", "model=lm_tiny", "data.dataset.seq_len=2",
                           "data.dataset._target_=framework.data.PromptDataset", f"data.path={prompts_dirs['bare']}",
                           "trainer.eval_every=1", *QUIET])
-    check_responses(Checked(cfg))
-    check_preference(Checked(cfg))
+    check_responses(checked_config(cfg))
+    check_preference(checked_config(cfg))
     assert capsys.readouterr().err == ""
     with pytest.raises(ConfigError, match=r"holds prompts data; this dataset reads instruction data"):
         InstructionDataset(prompts_dirs["bare"])

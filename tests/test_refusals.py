@@ -9,7 +9,7 @@ import re
 import pytest
 
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.planner.__main__ import main as planner_main
 from tests.conftest import TINY_LM, compose_config, run_cli
 from tests.hf_models import make_hf_model

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from framework.cli import check_before_hydra
-from framework.config.checked import Checked
+from framework.validate import checked_config
 from framework.config.errors import ConfigError
 from framework.training.rewards import RewardError, check_reward, make_reward
 from tests.conftest import CONF, compose_config
@@ -212,7 +212,7 @@ def test_two_file_parts_are_refused_the_command_line_names_one_function(tmp_path
 
 
 def checked(*overrides):
-    check_reward(Checked(compose_config(list(overrides))))
+    check_reward(checked_config(compose_config(list(overrides))))
 
 
 def test_check_reward_refuses_before_launch_what_grpo_could_not_score_with(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from framework.checkpoint.layout import CheckpointError
 from framework.checkpoint.safe_load import load_checkpoint
 from framework.cli import check_before_hydra
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from tests.conftest import TEST_MODELS, compose_config, run_cli
 from tests.test_checkpoint import SEED, _copy, straight  # noqa: F401 (the fixture)
 
@@ -50,7 +50,7 @@ ROUTES = {
     "env-set": ("hydra:\n  job:\n    env_set:\n      LD_PRELOAD: MARKER\n",
                 "config error: hydra.job.env_set.LD_PRELOAD="),
     # a target under the allowlist that instantiates a config made from a string at resolution time
-    "interpolated-target": ("model:\n  _target_: framework.config.validate.instantiate_checked\n"
+    "interpolated-target": ("model:\n  _target_: framework.config.checked.instantiate_checked\n"
                             "  node: \"${oc.create:{_target_: io.open, file: MARKER, mode: w}}\"\n",
                             "config error: model.node._target_='io.open': only targets under"),
 }

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 from tests.conftest import TEST_MODELS, compose_config, run_cli
 
 BAD_CONFIGS = [

@@ -1,29 +1,41 @@
 """What a capability's checks read before launch: one object, so every capability's check has
-the same signature, `check(c: Checked)`, and framework.config.validate lists them in a table
+the same signature, `check(c: Checked)`, and framework.validate lists them in a table
 instead of calling each with its own arguments in an order that matters."""
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.parallel.roles import MeshRoles
+from framework.config.errors import ConfigError
+
+if TYPE_CHECKING:  # (made by framework.validate.checked_config: parallel/ is a layer above config/)
+    from framework.parallel.roles import MeshRoles
 
 
 @dataclass
 class Checked:
     cfg: DictConfig
+    roles: "MeshRoles"
     # validation's meta model as the run will hold it: built from the config, its adapters added
     # by the lifecycle's adapt (framework.models.lifecycle) as the adapters stage adds them
     model: Optional[nn.Module] = None
     out_dir: Optional[str] = None  # the job's directory, when the launcher knows it
     # and where its checkpoints go: the checkpoint the run starts from is checked too
     checkpoint_dir: Optional[str] = None
-    roles: MeshRoles = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.roles = MeshRoles.from_config(self.cfg)
-
     @property
     def plan(self) -> dict:
         return OmegaConf.to_container(self.cfg.plan, resolve=True) if self.cfg.plan else {}
+
+
+def instantiate_checked(node: Any, **kwargs: Any) -> Any:
+    """instantiate, letting a ConfigError raised by the target (a bad data path, say) through
+    unwrapped, so it prints as the one-line config error it is."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, ConfigError):
+            raise error.__cause__ from None
+        raise

@@ -4,7 +4,7 @@ Registered in Hydra's ConfigStore as `config_schema` and listed first in conf/co
 defaults, so a wrong type or an unknown key fails when Hydra composes, before anything runs.
 Hydra lets `+key=value` add a key the schema lacks; `unknown_key` finds those, and validation
 refuses them before launch. Free-form nodes (`model`, `optim`, `data.dataset`, `objective`,
-the plan's entries) are checked by framework.config.validate instead.
+the plan's entries) are checked by framework.validate instead.
 """
 import dataclasses
 import difflib
@@ -323,12 +323,6 @@ def did_you_mean(key: str, known: List[str]) -> str:
     return f"{section or 'the config'} has {', '.join(known)}"
 
 
-def _tokens_vocab(path: Optional[str], tokenizer: Optional[str] = None) -> int:
-    from framework.data.tokens import tokens_vocab  # numpy and the dataset only when a config asks
-
-    return tokens_vocab(path, tokenizer)
-
-
 def _packaged(path: str) -> str:
     """`${packaged:prompts/lowercase}`: a path inside the installed package, so a recipe's shipped
     data (framework/prompts/) is found from any working directory."""
@@ -341,10 +335,9 @@ def _hf_text_reader(streaming: bool) -> str:
 
 
 def register_schema() -> None:
-    """The schema, and the resolver configs may use: `${tokens_vocab:${data.path},${data.tokenizer}}`."""
+    """The schema, and the resolvers configs may use that read no data (framework.cli registers
+    the one that does, `${tokens_vocab:...}`, where the config is composed)."""
     ConfigStore.instance().store(name="config_schema", node=Config)
-    if not OmegaConf.has_resolver("tokens_vocab"):
-        OmegaConf.register_new_resolver("tokens_vocab", _tokens_vocab)
     if not OmegaConf.has_resolver("hf_text_reader"):
         OmegaConf.register_new_resolver("hf_text_reader", _hf_text_reader)
     if not OmegaConf.has_resolver("packaged"):

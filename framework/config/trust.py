@@ -1,7 +1,7 @@
 """What a composed config may make Python run, checked before anything of it is instantiated.
 
 Recipes and group files are what people share, so none of them may choose code to run:
-- `_target_`s outside the `hydra` section: under `allowed_targets` (framework.config.validate);
+- `_target_`s outside the `hydra` section: under `allowed_targets` (framework.validate);
   that list can be widened only on the command line (`allowed_targets=[...,pkg]`) or with the
   FRAMEWORK_ALLOWED_TARGETS environment variable (comma-separated packages), never by a file;
 - Hydra's own section, which Hydra instantiates before the framework sees the config: callbacks,

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset
 
 from framework.config.errors import ConfigError
+from framework.config.checked import instantiate_checked
 
 BLOCK = 4096  # samples whose sources one generator draws
 SPLITS = {"train": 0, "val": 1}
@@ -133,7 +134,6 @@ def _instantiate(name: str, source, **given) -> Dataset:
                                                                         "with its _target_ (as conf/data/*.yaml)")
     if node["_target_"] in MIXTURES:
         raise ConfigError(f"data.dataset.sources.{name}.dataset", node["_target_"], "a source cannot be a mixture")
-    from framework.config.validate import instantiate_checked  # (validate reads this module)
 
     accepted = inspect.signature(get_class(node["_target_"])).parameters
     node = OmegaConf.create(OmegaConf.to_container(node, resolve=True)) if isinstance(node, DictConfig) else node

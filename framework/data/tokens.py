@@ -384,7 +384,7 @@ def tokens_vocab(path: Optional[str], tokenizer: Optional[str] = None) -> int:
 def check_token_data(cfg) -> None:
     """Before launch, from meta.json (or data=hf's tokenizer) alone: every source's tokens come
     from data.tokenizer (when one is named) and from one tokenizer, and fit model.vocab_size.
-    (That each split holds a global batch is framework.config.validate's check_dataset.)"""
+    (That each split holds a global batch is framework.validate's check_dataset.)"""
     from framework.data.mixture import source_nodes
 
     check_sample_sizes(cfg.data.dataset, source_nodes(cfg.data.dataset))

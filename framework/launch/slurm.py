@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 from omegaconf import DictConfig
 
 from framework.config.errors import ConfigError
-from framework.config.validate import check_ranks_per_node, validate
+from framework.validate import check_ranks_per_node, validate
 from framework.launch.local import RankFailed
 
 INSTALL = "pip install -e '.[slurm]' (hydra-submitit-launcher)"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from framework.launch.handoff import HYDRA_ONLY, rank_config, write_resolved_config
-from framework.config.validate import validate
+from framework.validate import validate
 from framework.launch.worker import run_rank
 
 HANDSHAKE_TIMEOUT = timedelta(minutes=10)

@@ -23,7 +23,7 @@ from framework.launch.zygote import restart_note
 from framework.parallel.fault_tolerance import replica_group
 from framework.training.builder import build_and_run
 from framework.training.watchdog import EXIT_LOCK
-from framework.config.validate import validate
+from framework.validate import validate
 
 log = logging.getLogger("framework")
 

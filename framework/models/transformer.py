@@ -369,11 +369,11 @@ class Transformer(ModelProtocol, nn.Module):
         return routing_metrics(held, self.token_group)
 
     def tp_sharded_counts(self) -> Dict[str, int]:
-        """Counts a TP plan splits whole across ranks (checked by framework.config.validate)."""
+        """Counts a TP plan splits whole across ranks (checked by framework.validate)."""
         return {"model.n_heads": self.n_heads, "model.n_kv_heads": self.n_kv_heads}
 
     def tp_plan_must_cover(self) -> Dict[str, str]:
-        """Modules a TP plan must name, and why (checked by framework.config.validate)."""
+        """Modules a TP plan must name, and why (checked by framework.validate)."""
         if not any(hasattr(layer.attention, "q_norm") for layer in self.modules() if isinstance(layer, TransformerBlock)):
             return {}
         why = ("the per-head q/k norms see only a rank's own heads under TP, so each rank's weight gradient is "

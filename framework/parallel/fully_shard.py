@@ -5,7 +5,7 @@ rank; `hsdp` shards along `dp` and replicates along `dp_replicate` (a 2-D DP mes
 torch reduce-scatters within a shard group and all-reduces across replicas). torch's
 fully_shard takes parameters TP has already made DTensors and gives them one more mesh dim, so
 this runs after `tensor_parallel` (the `fully_shard` stage); the other order is refused by
-framework.config.validate. Gradients come out of backward averaged over DP and placed like their
+framework.validate. Gradients come out of backward averaged over DP and placed like their
 parameters (FSDP2 also sums the partial gradients TP leaves on replicated parameters).
 """
 import warnings

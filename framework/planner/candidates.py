@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.cli import compose_config
 from framework.config.errors import ConfigError
-from framework.config.validate import validate
+from framework.validate import validate
 
 
 @dataclass

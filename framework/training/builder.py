@@ -2,7 +2,7 @@
 
 Each stage reads the config and what earlier stages built, and adds one thing to `Run`.
 `cfg.pipeline` may stop early (a prefix of STAGES, e.g. the seed_mesh recipe stops after
-`mesh`); any other order was refused by framework.config.validate before launch.
+`mesh`); any other order was refused by framework.validate before launch.
 """
 import logging
 import os

@@ -559,7 +559,7 @@ def _check_precomputed(cfg) -> None:
 
 def _check_mesh(c: Checked, name: str) -> None:
     """Whole logits: each sequence's log-probabilities are summed from them (the mesh dims not
-    yet composed are config/not_yet.py's)."""
+    yet composed are framework/not_yet.py's)."""
     roles = c.roles
     output = c.plan.get("output")
     if roles.tp_size > 1 and output and not final_output_layout(output)[1]:

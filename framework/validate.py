@@ -14,9 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
 from framework.checkpoint.manager import check_checkpoint_writable
 from framework.config.schema import STAGES, did_you_mean, unknown_key
-from framework.config.checked import Checked
+from framework.config.checked import Checked, instantiate_checked
 from framework.config.errors import ConfigError
-from framework.config.not_yet import check_not_yet
+from framework.not_yet import check_not_yet
 from framework.config.trust import check_targets
 from framework.data.loader import check_loader
 from framework.data.mixture import source_nodes
@@ -221,17 +221,6 @@ def _accepts(callable_: Any, **options: Any) -> bool:
         return False
 
 
-def instantiate_checked(node: Any, **kwargs: Any) -> Any:
-    """instantiate, letting a ConfigError raised by the target (a bad data path, say) through
-    unwrapped, so it prints as the one-line config error it is."""
-    try:
-        return instantiate(node, **kwargs)
-    except InstantiationException as error:
-        if isinstance(error.__cause__, ConfigError):
-            raise error.__cause__ from None
-        raise
-
-
 def check_optimizer(c: Checked) -> None:
     """The optimizer takes every option given (checked against its signature) and accepts their
     values (its own checks). Building one on a real parameter would import torch's compiler
@@ -328,6 +317,13 @@ MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
 )
 
 
+def checked_config(cfg: DictConfig, model: Optional[torch.nn.Module] = None, out_dir: Optional[str] = None) -> Checked:
+    """What the capabilities' checks read: the config, its mesh roles, validation's meta model and
+    (with the job's dir) where its checkpoints go."""
+    return Checked(cfg, MeshRoles.from_config(cfg), model, out_dir,
+                   checkpoint_dir(cfg, out_dir) if out_dir is not None else None)
+
+
 def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: Optional[int] = None,
              deep: bool = True, out_dir: Optional[str] = None) -> None:
     """All checks. `world_size` is the world a launcher joined (torchrun); `deep` also builds the
@@ -361,6 +357,6 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
         model = check_model_and_plan(cfg)
         check_adapter(cfg, model)  # on the base model; then the run's adapters, as the adapters stage adds them
         adapt(model, cfg.adapter, seed=0)
-        checked = Checked(cfg, model, out_dir, checkpoint_dir(cfg, out_dir) if out_dir is not None else None)
+        checked = checked_config(cfg, model, out_dir)
         for check in MODEL_CHECKS:
             check(checked)
