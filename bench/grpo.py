@@ -196,7 +196,7 @@ def profile(data: dict, new: int, quiet_wait: float, threads: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from framework.checkpoint.weights import load_base
-    from framework.generate import generate_groups
+    from framework.models.decode import generate_groups
     from framework.models.hf import HFTransformer
     from framework.models.lifecycle import allocate
 

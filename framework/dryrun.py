@@ -60,7 +60,8 @@ from framework.parallel.tensor_parallel import apply_tp
 from framework.cli import command_status, compose_config
 from framework.training.builder import build_and_run
 from framework.training.trainer import Trainer
-from framework.training.memory import SavedActivations, local_tensor, state_bytes
+from framework.parallel.dtensors import local_tensor
+from framework.training.memory import SavedActivations, state_bytes
 from framework.training.run import Run
 
 # torch internals, all here (DESIGN.md: fail clearly if a future torch moves them).

@@ -14,8 +14,6 @@ tokenizer within its vocabulary, the prompt and N new tokens within its max_posi
 before anything runs; bad input exits 2 with one line.
 """
 import argparse
-import json
-import os
 import sys
 from typing import List, Optional, Set, Tuple
 
@@ -31,7 +29,7 @@ from framework.models.lifecycle import allocate
 from framework.models.lora import add_peft_adapter, is_adapter, load_peft_adapter
 from framework.models.protocol import from_hugging_face, offered
 # (next_tokens: tests and bench import the decoder from here too)
-from framework.models.decode import decoding_generators, generate_groups, next_tokens  # noqa: F401
+from framework.models.decode import decoding_generators, generate_groups, stop_ids
 
 DEVICES = ("auto", "cpu", "cuda")
 SOURCES = ("a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a step_N checkpoint or a "
@@ -63,18 +61,6 @@ def chosen_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
-
-
-def stop_ids(model_dir: Optional[str], tokenizer) -> Set[int]:
-    """The model's own end-of-text ids (generation_config.json, else config.json), else the tokenizer's."""
-    for name in ("generation_config.json", "config.json"):
-        file = os.path.join(model_dir or "", name)
-        if model_dir and os.path.isfile(file):
-            with open(file) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                return set(eos) if isinstance(eos, list) else {eos}
-    return set() if tokenizer.eos_id is None else {tokenizer.eos_id}
 
 
 def _tokenizer(model: nn.Module, path: Optional[str]):

@@ -7,8 +7,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch.utils.data import IterableDataset
-from hydra.errors import InstantiationException
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import framework
 from framework.data.tokens import IGNORE
-from framework.generate import generate, generate_groups, next_tokens
+from framework.generate import generate
+from framework.models.decode import generate_groups, next_tokens
 from framework.models.transformer import Transformer
 from framework.training.grpo import GroupRelativePolicy, group_advantages
 from framework.training.preference import token_logps

@@ -9,6 +9,8 @@ prompt and the new tokens, written at a position held in a tensor), so each one-
 the same shapes and can be compiled once (`compile`: torch.compile of the step; on CUDA with
 mode reduce-overhead, CUDA graphs).
 """
+import json
+import os
 from typing import List, Optional, Set, Tuple
 
 import torch
@@ -173,3 +175,15 @@ def _sample_loop(forward, logits: torch.Tensor, max_new_tokens: int, temperature
             break
         logits = forward(new)
     return tokens, lengths
+
+
+def stop_ids(model_dir: Optional[str], tokenizer) -> Set[int]:
+    """The model's own end-of-text ids (generation_config.json, else config.json), else the tokenizer's."""
+    for name in ("generation_config.json", "config.json"):
+        file = os.path.join(model_dir or "", name)
+        if model_dir and os.path.isfile(file):
+            with open(file) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return set(eos) if isinstance(eos, list) else {eos}
+    return set() if tokenizer.eos_id is None else {tokenizer.eos_id}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from framework.training.memory import local_bytes
+from framework.parallel.dtensors import local_bytes
 
 
 def collective_name(func) -> Optional[str]:

@@ -5,6 +5,7 @@ import sys
 from typing import Dict, Iterable, List
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
@@ -15,6 +16,21 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; a plain tensor as it is."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor without an autograd op (to_local's): for counting storage."""
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of the storage behind it: a tensor subclass (QLoRA's NF4 weight) by its inner
+    tensors, not by its logical shape and dtype."""
+    local = local_tensor(tensor)
+    if is_traceable_wrapper_subclass(local):
+        names, _ = local.__tensor_flatten__()
+        return sum(local_bytes(getattr(local, name)) for name in names)
+    return local.numel() * local.element_size()
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,24 +10,10 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from framework.parallel.dtensors import local_bytes, local_tensor
 
 log = logging.getLogger("framework")
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-def local_bytes(tensor: torch.Tensor) -> int:
-    """The bytes of the storage behind it: a tensor subclass (QLoRA's NF4 weight) by its inner
-    tensors, not by its logical shape and dtype."""
-    local = local_tensor(tensor)
-    if is_traceable_wrapper_subclass(local):
-        names, _ = local.__tensor_flatten__()
-        return sum(local_bytes(getattr(local, name)) for name in names)
-    return local.numel() * local.element_size()
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
