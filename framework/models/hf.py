@@ -21,7 +21,7 @@ from torch import nn
 
 from framework.config.errors import ConfigError
 from framework.models.meta import SkipRandomInit
-from framework.models.lora import is_adapter
+from framework.models.adapter_names import is_adapter
 from framework.models.transformer import Transformer
 from framework.models.protocol import offered
 from framework.parallel.dtensors import is_dtensor

@@ -10,7 +10,9 @@ generator seeded with trainer.seed and the layer's name, the same on every mesh 
 Hugging Face model is allocated only after sharding: `init_adapters` runs again then); B starts
 at zero, so step 0's model is the base model.
 """
+import json
 import math
+import os
 import zlib
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -21,16 +23,11 @@ from torch import nn
 
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
+from framework.models.adapter_names import CHILDREN, adapter_layers, is_adapter, targets_of
+from framework.models.hf import hf_name
+from framework.models.nf4 import dequantized
 from framework.models.protocol import from_hugging_face, offered
 from framework.parallel.dtensors import is_dtensor, whole
-
-ADAPTER_PARAMETERS = (".lora_A.", ".lora_B.")
-CHILDREN = ("lora_A", "lora_B", "lora_dropout")  # what add_adapters puts under a layer
-
-
-def is_adapter(name: str) -> bool:
-    return any(part in name for part in ADAPTER_PARAMETERS)
-
 
 def _add_update(layer: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     if layer.lora_off:
@@ -52,19 +49,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer.lora_off = False
 
 
-def targets_of(model: nn.Module, targets: List[str]) -> List[Tuple[str, nn.Linear]]:
-    """The model's linear layers whose name ends in one of `targets`, or one line naming the
-    target that matches nothing and the candidates."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for target in targets:
-        if not any(name.rsplit(".", 1)[-1] == target for name, _ in linears):
-            candidates = sorted({name.rsplit(".", 1)[-1] for name, _ in linears})
-            raise ConfigError("adapter.targets", list(targets), f"{target!r} names no linear layer of "
-                                                                f"{type(model).__name__}; its linear layers end in "
-                                                                f"{candidates}")
-    return [(name, m) for name, m in linears if name.rsplit(".", 1)[-1] in targets]
-
-
 def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targets: List[str], seed: int) -> None:
     """LoRA on every targeted layer, the base frozen (checks in check_adapter)."""
     for param in model.parameters():
@@ -77,10 +61,6 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
         layer.lora_scaling, layer.lora_off = alpha / rank, False
         layer.register_forward_hook(_add_update)
     init_adapters(model, seed)
-
-
-def adapter_layers(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    return ((name, m) for name, m in model.named_modules() if hasattr(m, "lora_A"))
 
 
 @torch.no_grad()
@@ -150,8 +130,6 @@ def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The model's state dict (whole tensors, one process) with each adapted weight merged,
     W + (alpha / rank) B A (W a QLoRA weight's NF4 values), and the adapters left out: a plain
     model that computes the same."""
-    from framework.models.nf4 import dequantized  # (which imports this module)
-
     state = {name: t for name, t in model.state_dict().items() if not is_adapter(name)}
     for name, layer in adapter_layers(model):
         weight = dequantized(layer.weight)
@@ -184,16 +162,11 @@ def peft_names(model: nn.Module) -> Dict[str, str]:
 def _hf_naming(model: nn.Module):
     if not from_hugging_face(model):
         return None
-    from framework.models.hf import hf_name
-
     return lambda name: hf_name(name, offered(model).model_type)
 
 
 def read_peft_adapter(path: str, key: str = "adapter.init_from") -> Tuple[dict, Dict[str, torch.Tensor]]:
     """adapter_config.json and adapter_model.safetensors of a PEFT adapter directory (given as `key`)."""
-    import json
-    import os
-
     from safetensors.torch import load_file
 
     files = [os.path.join(path, name) for name in ("adapter_config.json", "adapter_model.safetensors")]

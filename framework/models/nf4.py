@@ -18,7 +18,7 @@ from torch import nn
 
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
-from framework.models.lora import adapter_layers, targets_of
+from framework.models.adapter_names import adapter_layers, targets_of
 
 
 @contextmanager
