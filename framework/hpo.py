@@ -105,6 +105,9 @@ def check_before_sweep(argv: Sequence[str]) -> None:
             raise ConfigError("hydra/sweeper", "optuna", f"the Optuna sweeper needs the hpo extra: {INSTALL}") from None
         # the plugin builds its search space with optuna 2's distributions, deprecated in optuna 3: a line each, per trial
         warnings.filterwarnings("ignore", message=r".*Distribution has been deprecated in v3\.0\.0", category=FutureWarning)
+        # and its TPESampler config hands optuna 4's TPE the options optuna 4.3 / 4.9 deprecated
+        # (consider_prior, prior_weight, ...): a line each, per sweep, none of them the user's
+        warnings.filterwarnings("ignore", message=r"`\w+` has been deprecated in v4\.\d+\.0", category=FutureWarning)
     check_objective(base)
     params = base.hydra.sweeper.get("params") or {}
     dims = parser.parse_overrides([f"{key}={value}" for key, value in params.items()]) + parsed
