@@ -47,7 +47,7 @@ from framework.checkpoint.layout import (
     step_dir,
     write_meta_and_publish,
 )
-from framework.checkpoint.safe_load import SafeReader, load_checkpoint
+from framework.checkpoint.safe_load import load_checkpoint, read_checkpoint_metadata
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.data.loader import DataPosition
@@ -134,7 +134,7 @@ class OptimizerState(Stateful):
 def optimizer_saved_flat(path: str) -> bool:
     """Whether the checkpoint holds the optimizer flattened (this version) or, as before, one
     param_groups list (whose first group's `params` is then a key of its own)."""
-    return "optim.param_groups.0.params" not in SafeReader(path).read_metadata().state_dict_metadata
+    return "optim.param_groups.0.params" not in read_checkpoint_metadata(path).state_dict_metadata
 
 
 class Checkpointer:
