@@ -34,6 +34,8 @@ from framework.cli import checkpoint_source, parsed_status
 from framework.config.errors import ConfigError
 from framework.models.hf import HFTransformer
 from framework.models.nf4 import torchao_quietly
+from framework.export import export
+from framework.training.logger import TensorBoardLogger
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval_tasks")
 SOURCES = "a Hugging Face model directory (config.json), a step_N checkpoint or a checkpoints dir (its newest)"
@@ -141,8 +143,6 @@ def lm_eval_results(hf_dir: str, manager, specs: list, limit: Optional[int], bat
 
 def evaluate(source: Source, manager, specs: list, limit: Optional[int] = None, batch_size: int = 8) -> dict:
     """lm-eval's results for SOURCE's model; a checkpoint's through a temporary export."""
-    from framework.export import export
-
     if source.checkpoint is None:
         return lm_eval_results(source.path, manager, specs, limit, batch_size)
     with tempfile.TemporaryDirectory(prefix="framework-evaluate-") as tmp:
@@ -178,8 +178,6 @@ def write_results(results: dict, source: Source, batch_size: int, out: str) -> s
 
 
 def log_to_run(run_dir: str, step: int, results: dict) -> None:
-    from framework.training.logger import TensorBoardLogger
-
     logger = TensorBoardLogger(os.path.join(run_dir, "tb"))
     logger.log_scalars(step, scalars(results))
     logger.close()

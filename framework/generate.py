@@ -30,6 +30,7 @@ from framework.models.lora import add_peft_adapter, is_adapter, load_peft_adapte
 from framework.models.protocol import from_hugging_face, offered
 # (next_tokens: tests and bench import the decoder from here too)
 from framework.models.decode import decoding_generators, generate_groups, stop_ids
+from framework.export import load_model, saved_config_errors
 
 DEVICES = ("auto", "cpu", "cuda")
 SOURCES = ("a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a step_N checkpoint or a "
@@ -90,8 +91,6 @@ def _hf_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, 
 def _checkpoint_source(path: str, source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, Set[int]]:
     """The checkpoint at `path` (SOURCE `source`): its model (with `adapter`'s LoRA), tokenizer
     and stop ids; what its saved config names is said to come from there."""
-    from framework.export import load_model, saved_config_errors
-
     model, cfg, _ = load_model(path)
     if adapter:
         if any(is_adapter(name) for name, _ in model.named_parameters()):

@@ -19,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from framework.parallel.data_parallel import NoGradientSync
+from framework.models.moe import Experts
+from framework.parallel.expert_parallel import spread_over_dp
 
 # FSDP2 warns that an in-place op on a unit's output (a view) would skip its gradient hook; the
 # loss reads the model's output out of place, and the blocks' residual adds are out of place.
@@ -56,9 +58,6 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[
     factor for experts). Spread over some DP dims, each expert has replicas on the rest
     (`expert_replicas`): FSDP2 shards each block's experts over those ranks (torchtitan's efsdp),
     and its reduce-scatter's sum is divided by the DP size alike."""
-    from framework.models.moe import Experts
-    from framework.parallel.expert_parallel import spread_over_dp
-
     if expert_replicas is not None:
         dp_size = dist.get_world_size(dp_group)
         for experts_module in [m for m in model.modules() if isinstance(m, Experts)]:
