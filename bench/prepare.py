@@ -67,7 +67,7 @@ def loader_rate(data: Path, batches: int = 200) -> float:
     shape (16 sequences of 128 tokens), one process."""
     sys.path.insert(0, str(ROOT))
     from framework.data.loader import build_dataloader, build_sampler
-    from framework.data.tokens import TokenDataset
+    from framework.data.datasets import TokenDataset
 
     dataset = TokenDataset(str(data), seq_len=128)
     loader = build_dataloader(dataset, build_sampler(dataset, 1, 0, True, 0, True), 16, 0)

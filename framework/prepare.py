@@ -41,7 +41,7 @@ from tqdm import tqdm  # noqa: E402
 
 from framework.config.errors import ConfigError  # noqa: E402
 from framework.data.tokenizer import EOS_CANDIDATES, described, load_tokenizer  # noqa: E402
-from framework.data.tokens import FORMAT, LABELS, MASK, META, OFFSETS, TOKENS  # noqa: E402
+from framework.data.token_files import FORMAT, LABELS, MASK, META, OFFSETS, TOKENS  # noqa: E402
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 CHUNK_CHARS = 1 << 20  # about 1 MB of text per task

@@ -16,7 +16,9 @@ from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from framework.validate import checked_config
-from framework.data.tokens import IGNORE, InstructionDataset, TokenDataset, check_responses
+from framework.data.batch import IGNORE
+from framework.data.checks import check_responses
+from framework.data.datasets import InstructionDataset, TokenDataset
 from framework.launch.local import spawn_ranks
 from framework.prepare import main as prepare_main
 from tests.conftest import QUIET, compose_config, run_cli

@@ -18,8 +18,11 @@ from framework.validate import checked_config
 from framework.config.errors import ConfigError
 from framework.config.schema import DataConfig
 from framework.data import InstructionDataset, PromptDataset
-from framework.data.tokens import IGNORE, check_responses, kind_of
-from framework.training.preference import check_preference
+from framework.data.batch import IGNORE
+from framework.data.checks import check_responses
+from framework.data.dataset_config import kind_of
+from framework.data.datasets import without_response
+from framework.training.objectives.preference import check_preference
 from tests.conftest import CONF, QUIET, compose_config
 from tests.test_data import prepare, sentence, tokenizer_file, word_tokenizer  # noqa: F401 (a fixture)
 
@@ -105,7 +108,8 @@ def test_instruction_checks_leave_prompts_data_alone_and_the_kinds_do_not_mix(pr
     node = {"_target_": "framework.data.PromptDataset", "path": prompts_dirs["bare"]}
     assert kind_of(OmegaConf.create(node)) == "prompts"
     # no answers, and prompts longer than seq_len: instruction data's check would warn or refuse here
-    assert InstructionDataset.without_response(PromptDataset(prompts_dirs["bare"], seq_len=2)).any()
+    bare = PromptDataset(prompts_dirs["bare"], seq_len=2)
+    assert without_response(bare.documents, bare.first, bare.end, bare.seq_len).any()
     cfg = compose_config(["recipe=lm_files", "data=instructions", "model=lm_tiny", "data.dataset.seq_len=2",
                           "data.dataset._target_=framework.data.PromptDataset", f"data.path={prompts_dirs['bare']}",
                           "trainer.eval_every=1", *QUIET])

@@ -10,6 +10,8 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
+IGNORE = -100  # a target that counts in no loss (cross_entropy's ignore_index)
+
 
 class Batch(NamedTuple):
     inputs: torch.Tensor

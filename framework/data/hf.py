@@ -22,7 +22,7 @@ import numpy as np
 
 from framework.config.errors import ConfigError
 from framework.data.tokenizer import described, load_tokenizer
-from framework.data.tokens import InstructionDataset, PreferenceDataset, TokenDataset
+from framework.data.datasets import InstructionDataset, PreferenceDataset, TokenDataset
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
 SAVED = ("dataset_dict.json", "state.json")  # what save_to_disk writes (a DatasetDict, a Dataset)
@@ -113,7 +113,7 @@ def _cache_dir() -> Path:
 
 
 class HFDocuments:
-    """A dataset's records as documents (framework.data.tokens.PreparedDocuments' face): a text
+    """A dataset's records as documents (framework.data.token_files.PreparedDocuments' face): a text
     each, or for instruction data prompt + response; preference record i is documents 2i
     (prompt + chosen) and 2i + 1 (prompt + rejected), as framework.prepare lays them out."""
 

@@ -21,7 +21,7 @@ from torch.utils.data import IterableDataset
 from framework.config.errors import ConfigError
 from framework.data.hf import check_fields, open_dataset
 from framework.data.tokenizer import described, load_tokenizer
-from framework.data.tokens import positions_in_documents
+from framework.data.datasets import positions_in_documents
 
 log = logging.getLogger("framework")
 

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from framework.atomic import atomic_file
 from framework.checkpoint.layout import step_dir
 from framework.data.batch import Batch
-from framework.data.tokens import IGNORE
+from framework.data.batch import IGNORE
 from framework.checkpoint.weights import restart_count
 from framework.parallel.mesh import layout_table
 from framework.training.logger import Loggers, build_loggers
