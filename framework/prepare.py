@@ -1,5 +1,5 @@
 """`python -m framework.prepare INPUTS... --out DIR [--tokenizer PATH]`: tokenize your text once
-into the memory-mapped format training reads (framework.data.tokens).
+into the memory-mapped format training reads (framework.data.token_files).
 
 INPUTS are files or directories (their files, recursively, in sorted order; files of other
 kinds are skipped and named in one line): `.txt` (one document per file, or per line with
@@ -21,6 +21,7 @@ end, so an interrupted prepare leaves nothing that looks complete. Bad input exi
 line naming the file (and line).
 """
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -39,19 +40,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # --workers is the par
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from framework.config.errors import ConfigError  # noqa: E402
-from framework.data.tokenizer import EOS_CANDIDATES, described, load_tokenizer  # noqa: E402
+from framework.data.layout import encode_records  # noqa: E402
+from framework.data.records import InputError, jsonl_records, parquet_records, txt_lines, utf8_text  # noqa: E402
 from framework.data.token_files import FORMAT, LABELS, MASK, META, OFFSETS, TOKENS  # noqa: E402
+from framework.data.tokenizer import EOS_CANDIDATES, described, load_tokenizer  # noqa: E402
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 CHUNK_CHARS = 1 << 20  # about 1 MB of text per task
-
-
-class InputError(ConfigError):
-    """Bad input data: the file (and line) and what is wrong with it."""
-
-    def __init__(self, where: str, problem: str):
-        ValueError.__init__(self, f"input error: {where}: {problem}")
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -151,86 +146,6 @@ def _not_empty(args: argparse.Namespace) -> List[str]:
     prompt gives the policy nothing to condition on)."""
     return [args.prompt_field] if kind(args) == "prompts" else []
 
-
-def _jsonl_problem(line: bytes, fields: List[str], not_empty: List[str] = (), flags: List[str] = ()):
-    """(the record's values, None) or (None, what is wrong with the line)."""
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError:
-        return None, "not UTF-8"
-    except json.JSONDecodeError:
-        return None, "not JSON"
-    missing = fields if not isinstance(record, dict) else [field for field in fields if field not in record]
-    if missing:
-        return None, f"has no field {_named(missing)}"
-    values = [record[field] for field in fields]
-    wrong = _wrong_type(fields, values, flags)
-    if wrong:
-        return None, f"its {wrong[0]!r} is not {wrong[2]}"
-    empty = _empty(not_empty, record)
-    if empty:
-        return None, f"its {_named(empty)} is empty"
-    return values, None
-
-
-def _empty(fields: List[str], record: dict) -> List[str]:
-    return [field for field in fields if record[field] == ""]
-
-
-def _wrong_type(fields: List[str], values: list, flags: List[str]) -> Optional[tuple]:
-    """The first value of the wrong type (a flag's is true or false, the others' text) as (the
-    field, the value, what it should be), or None."""
-    for field, value in zip(fields, values):
-        if not isinstance(value, bool if field in flags else str):
-            return field, value, "true or false" if field in flags else "a string"
-    return None
-
-
-def _named(fields: List[str]) -> str:
-    return " / ".join(map(repr, fields))
-
-
-def _jsonl_records(path: Path, fields: List[str], not_empty: List[str], flags: List[str], skip_bad: bool,
-                   skipped: List[int]) -> Iterator:
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            values, problem = _jsonl_problem(line, fields, not_empty, flags)
-            if problem and skip_bad:
-                skipped[0] += 1
-                skipped[1:] = skipped[1:] or [f"{path}:{number} {problem}"]  # the first, for "nothing was left"
-                continue
-            if problem:
-                raise InputError(f"{path}:{number}", f"{problem}; fix it, or pass --skip-bad-lines to skip and "
-                                 "count such lines")
-            yield values if len(values) > 1 else values[0]
-
-
-def _parquet_records(path: Path, fields: List[str], not_empty: List[str], flags: List[str]) -> Iterator:
-    import pyarrow as pa
-    import pyarrow.parquet as pq  # the `data` extra
-
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as error:
-        raise InputError(str(path), f"cannot be read as Parquet: {' '.join(str(error).split())}") from None
-    missing = [field for field in fields if field not in parquet.schema_arrow.names]
-    if missing:
-        raise InputError(str(path), f"has no column {missing[0]!r}; its columns are {parquet.schema_arrow.names}")
-    row = 0
-    for batch in parquet.iter_batches(columns=fields, batch_size=1024):
-        for values in zip(*(batch.column(field).to_pylist() for field in fields)):
-            wrong = _wrong_type(fields, values, flags)
-            if wrong:
-                raise InputError(f"{path}: row {row}", f"its {wrong[0]!r} is not {wrong[2]} ({wrong[1]!r})")
-            empty = _empty(not_empty, dict(zip(fields, values)))
-            if empty:
-                raise InputError(f"{path}: row {row}", f"its {_named(empty)} is empty")
-            row += 1
-            yield list(values) if len(values) > 1 else values[0]
-
-
 def records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> Iterator:
     """Every document (a text, [prompt, response], [prompt, chosen, rejected], unpaired data's
     [prompt, response, label], or prompts data's [prompt, answer]) of the inputs, in order."""
@@ -243,37 +158,17 @@ def records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> 
 def _records(files: List[Path], args: argparse.Namespace, skipped: List[int]) -> Iterator:
     for path in files:
         if path.suffix == ".jsonl":
-            yield from _jsonl_records(path, _fields(args), _not_empty(args), _flags(args), args.skip_bad_lines, skipped)
+            yield from jsonl_records(path, _fields(args), _not_empty(args), _flags(args), args.skip_bad_lines, skipped)
         elif path.suffix == ".parquet":
-            yield from _parquet_records(path, _fields(args), _not_empty(args), _flags(args))
+            yield from parquet_records(path, _fields(args), _not_empty(args), _flags(args))
         elif args.prompt_field:
             raise InputError(str(path), "instruction, preference and prompts data come from .jsonl or .parquet, "
                              "not .txt")
         elif args.txt_lines:
-            yield from _txt_lines(path)
+            yield from txt_lines(path)
         else:
-            yield _text(path.read_bytes(), path)
+            yield utf8_text(path.read_bytes(), path)
 
-
-def _txt_lines(path: Path) -> Iterator[str]:
-    """A .txt's non-blank lines (split as text mode splits them), read as bytes so that bytes
-    that are not UTF-8 are named by their offset in the file."""
-    start = 0
-    with open(path, "rb") as f:
-        for line in f:
-            yield from (text for text in _text(line, path, start).split("\n") if text.strip())
-            start += len(line)
-
-
-def _text(data: bytes, path: Path, start: int = 0) -> str:
-    """`data` (at byte `start` of `path`) as UTF-8 with text mode's newlines, or one line naming
-    the byte: replaced bytes would train on U+FFFD, and the same bytes in .jsonl are refused."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise InputError(f"{path}: byte {start + error.start}", "not UTF-8; convert the file to UTF-8 (e.g. "
-                         "iconv -f latin1 -t utf-8)") from None
-    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def chunked(items: Iterator, chars: int = CHUNK_CHARS) -> Iterator[list]:
@@ -296,30 +191,9 @@ def _load(path: str, eos_token: Optional[str]) -> None:
     _tokenizer = load_tokenizer(path, eos_token)
 
 
-def tokenize(chunk: list) -> tuple:
-    """A chunk's documents as (tokens, per-document lengths, mask or None, labels or None): each
-    document is its ids and EOS; for [prompt, response] records (prompts data's [prompt, answer] too)
-    the mask is 1 on the response and EOS, so a prompt is exactly its ids; a [prompt, chosen, rejected]
-    record is the two documents [prompt, chosen], [prompt, rejected]; a [prompt, response, label]
-    record is [prompt, response] and its label (1 desirable, 0 not). No BOS is added anywhere."""
-    eos, dtype = _tokenizer.eos_id, np.uint16 if _tokenizer.vocab_size <= 1 << 16 else np.uint32
-    labels = None
-    if not isinstance(chunk[0], str) and isinstance(chunk[0][-1], bool):
-        labels = np.array([label for *_, label in chunk], dtype=np.uint8)
-        chunk = [[prompt, response] for prompt, response, _ in chunk]
-    if not isinstance(chunk[0], str) and len(chunk[0]) == 3:
-        chunk = [[prompt, response] for prompt, chosen, rejected in chunk for response in (chosen, rejected)]
-    if isinstance(chunk[0], str):
-        docs = [ids + [eos] for ids in _tokenizer.encode_batch(chunk)]
-        masks = None
-    else:
-        prompts = _tokenizer.encode_batch([prompt for prompt, _ in chunk])
-        responses = _tokenizer.encode_batch([response for _, response in chunk])
-        docs = [p + r + [eos] for p, r in zip(prompts, responses)]
-        masks = np.concatenate([np.r_[np.zeros(len(p), np.uint8), np.ones(len(r) + 1, np.uint8)]
-                                for p, r in zip(prompts, responses)])
-    tokens = np.fromiter((t for doc in docs for t in doc), dtype=np.int64)
-    return tokens.astype(dtype), np.array([len(d) for d in docs], dtype=np.int64), masks, labels
+def tokenize(kind: str, chunk: list) -> tuple:
+    """A chunk of `kind` records as documents, in this worker (framework.data.layout)."""
+    return encode_records(_tokenizer, kind, chunk)
 
 
 @contextmanager
@@ -387,8 +261,9 @@ def _write(files: List[Path], args: argparse.Namespace, tokenizer, partial: Path
     with open(partial / TOKENS, "wb") as tokens_file, open(partial / MASK, "wb") if instruction else \
             open(os.devnull, "wb") as mask_file, open(partial / LABELS, "wb") if args.label_field else \
             open(os.devnull, "wb") as labels_file:
-        for tokens, doc_lengths, mask, labels in ordered_map(tokenize, chunked(records(files, args, skipped)),
-                                                              args.workers, _load, (args.tokenizer, args.eos_token)):
+        encoded = ordered_map(functools.partial(tokenize, kind(args)), chunked(records(files, args, skipped)),
+                              args.workers, _load, (args.tokenizer, args.eos_token))
+        for tokens, doc_lengths, mask, labels in encoded:
             tokens.tofile(tokens_file)
             if mask is not None:
                 mask.tofile(mask_file)

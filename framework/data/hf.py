@@ -23,6 +23,7 @@ import numpy as np
 from framework.config.errors import ConfigError
 from framework.data.tokenizer import described, load_tokenizer
 from framework.data.datasets import InstructionDataset, PreferenceDataset, TokenDataset
+from framework.data.layout import record_documents
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
 SAVED = ("dataset_dict.json", "state.json")  # what save_to_disk writes (a DatasetDict, a Dataset)
@@ -137,18 +138,7 @@ class HFDocuments:
 
     def _encode(self, records: dict) -> tuple:
         """Records (columns of lists) as documents: (each one's ids with EOS, each one's prompt length)."""
-        eos = self.text.eos_id
-        if len(self.fields) == 1:
-            docs = [ids + [eos] for ids in self.text.encode_batch(records[self.fields[0]])]
-            return docs, None
-        prompts = self.text.encode_batch(records[self.fields[0]])
-        if self.pairs:
-            prompts = [p for p in prompts for _ in range(2)]
-            responses = [r for pair in zip(*(self.text.encode_batch(records[f]) for f in self.fields[1:]))
-                         for r in pair]
-        else:
-            responses = self.text.encode_batch(records[self.fields[1]])
-        return [p + r + [eos] for p, r in zip(prompts, responses)], [len(p) for p in prompts]
+        return record_documents(self.text, [records[field] for field in self.fields])
 
     def _index(self) -> tuple:
         """Each document's length and prompt length, from the cache or by tokenizing once."""
