@@ -24,8 +24,8 @@ def one_side(vocab: int, rows: int, seq: int, chunk: int, steps: int) -> dict:
 
     from framework.data.batch import Batch
     from framework.models import Transformer
-    from framework.training.chunked_loss import Projection
-    from framework.training.objectives import NextTokenCrossEntropy
+    from framework.training.objectives.chunked_loss import Projection
+    from framework.training.objectives.lm import NextTokenCrossEntropy
 
     torch.manual_seed(0)
     model = Transformer(vocab_size=vocab, dim=128, n_layers=4, n_heads=8, hidden_dim=352)

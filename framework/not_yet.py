@@ -11,9 +11,9 @@ from framework.config.errors import ConfigError
 from framework.parallel.fault_tolerance import replica_dim
 from framework.parallel.roles import MeshRoles
 
-PREFERENCE = {f"framework.training.preference.{name}": short for name, short in
+PREFERENCE = {f"framework.training.objectives.preference.{name}": short for name, short in
               [("DirectPreference", "dpo"), ("SimplePreference", "simpo"), ("KahnemanTversky", "kto")]}
-GRPO = "framework.training.grpo.GroupRelativePolicy"
+GRPO = "framework.training.objectives.grpo.GroupRelativePolicy"
 
 
 def _grpo(cfg: DictConfig) -> bool:

@@ -29,13 +29,14 @@ from framework.parallel.roles import MeshRoles
 from framework.models.lifecycle import adapt
 from framework.models.lora import check_adapter, check_adapter_init_from
 from framework.models.nf4 import check_qlora
-from framework.training.grpo import check_grpo
-from framework.training.preference import check_preference, check_reference_on_resume, check_unpaired
-from framework.training.rewards import check_reward
+from framework.training.objectives.grpo import check_grpo
+from framework.training.objectives.preference import check_preference, check_unpaired
+from framework.training.objectives.reference import check_reference_on_resume
+from framework.training.objectives.rewards import check_reward
 from framework.parallel.context_parallel import check_context_parallel
 from framework.parallel.expert_parallel import check_expert_parallel
 from framework.parallel.fault_tolerance import check_fault_tolerance
-from framework.training.objectives import check_objective
+from framework.training.objectives.base import check_objective
 from framework.parallel.pipeline import check_pipeline_parallel
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules, shards_sequence
 from framework.training.compile import compiled_blocks
@@ -302,16 +303,16 @@ MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_context_parallel,      # framework.parallel.context_parallel: the chunks, the model's attention
     check_document_masking,      # framework.data.tokens: packed data, positions
     check_objective,             # framework.training.objectives: auxiliary terms
-    check_preference,            # framework.training.preference: pairs, DPO's reference
-    check_unpaired,              # framework.training.preference: unpaired examples, KTO's reference
-    check_grpo,                  # framework.training.grpo: prompts, GRPO's keys, room for completions
-    check_reward,                # framework.training.rewards: the reward and a user's file
+    check_preference,            # framework.training.objectives.preference: pairs, DPO's reference
+    check_unpaired,              # framework.training.objectives.preference: unpaired examples, KTO's reference
+    check_grpo,                  # framework.training.objectives.grpo: prompts, GRPO's keys, room for completions
+    check_reward,                # framework.training.objectives.rewards: the reward and a user's file
     check_optimizer,             # (here) the optimizer's options
     check_dataset,               # (here) a global batch per split
     check_responses,             # framework.data.tokens: instruction data keeps a response
     check_checkpoint_sources,    # framework.checkpoint.compat: the checkpoint the run starts from
     check_checkpoint_writable,   # framework.checkpoint.manager: where the run saves
-    check_reference_on_resume,   # framework.training.preference: DPO's stored reference on resume
+    check_reference_on_resume,   # framework.training.objectives.reference: DPO's stored reference on resume
     check_final_hf,              # (here) checkpoint.final_hf's model and directory
 )
 

@@ -14,9 +14,9 @@ from framework.models.moe import MoE, RoutingStats
 
 # Each objective's loss as torch computes it by hand: the mean over the units that count.
 REFERENCE_LOSSES = {
-    "framework.training.objectives.NextTokenCrossEntropy":
+    "framework.training.objectives.lm.NextTokenCrossEntropy":
         lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), ignore_index=-100),
-    "framework.training.objectives.MeanSquaredError": F.mse_loss,
+    "framework.training.objectives.lm.MeanSquaredError": F.mse_loss,
 }
 
 

@@ -1,4 +1,4 @@
-"""trainer.loss_chunk_tokens (framework.training.chunked_loss): the loss by chunks of tokens
+"""trainer.loss_chunk_tokens (framework.training.objectives.chunked_loss): the loss by chunks of tokens
 against the whole logits' (losses, gradients of the hidden states, the output weight and the
 whole model, after a step), for the LM, DPO and GRPO objectives, under TP's loss_parallel, and
 that no [tokens, vocab] tensor is ever made."""
@@ -18,10 +18,10 @@ from framework.data.batch import Batch
 from framework.data.tokens import IGNORE
 from framework.launch.local import spawn_ranks
 from framework.models import Transformer
-from framework.training.chunked_loss import Projection, fused
-from framework.training.grpo import GroupRelativePolicy
-from framework.training.objectives import NextTokenCrossEntropy
-from framework.training.preference import DirectPreference
+from framework.training.objectives.chunked_loss import Projection, fused
+from framework.training.objectives.grpo import GroupRelativePolicy
+from framework.training.objectives.lm import NextTokenCrossEntropy
+from framework.training.objectives.preference import DirectPreference
 from tests.conftest import QUIET, TINY_LM, compose_config
 
 # Measured here (fp32, CPU, torch 2.13): the chunks' largest difference from the whole logits'

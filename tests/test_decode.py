@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from framework.models.decode import StaticCache, compiled_step, decoding_generators, generate_groups, next_tokens
 from framework.models.transformer import Transformer
-from framework.training.grpo import GroupRelativePolicy
+from framework.training.objectives.grpo import GroupRelativePolicy
 
 PROMPTS = [[3, 7, 1, 9, 4, 4], [5, 2], [8, 1, 6]]
 

@@ -1,4 +1,4 @@
-"""objective=dpo (framework.training.preference) against DPO written here: transformers' model on
+"""objective=dpo (framework.training.objectives.preference) against DPO written here: transformers' model on
 the same weights (under PEFT's LoRA for adapters_off, a frozen second copy for frozen_copy), each
 response's log-probabilities taken from its logits, the loss -log sigmoid(beta x the log-ratio
 margin) averaged over the global batch's pairs, trained with the same SGD steps on the same
@@ -269,7 +269,7 @@ def test_prepared_pairs_are_a_prompt_with_each_response_and_never_split(pairs):
                             r"--chosen-field --rejected-field and use data=preferences"),
     (["adapter=none"], r"objective.reference='adapters_off': is the base model with the adapters off, and this run "
                        r"has none \(adapter=none\)"),
-    (["objective=lm"], r"objective='framework.training.objectives.NextTokenCrossEntropy': preference pairs "
+    (["objective=lm"], r"objective='framework.training.objectives.lm.NextTokenCrossEntropy': preference pairs "
                        r"\(data=preferences\) train under objective=dpo"),
     (["objective.beta=0"], r"objective.beta=0: must be > 0"),
     (["objective.reference=policy"], r"objective.reference='policy': use one of adapters_off, frozen_copy, "

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from framework.data.batch import Batch
-from framework.training.grpo import GroupRelativePolicy
+from framework.training.objectives.grpo import GroupRelativePolicy
 from framework.training.logger import Loggers
 from framework.training.memory import DeviceMemory, device_figures, figures_line, trouble
 from framework.training.metrics import Metrics
-from framework.training.objectives import NextTokenCrossEntropy
-from framework.training.preference import DirectPreference, KahnemanTversky
+from framework.training.objectives.lm import NextTokenCrossEntropy
+from framework.training.objectives.preference import DirectPreference, KahnemanTversky
 
 GIB = 1024 ** 3
 

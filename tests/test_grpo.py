@@ -1,4 +1,4 @@
-"""objective=grpo (framework.training.grpo) against GRPO written here: the advantages and TRL's
+"""objective=grpo (framework.training.objectives.grpo) against GRPO written here: the advantages and TRL's
 loss for each loss_type computed by hand from the same log-probabilities (TRL 1.16's
 GRPOTrainer._compute_loss, written out), the gradient against the policy gradient by hand,
 generation in the loop against decoding without a cache; and whole runs: a reward that rises on
@@ -19,9 +19,10 @@ from framework.data.tokens import IGNORE
 from framework.generate import generate
 from framework.models.decode import generate_groups, next_tokens
 from framework.models.transformer import Transformer
-from framework.training.grpo import GroupRelativePolicy, group_advantages
-from framework.training.preference import token_logps
-from framework.training.objectives import StepShare
+from framework.training.objectives.grpo import GroupRelativePolicy
+from framework.training.objectives.rollout import group_advantages
+from framework.training.objectives.logps import token_logps
+from framework.training.objectives.base import StepShare
 
 
 def nanstd(t: torch.Tensor) -> torch.Tensor:
@@ -469,7 +470,7 @@ def test_greedy_generation_in_the_loop_is_framework_generate_s(mesh, prepared, r
     (["objective.max_new_tokens=30"], r"data.dataset.seq_len=32: the longest prompt in .* has 5 tokens, and with "
                                       r"objective.max_new_tokens=30 a completion needs 35; raise seq_len or lower "
                                       r"max_new_tokens"),
-    (["objective=lm"], r"objective='framework.training.objectives.NextTokenCrossEntropy': prompts \(data=prompts\) "
+    (["objective=lm"], r"objective='framework.training.objectives.lm.NextTokenCrossEntropy': prompts \(data=prompts\) "
                        r"train under objective=grpo"),
     (["data=instructions", "objective=grpo"], r"objective='grpo': needs prompts, and data.dataset is "
                                               r"framework.data.InstructionDataset; prepare them with framework.prepare"),

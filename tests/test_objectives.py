@@ -11,7 +11,8 @@ from framework.launch.local import launch_local
 from framework.config.errors import ConfigError
 from framework.validate import validate
 from framework.models.protocol import ModelProtocol
-from framework.training.objectives import MeanSquaredError, NextTokenCrossEntropy, StepShare
+from framework.training.objectives.base import StepShare
+from framework.training.objectives.lm import MeanSquaredError, NextTokenCrossEntropy
 from tests.conftest import QUIET, TEST_MODELS, TINY_LM, compose_config, run_cli
 from tests.errors import max_relative_error
 from tests.test_cli import read_events

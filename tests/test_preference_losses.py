@@ -1,4 +1,4 @@
-"""The preference-loss family beside DPO (framework.training.preference): objective.loss_type of
+"""The preference-loss family beside DPO (framework.training.objectives.preference): objective.loss_type of
 objective=dpo (ipo, hinge, robust), objective=simpo and objective=kto, each against TRL 1.16's
 formula written out here (DPOTrainer._compute_loss, CPOTrainer.cpo_loss with loss_type=simpo,
 KTOTrainer._compute_loss) on fixed log-probabilities; their refusals before launch; KTO's
@@ -17,8 +17,8 @@ from framework.data import UnpairedPreferenceDataset
 from framework.data.batch import Batch
 from framework.launch.local import launch_local
 from framework.prepare import main as prepare
-from framework.training.objectives import StepShare
-from framework.training.preference import DirectPreference, KahnemanTversky, SimplePreference
+from framework.training.objectives.base import StepShare
+from framework.training.objectives.preference import DirectPreference, KahnemanTversky, SimplePreference
 from tests.conftest import compose_config
 from tests.test_dpo import dpo_overrides, pairs, read_scalars  # noqa: F401 (pairs: a fixture)
 
@@ -271,7 +271,7 @@ def test_prepare_wants_a_response_with_the_label(tmp_path, capsys):
     (["objective=kto"], r"objective='kto': needs unpaired preference data, and data.dataset is "
                         r"framework.data.PreferenceDataset; prepare it with framework.prepare --prompt-field "
                         r"--response-field --label-field and use data=kto"),
-    (["data=kto", "objective=lm"], r"objective='framework.training.objectives.NextTokenCrossEntropy': unpaired "
+    (["data=kto", "objective=lm"], r"objective='framework.training.objectives.lm.NextTokenCrossEntropy': unpaired "
                                    r"preference data \(data=kto\) trains under objective=kto"),
     (["data=kto", "objective=simpo"], r"objective='simpo': needs preference pairs"),
     (["data=kto", "adapter=none"], r"objective.reference='adapters_off': is the base model with the adapters off"),
@@ -328,8 +328,9 @@ def test_the_responses_logits_alone_give_the_whole_logits_log_probabilities():
     does the same); their sequence log-probabilities are the whole logits' (measured: 3.8e-6 at
     sums near -50 in fp32, the logits themselves equal)."""
     from framework.models.transformer import Transformer
-    from framework.training.chunked_loss import Projection
-    from framework.training.preference import response_logits, sequence_logps
+    from framework.training.objectives.chunked_loss import Projection
+    from framework.training.objectives.chunked_loss import response_logits
+    from framework.training.objectives.logps import sequence_logps
 
     torch.manual_seed(0)
     model = Transformer(vocab_size=64, dim=32, n_layers=2, n_heads=4)

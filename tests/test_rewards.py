@@ -1,4 +1,4 @@
-"""The reward group (framework/training/rewards.py): each built-in against scores worked out by
+"""The reward group (framework/training/objectives/rewards.py): each built-in against scores worked out by
 hand, a user's function loaded from its file and called per sample, every refusal in one line
 naming the key or the sample, and reward.file given on the command line only."""
 import importlib.util
@@ -9,10 +9,10 @@ import pytest
 from framework.cli import check_before_hydra
 from framework.validate import checked_config
 from framework.config.errors import ConfigError
-from framework.training.rewards import RewardError, check_reward, make_reward
+from framework.training.objectives.rewards import RewardError, check_reward, make_reward
 from tests.conftest import CONF, compose_config
 
-GRPO = "objective._target_=framework.training.grpo.GroupRelativePolicy"
+GRPO = "objective._target_=framework.training.objectives.grpo.GroupRelativePolicy"
 
 
 def reward(*overrides):

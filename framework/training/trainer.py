@@ -38,7 +38,7 @@ from framework.parallel.plan import final_output_layout
 from framework.parallel.replica_check import check_replicas
 from framework.training.interrupt import Interrupt
 from framework.training.metrics import Metrics
-from framework.training.objectives import StepShare
+from framework.training.objectives.base import StepShare
 from framework.training.profiling import format_summary, profiled, summary, trace_path
 from framework.training.run import Run
 from framework.training.watchdog import StallWatchdog

@@ -49,10 +49,6 @@ log-probability), rewards/margins, rewards/accuracies (the share of pairs whose 
 is the larger), logps/chosen, logps/rejected; KTO's are means over the desirable (chosen) and the
 undesirable (rejected) examples, with kl, and no accuracies (nothing is paired).
 """
-import hashlib
-import json
-import logging
-import os
 import sys
 from typing import Dict, Optional, Tuple
 
@@ -60,50 +56,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
-from torch.utils.data import default_collate
 
-from framework.atomic import atomic_file
-from framework.checkpoint.weights import base_checkpoint, load_base
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.data.batch import Batch
-from framework.data.tokens import IGNORE, kind_of, read_meta
-from framework.models.lifecycle import allocate
-from framework.models.lora import adapters_disabled
+from framework.data.tokens import kind_of, read_meta
 from framework.parallel.plan import final_output_layout
-from framework.training.chunked_loss import Projection, output_projection, project, token_logps
-from framework.training.objectives import Objective, StepShare
-from framework.models.protocol import offered
+from framework.training.objectives.base import Objective, StepShare
+from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits
+from framework.training.objectives.logps import response_lengths, sequence_logps
+from framework.training.objectives.reference import Reference, check_precomputed, check_reference, reshard
 
-log = logging.getLogger("framework")
-REFERENCES = ("adapters_off", "frozen_copy", "precomputed")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")  # DPO's
 SMOOTHED = ("sigmoid", "robust")  # the loss types that read label_smoothing
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
-
-
-def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, average: bool = False) -> torch.Tensor:
-    """Per sequence, the sum of its targets' log-probabilities (targets -100 left out); with
-    `average`, their mean (SimPO's length normalization; 0 for a sequence without targets).
-    `logits` as token_logps takes them."""
-    total = token_logps(logits, targets).sum(-1)
-    return total / response_lengths(targets) if average else total
-
-
-def response_logits(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, projection: Projection):
-    """`model`'s logits of `inputs` (rows, seq_len), token_logps reads them: with projection.select
-    only at the targets that count (the prompt's positions skip the output layer: on the peers'
-    DPO row it is half of them), by projection.chunk's chunks a head's TokenLogps."""
-    return project(model, inputs, targets, projection, per_token=True)
-
-
-def response_lengths(targets: torch.Tensor) -> torch.Tensor:
-    """Each sequence's count of targets that count, at least 1 (TRL's clamp)."""
-    return (targets != IGNORE).sum(-1).clamp(min=1)
 
 
 def smoothed_sigmoid(margin: torch.Tensor, e: float) -> torch.Tensor:
@@ -126,69 +95,6 @@ def pair_losses(loss_type: str, beta: float, e: float, logratios: torch.Tensor, 
         per_token = logratios / lengths
         return (per_token[:, 0] - per_token[:, 1] - 1 / (2 * beta)) ** 2
     raise ValueError(f"objective.loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
-
-
-def reshard(model: nn.Module) -> None:
-    """FSDP2 keeps a root unsharded after a forward with no backward (a reference's, KTO's KL
-    estimate's, GRPO's generation)."""
-    from torch.distributed.fsdp import FSDPModule  # (the launcher imports this module: not at its top)
-
-    if isinstance(model, FSDPModule):
-        model.reshard()
-
-
-class Reference:
-    """DPO's and KTO's reference, of objective.reference's kind (the module's docstring)."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
-        self.model: Optional[nn.Module] = None  # frozen_copy's
-        self.projection = Projection()  # (output_projection)
-
-    def setup(self, run) -> None:
-        self.projection = output_projection(run)
-        if self.kind == "frozen_copy":
-            self.model = frozen_copy(run)
-        elif self.kind == "precomputed":
-            datasets = [run.dataset] + ([run.val_dataloader.dataset] if run.val_dataloader is not None else [])
-            for dataset in datasets:
-                dataset.reference = precomputed_reference(run, dataset)
-
-    @torch.no_grad()
-    def logps(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-              stored: Optional[torch.Tensor]) -> torch.Tensor:
-        """The reference's log-probability of each sequence of `inputs` (..., seq_len), in their
-        shape: `stored` (precomputed's, as the batch carries them), or a forward of frozen_copy's
-        model or of the policy `model` with its adapters off."""
-        if self.kind == "precomputed":
-            if stored is None:
-                raise RuntimeError("objective.reference=precomputed: the batch carries no reference log-probabilities "
-                                   "(the objective's setup attaches them to the dataset before training)")
-            return stored
-        flat, flat_targets = inputs.reshape(-1, inputs.shape[-1]), targets.reshape(-1, targets.shape[-1])
-        return sequence_logps(self.logits(model, flat, flat_targets), flat_targets).view(targets.shape[:-1])
-
-    @torch.no_grad()
-    def logits(self, model: nn.Module, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The reference's logits of `inputs` (rows, seq_len): frozen_copy's model's, or the
-        policy `model`'s with its adapters off; given `targets`, at the ones that count alone
-        where the mesh allows (response_logits)."""
-        projection = self.projection if targets is not None else Projection()
-        if self.kind == "frozen_copy":
-            if self.model is None:
-                raise RuntimeError("objective.reference=frozen_copy: no reference model (the objective's setup builds "
-                                   "it)")
-            logits = response_logits(self.model, inputs, targets, projection)
-            reshard(self.model)
-            return logits
-        with adapters_disabled(model):
-            return response_logits(model, inputs, targets, projection)
-
-    def held_bytes(self) -> int:
-        """The reference's parameters (frozen_copy's; the others hold none)."""
-        from framework.training.memory import local_bytes
-
-        return sum(local_bytes(p) for p in self.model.parameters()) if self.model is not None else 0
 
 
 class PreferenceObjective(Objective):
@@ -364,113 +270,6 @@ class KahnemanTversky(PreferenceObjective):
         self._sums = {name: value.detach() for name, value in zip(KTO_METRICS, values)}
 
 
-def frozen_copy(run) -> nn.Module:
-    """A second model from the policy's base (the seed, the Hugging Face files or
-    checkpoint.init_from's weights, never a resumed policy's), through the same parallel stages
-    (its TP plan, fsdp / hsdp), without adapters, frozen in eval mode: the module the loop would call."""
-    from framework.checkpoint.compat import checkpoint_dir
-    from framework.training.builder import build_and_run
-    from framework.training.run import Run
-
-    cfg = OmegaConf.merge(run.cfg, {"adapter": {"kind": "none", "init_from": None}})
-    copy = Run(cfg=cfg, out_dir=run.out_dir, rank=run.rank, mesh=run.mesh, dp_cp_mesh=run.dp_cp_mesh, dp_cp=run.dp_cp,
-               samples=run.samples, tp=run.tp)
-    build_and_run(cfg, run.out_dir, start="model", through="fully_shard", run=copy)
-    allocate(copy.module, cfg.mesh.device_type, cfg.trainer.seed)
-    load_base(copy.module, base_checkpoint(cfg, checkpoint_dir(cfg, run.out_dir)), offered(copy.module).hf_path)
-    for param in copy.module.parameters():
-        param.requires_grad_(False)
-    return copy.module.eval()
-
-
-def reference_gone(path: str) -> ConfigError:
-    return ConfigError("objective.reference", "precomputed", f"{path} is gone, and a resumed full-training run's "
-                                                             f"model is no longer its reference; restore it, or use "
-                                                             f"objective.reference=frozen_copy")
-
-
-def check_reference_on_resume(c: Checked) -> None:
-    """Before any rank starts: a full-training run resumed with checkpoint.resume cannot make its
-    precomputed reference again (its model is no longer the one training started from), so each
-    split's stored log-probabilities must still be there."""
-    cfg, checkpoint_dir, model = c.cfg, c.checkpoint_dir, c.model
-    from hydra.utils import instantiate
-
-    from framework.checkpoint.base_model import base_model
-
-    if cfg.objective.get("reference") != "precomputed" or cfg.adapter.kind != "none" or not cfg.checkpoint.resume \
-            or checkpoint_dir is None:
-        return
-    base = base_model(cfg, checkpoint_dir, offered(model).hf_path)
-    for split in ("train", "val") if cfg.trainer.eval_every else ("train",):
-        path = reference_path(cfg, instantiate(cfg.data.dataset, split=split), base)
-        if not os.path.isfile(path):
-            raise reference_gone(path)
-
-
-def reference_path(cfg, dataset, base: dict) -> str:
-    """Where a split's precomputed reference log-probabilities lie: named by what makes them
-    (the base model, the adapter's kind and NF4 blocks, the precision, seq_len, padding, split)."""
-    adapter = OmegaConf.to_container(cfg.adapter, resolve=True)
-    made_of = {"base": base, "adapter": {k: adapter.get(k) for k in ("kind", "block_size", "scaler_block_size")},
-               "mixed_precision": cfg.trainer.mixed_precision, "seq_len": dataset.seq_len, "pad_id": dataset.pad_id,
-               "val_fraction": dataset.val_fraction}
-    digest = hashlib.sha256(json.dumps(made_of, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return os.path.join(dataset.path, "reference_logps", f"{digest}-{dataset.split}.npy")
-
-
-def precomputed_reference(run, dataset) -> np.ndarray:
-    """The split's (samples, 2) reference log-probabilities (a pair's two responses, or an unpaired
-    example and its mismatched row): read if a run stored them, else made now by every rank (each
-    DP replica its share of the samples, gathered) and stored by rank 0."""
-    from framework.checkpoint.base_model import base_model
-    from framework.checkpoint.compat import checkpoint_dir
-
-    base = base_model(run.cfg, checkpoint_dir(run.cfg, run.out_dir), offered(run.module).hf_path)
-    path = reference_path(run.cfg, dataset, base)
-    if not os.path.isfile(path):
-        if run.resumed is not None and run.cfg.adapter.kind == "none":  # (an elastic restart's resume)
-            raise reference_gone(path)
-        values = _reference_logps(run, dataset)
-        if run.rank == 0:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with atomic_file(path, "wb") as f:
-                np.save(f, values)
-            log.info("objective.reference=precomputed: the reference log-probabilities of %d %s samples, in %s",
-                     len(values), dataset.split, path)
-        dist.barrier()
-    return np.load(path)
-
-
-@torch.no_grad()
-def _reference_logps(run, dataset) -> np.ndarray:
-    """Sample i's log-probabilities under the model as training starts, adapters off, on replica
-    i mod DP (its TP ranks together), in micro-batches; gathered over DP."""
-    replicas, replica = run.samples["size"], run.samples["rank"]
-    per_replica = -(-len(dataset) // replicas)
-    mine = [min(replica + k * replicas, len(dataset) - 1) for k in range(per_replica)]  # (the last repeated)
-    size = run.cfg.data.micro_batch_size or run.cfg.data.global_batch_size // replicas
-    device = torch.device(run.cfg.mesh.device_type)
-    bf16 = run.cfg.trainer.mixed_precision == "bf16" and run.cfg.parallel.dp_strategy == "replicate"
-    values = []
-    run.model.eval()
-    with adapters_disabled(run.module), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-        for start in range(0, len(mine), size):
-            samples = Batch.of(default_collate([dataset[i] for i in mine[start:start + size]]), device)
-            inputs, targets = samples.inputs.flatten(0, 1), samples.targets.flatten(0, 1)
-            values.append(sequence_logps(run.model(inputs), targets).view(-1, 2))
-    run.model.train()
-    local = torch.cat(values).double()
-    gathered = [torch.empty_like(local) for _ in range(replicas)]
-    if replicas > 1:
-        dist.all_gather(gathered, local, group=run.dp_cp_group)
-    else:
-        gathered = [local]
-    gathered = torch.stack(gathered)
-    # sample replica + k * replicas is gathered[replica][k]
-    return gathered.transpose(0, 1).reshape(-1, 2)[:len(dataset)].float().cpu().numpy()
-
-
 DPO, SIMPO, KTO = (f"{__name__}.{name}" for name in ("DirectPreference", "SimplePreference", "KahnemanTversky"))
 NAMES = {DPO: "dpo", SIMPO: "simpo", KTO: "kto"}
 
@@ -492,7 +291,7 @@ def check_preference(c: Checked) -> None:
                                                       f"with framework.prepare --prompt-field --chosen-field "
                                                       f"--rejected-field and use data=preferences")
     if target == DPO:
-        _check_reference(c)
+        check_reference(c)
         loss_type = objective.get("loss_type")
         _check_rules(objective, [
             ("beta", lambda v: v > 0, "must be > 0"),
@@ -501,7 +300,7 @@ def check_preference(c: Checked) -> None:
             ("label_smoothing", lambda v: loss_type in SMOOTHED or v == 0,
              f"objective.loss_type={loss_type} ignores it (only {' and '.join(SMOOTHED)} read it); set it to 0, or "
              f"use loss_type=robust for labels flipped with this probability")])
-        _check_precomputed(cfg)
+        check_precomputed(cfg)
     else:
         _check_rules(objective, [("beta", lambda v: v > 0, "must be > 0"),
                                  ("gamma_beta_ratio", lambda v: v >= 0, "must be >= 0 (the margin over beta)"),
@@ -524,11 +323,11 @@ def check_unpaired(c: Checked) -> None:
                                               f"{dataset.get('_target_') if dataset else None}; prepare it with "
                                               f"framework.prepare --prompt-field --response-field --label-field "
                                               f"and use data=kto")
-    _check_reference(c)
+    check_reference(c)
     _check_rules(objective, [("beta", lambda v: v > 0, "must be > 0"),
                              ("desirable_weight", lambda v: v > 0, "must be > 0"),
                              ("undesirable_weight", lambda v: v > 0, "must be > 0")])
-    _check_precomputed(cfg)
+    check_precomputed(cfg)
     _check_mesh(c, "kto")
     _warn_unbalanced(objective, read_meta(dataset.path))
 
@@ -537,24 +336,6 @@ def _check_rules(objective, rules) -> None:
     for key, allowed, rule in rules:
         if not allowed(objective.get(key)):
             raise ConfigError(f"objective.{key}", objective.get(key), rule)
-
-
-def _check_reference(c: Checked) -> None:
-    objective = c.cfg.objective
-    if objective.reference not in REFERENCES:
-        raise ConfigError("objective.reference", objective.reference, f"use one of {', '.join(REFERENCES)}")
-    if objective.reference == "adapters_off" and c.cfg.adapter.kind == "none":
-        raise ConfigError("objective.reference", "adapters_off", "is the base model with the adapters off, and this "
-                                                                 "run has none (adapter=none); use adapter=lora, or "
-                                                                 "objective.reference=frozen_copy for full training")
-
-
-def _check_precomputed(cfg) -> None:
-    path = cfg.data.dataset.path
-    if cfg.objective.reference == "precomputed" and not os.access(os.path.expanduser(path), os.W_OK):
-        raise ConfigError("objective.reference", "precomputed", f"stores the log-probabilities beside the data, and "
-                                                                f"{path} is not writable; make it so, or use "
-                                                                f"adapters_off / frozen_copy")
 
 
 def _check_mesh(c: Checked, name: str) -> None:

@@ -25,52 +25,28 @@ Each is a sum over units (completions, tokens, completions x max_new_tokens) ove
 count of them: the same numbers on every mesh. The reference (beta > 0) is DPO's
 (adapters_off, frozen_copy; framework.training.preference).
 """
-import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
-from omegaconf import OmegaConf
+from hydra.utils import instantiate
 from torch import nn
 
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.data.batch import Batch
 from framework.data.tokens import IGNORE, kind_of
-from framework.models.decode import compiled_step, decoding_generators, generate_groups
-from framework.models.protocol import offered
-from framework.parallel.plan import shards_sequence
-from framework.training.objectives import Objective, StepShare
-from framework.training.chunked_loss import Projection, output_projection
-from framework.training.preference import Reference, response_logits, reshard, token_logps
+from framework.training.objectives.base import Objective, StepShare
+from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits
+from framework.training.objectives.logps import token_logps
+from framework.training.objectives.reference import Reference
+from framework.training.objectives.rollout import ROLLOUT_METRICS, GroupRollout
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 REFERENCES = ("adapters_off", "frozen_copy")
-ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
-                   "completions/max_length", "completions/clipped_ratio", "clip_ratio")
-STD_FLOOR = 1e-4  # TRL's: advantages over (std + this)
 
 
-def sampling_seed(seed: int, step: int, index: int) -> int:
-    """The seed of a prompt's completions at a step: a function of the three alone, the same on
-    every mesh, after a resume and under any Python."""
-    return ((seed * 1_000_003 + step) * 1_000_003 + index) % (1 << 62)
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str,
-                     batch_std: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rewards (completions,), each group's `group_size` in a row, less their group's mean, over
-    the group's std (unbiased, as TRL's nanstd), `batch_std` or 1 (`scale`), plus STD_FLOOR."""
-    grouped = rewards.view(-1, group_size)
-    centred = (grouped - grouped.mean(1, keepdim=True)).flatten()
-    if scale == "none":
-        return centred
-    std = grouped.std(1).repeat_interleave(group_size) if scale == "group" else batch_std.expand_as(rewards)
-    return centred / (std + STD_FLOOR)
-
-
-class GroupRelativePolicy(Objective):
+class GroupRelativePolicy(GroupRollout, Objective):
     def __init__(self, group_size: int = 4, max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                  scale_rewards: str = "group", loss_type: str = "grpo", epsilon: float = 0.2,
                  epsilon_high: Optional[float] = None, beta: float = 0.0, reference: str = "adapters_off",
@@ -94,175 +70,12 @@ class GroupRelativePolicy(Objective):
         self.rollout_s: List[float] = []  # each step's seconds spent generating and scoring (this attempt)
 
     def setup(self, run) -> None:
-        """The reward, the tokenizer that turns ids into the texts it scores, the stop ids, and
-        frozen_copy's reference."""
-        from framework.data.tokenizer import load_tokenizer
-        from framework.generate import stop_ids
-        from framework.training.rewards import make_reward
-
-        self.reward = make_reward(run.cfg.reward)
-        self.tokenizer = load_tokenizer(run.cfg.data.get("tokenizer") or run.dataset.documents.tokenizer["path"])
-        self.stop = stop_ids(offered(run.module).hf_path, self.tokenizer)
-        self.pad_id = run.dataset.pad_id
-        self.seed, self.device = run.cfg.trainer.seed, torch.device(run.cfg.mesh.device_type)
-        self.replicas, self.replica_group = run.dp_cp["size"], run.dp_cp_group
-        if run.tp.get("size", 1) > 1:
-            self.tp_group = run.roles.tp_mesh(run.mesh).get_group()
-        self.sharded = run.cfg.parallel.dp_strategy != "replicate"
-        self.micro_batch = run.cfg.data.micro_batch_size
-        plan = OmegaConf.to_container(run.cfg.plan, resolve=True) if run.cfg.plan else {}
-        self.block = run.tp.get("size", 1) if shards_sequence(plan) else 1  # (generate_groups' `block`)
-        plain = not self.sharded and run.tp.get("size", 1) == 1
-        if self.compile_decode if self.compile_decode is not None else self.device.type == "cuda" and plain:
-            self.step = compiled_step(self.device)
+        """The generation phase's (setup_rollout), the policy's projection and frozen_copy's reference."""
+        self.setup_rollout(run)
         self.projection = output_projection(run)  # the policy's logits at the completions' tokens alone, by chunks
         self.select = self.projection.select
         if self.reference is not None:
             self.reference.setup(run)
-
-    # -- the generation phase -----------------------------------------------------------
-
-    @torch.no_grad()
-    def rollout(self, model: nn.Module, batch: Batch, step: int) -> Batch:
-        """The prompts' completions as a batch to learn from (`generated`), or with num_iterations
-        k > 1, within k steps of the last rollout, that rollout again."""
-        if self._cycle is not None and 0 < step - self._cycle[0] < self.num_iterations:
-            start = time.perf_counter()
-            _, rolled_out, self._rollout_terms = self._cycle
-            self._rollout_terms = dict(self._rollout_terms)
-            self.rollout_s.append(time.perf_counter() - start)
-            return rolled_out
-        rolled_out = self.generated(model, batch, step)
-        if self.num_iterations > 1:
-            self._cycle = (step, rolled_out, dict(self._rollout_terms))
-        return rolled_out
-
-    def generated(self, model: nn.Module, batch: Batch, step: int) -> Batch:
-        """The prompts' completions as a batch to learn from, a prompt's group together as DPO's
-        pairs are (so micro-batches count prompts and never part a group): inputs (prompts,
-        group_size, seq_len) each prompt + completion (padded), targets the completion's tokens (the
-        rest -100), each completion's advantage (prompts, group_size), with beta > 0 the
-        reference's per-token log-probabilities, with num_iterations > 1 the policy's."""
-        start = time.perf_counter()
-        rows, answer_rows = batch.inputs.cpu(), batch.targets.cpu()
-        prompts = [row[row != IGNORE].tolist() for row in rows]
-        answers = [self.tokenizer.decode(row[row != IGNORE].tolist()) or None for row in answer_rows]
-        width, n = batch.inputs.shape[1], self.group_size
-        generators = decoding_generators([sampling_seed(self.seed, step, index) for index in batch.index.tolist()],
-                                         self.device)
-        model.eval()
-        tokens, counts = generate_groups(model, prompts, n, self.max_new_tokens, self.temperature, self.top_p,
-                                         generators, self.stop, self.pad_id, self.device,
-                                         stop_early=not self.sharded, block=self.block, last_only=self.select,
-                                         capacity=width + self.block if self.step else None, step=self.step)
-        model.train()
-        if self.sharded:
-            reshard(model)
-        tokens, counts = tokens.cpu(), counts.cpu()  # the decoder's one transfer
-        inputs, targets, texts = self._sequences(prompts, tokens, counts, width)
-        prompt_texts = [self.tokenizer.decode(p) for p in prompts for _ in range(n)]
-        scores, curves = self._scored(prompt_texts, texts, [a for a in answers for _ in range(n)])
-        rewards = torch.tensor(scores, dtype=torch.float64)
-        advantages = group_advantages(rewards, n, self.scale_rewards, self._batch_std(rewards))
-        self._note_rollout(rewards, curves, counts.double(), targets)
-        self._samples = "\n\n".join(f"{prompt_text!r} -> {text!r} (reward {reward:.4g})"
-                                     for prompt_text, text, reward in zip(prompt_texts[:n], texts[:n], rewards.tolist()))
-        reference = old = None
-        if self.reference is not None:
-            reference = self._logps(lambda rows, counted: self.reference.logits(model, rows, counted), model, inputs,
-                                    targets)
-        if self.num_iterations > 1:
-            old = self._logps(lambda rows, counted: response_logits(model, rows, counted, self.projection), model,
-                              inputs, targets)
-        self.rollout_s.append(time.perf_counter() - start)
-        grouped = (len(prompts), n, width)
-        return Batch(inputs.view(grouped), targets.view(grouped),
-                     reference=reference.view(grouped) if reference is not None else None,
-                     advantages=advantages.float().to(self.device).view(grouped[:2]),
-                     old_logps=old.view(grouped) if old is not None else None)
-
-    def _sequences(self, prompts: List[List[int]], tokens: torch.Tensor, counts: torch.Tensor,
-                   width: int) -> Tuple[torch.Tensor, torch.Tensor, List[str]]:
-        """Each prompt + completion as a row to learn from (inputs; targets the completion's
-        tokens, the rest -100; on the device) and the completions' texts, made on the host from
-        the decoder's tokens and lengths (moved once, not a sync per completion)."""
-        n = self.group_size
-        inputs = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.int64)
-        targets = torch.full_like(inputs, IGNORE)
-        texts = []
-        for r, length in enumerate(counts.tolist()):
-            prompt, completion = prompts[r // n], tokens[r, :length]
-            sequence = torch.cat([torch.tensor(prompt, dtype=torch.int64), completion])
-            inputs[r, :len(sequence) - 1] = sequence[:-1]
-            targets[r, len(prompt) - 1:len(sequence) - 1] = completion
-            texts.append(self.tokenizer.decode([t for t in completion.tolist() if t not in self.stop]))
-        return inputs.to(self.device), targets.to(self.device), texts
-
-    def _scored(self, prompts: List[str], completions: List[str],
-                answers: List[Optional[str]]) -> Tuple[List[float], Dict[str, List[float]]]:
-        """The completions' rewards and the reward's curves. Under TP every rank of a TP group
-        holds the same completions: its rank 0 scores them and hands the scores to the rest, so a
-        user's reward (which may call a compiler or a sandbox) runs once a replica; what it raises
-        is raised on every rank of the group (none is left waiting)."""
-        if self.tp_group is None:
-            return self.reward(prompts, completions, answers), self.reward.curves()
-        scored: List[object] = [None]
-        if dist.get_rank(self.tp_group) == 0:
-            try:
-                scored = [(self.reward(prompts, completions, answers), self.reward.curves())]
-            except Exception as error:  # noqa: BLE001 (handed to the group, raised below)
-                scored = [error]
-        dist.broadcast_object_list(scored, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-        if isinstance(scored[0], Exception):
-            raise scored[0]
-        return scored[0]
-
-    def _batch_std(self, rewards: torch.Tensor) -> Optional[torch.Tensor]:
-        """scale_rewards=batch: the std of every replica's rewards (one all-reduce over DP)."""
-        if self.scale_rewards != "batch":
-            return None
-        moments = torch.stack([rewards.sum(), (rewards ** 2).sum(), torch.tensor(float(rewards.numel()),
-                                                                                 dtype=torch.float64)])
-        if self.replicas > 1:
-            moments = moments.to(self.device)
-            dist.all_reduce(moments, group=self.replica_group)
-            moments = moments.cpu()
-        total, squares, count = moments
-        return ((squares - total ** 2 / count) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
-
-    def _note_rollout(self, rewards: torch.Tensor, curves: Dict[str, List[float]], lengths: torch.Tensor,
-                      targets: torch.Tensor) -> None:
-        """This replica's means of the rollout's metrics (the Trainer averages them over DP), and
-        the longest completion of every replica (TRL's max_length: the global one)."""
-        grouped = rewards.view(-1, self.group_size)
-        self._rollout_terms = {
-            "reward": rewards.mean(), "reward_std": grouped.std(1).mean(),
-            "frac_reward_zero_std": torch.isclose(grouped.std(1), torch.zeros_like(grouped[:, 0])).double().mean(),
-            "completions/mean_length": lengths.mean(), "completions/max_length": self._longest(lengths.max()),
-            "completions/clipped_ratio": (lengths >= self.max_new_tokens).double().mean(),
-            **{f"rewards/{name}": torch.tensor(scores, dtype=torch.float64).mean()
-               for name, scores in curves.items()}}
-        self._tokens = float((targets != IGNORE).sum())
-
-    def _longest(self, length: torch.Tensor) -> torch.Tensor:
-        """The longest completion over every DP replica (one all-reduce MAX: the same on all, so
-        the Trainer's average over DP keeps it)."""
-        if self.replicas > 1:
-            length = length.to(self.device)
-            dist.all_reduce(length, op=dist.ReduceOp.MAX, group=self.replica_group)
-            length = length.cpu()
-        return length
-
-    def _logps(self, forward, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Each completion token's log-probability (0 elsewhere) under `forward` (rows, their
-        targets -> logits: the policy `model`'s or its reference's), in the step's micro-batches."""
-        size, parts = (self.micro_batch or len(inputs)) * self.group_size, []
-        for begin in range(0, len(inputs), size):
-            rows, counted = inputs[begin:begin + size], targets[begin:begin + size]
-            parts.append(token_logps(forward(rows, counted), counted))
-        if self.sharded:
-            reshard(model)
-        return torch.cat(parts)
 
     # -- the learning phase -------------------------------------------------------------
 
@@ -349,8 +162,6 @@ GRPO = f"{__name__}.GroupRelativePolicy"
 def check_grpo(c: Checked) -> None:
     """Before launch: GRPO's data holds prompts (and prompts train under GRPO alone), its keys
     make sense, a reward is named, and every prompt leaves room for max_new_tokens in seq_len."""
-    from hydra.utils import instantiate
-
     cfg = c.cfg
     objective, dataset = cfg.objective, cfg.data.dataset
     prompts = kind_of(dataset) == "prompts"

@@ -20,38 +20,22 @@ the objectives read it where they read logits.
 """
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils._pytree import register_dataclass
 from torch.utils.checkpoint import checkpoint
 
 from framework.config.errors import ConfigError
 from framework.data.tokens import IGNORE
 from framework.models.protocol import offered
+from framework.training.objectives.logps import LossSum, TokenLogps, cross_entropy_sum, token_logps
 
 AUTO_CHUNK = 2048  # tokens a chunk under trainer.loss_chunk_tokens=null: 1 GB of fp32 logits at 128k
 AUTO_VOCAB = 32768  # ... where the vocabulary is at least this, on a GPU
 
-
-@dataclass
-class LossSum:
-    """A head's summed cross entropy (the LM objective's loss sum)."""
-    value: torch.Tensor
-
-
-@dataclass
-class TokenLogps:
-    """A head's per-token log-probabilities, in the targets' shape (0 where a target is -100)."""
-    values: torch.Tensor
-
-
-register_dataclass(LossSum)
-register_dataclass(TokenLogps)
 
 
 @dataclass(frozen=True)
@@ -94,24 +78,6 @@ def check_loss_chunks(c) -> None:
                                                               f"(ModelProtocol.takes_loss_head); set 0 or null")
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Each target's log-probability (rows, seq); 0 where the target is -100. `logits` are
-    (rows, seq, vocab), or (count, vocab) at the targets that count alone, in row order (the
-    model's logits_at), or a head's TokenLogps already."""
-    if isinstance(logits, TokenLogps):
-        return logits.values
-    if logits.dim() == 2:
-        counted = targets != IGNORE
-        token = F.cross_entropy(logits.float(), targets[counted], reduction="none")
-        return torch.zeros(targets.shape, dtype=token.dtype, device=token.device).masked_scatter(counted, -token)
-    token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
-    return -token.view(targets.shape)
-
-
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The summed cross entropy of logits (rows, seq, vocab) against targets (rows, seq)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
-
 
 def project(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, projection: Projection, per_token: bool,
             **model_inputs):
@@ -122,6 +88,15 @@ def project(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, proje
     if projection.chunk:
         model_inputs["head"] = Head(targets, projection.chunk, per_token)
     return model(inputs, **model_inputs)
+
+
+
+def response_logits(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, projection: Projection):
+    """`model`'s logits of `inputs` (rows, seq_len), token_logps reads them: with projection.select
+    only at the targets that count (the prompt's positions skip the output layer: on the peers'
+    DPO row it is half of them), by projection.chunk's chunks a head's TokenLogps."""
+    return project(model, inputs, targets, projection, per_token=True)
+
 
 
 class Head:
