@@ -225,18 +225,18 @@ def test_prompts_of_different_lengths_decoded_together_as_each_alone(top_p):
 
 
 def test_left_padded_logits_match_the_unpadded_within_rounding():
-    """The padded rows' last logits against each prompt decoded alone (measured here: 2.4e-7 at most)."""
-    from framework.models.transformer import LayerCache
+    """The padded rows' last logits through the decoder's static cache against each prompt's
+    plain forward, no cache (measured here: 2.4e-7 at most)."""
+    from framework.models.decode import StaticCache, prepare
 
     model = tiny_lm()
     short, long = [5, 2], [3, 7, 1, 9, 4, 4]
     with torch.no_grad():
-        alone = model(torch.tensor([short]), [LayerCache(8) for _ in model.layers])[0, -1]
-        pad = torch.tensor([4, 0])
-        cache = [LayerCache(8, pad) for _ in model.layers]
-        both = model(torch.tensor([[0] * 4 + short, long]), cache)[:, -1]
-    torch.testing.assert_close(both[0], alone, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(both[1], model(torch.tensor([long]))[0, -1], rtol=1e-5, atol=1e-5)
+        prepare(model, 8, torch.device("cpu"))
+        position, pad = torch.zeros((), dtype=torch.int64), torch.tensor([4, 0])
+        both = model(torch.tensor([[0] * 4 + short, long]), [StaticCache(8, position, pad) for _ in model.layers])
+    torch.testing.assert_close(both[0, -1], model(torch.tensor([short]))[0, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[1, -1], model(torch.tensor([long]))[0, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_sampled_groups_are_reproducible_from_the_generator_and_differ_within_a_group():
@@ -335,7 +335,8 @@ def test_the_reward_rises_and_every_mesh_follows_one_process(mesh, one_process, 
     from tests.conftest import compose_config
 
     ours = one_process["scalars"]
-    assert ours["reward"][0] < 0.3 and ours["reward"][-1] > 0.8, ours["reward"]  # (0.10 -> 0.97 measured)
+    # measured 0.084 -> 0.68 since the declared init (0.10 -> 0.97 with N(0, 1) embeddings and default Linear init)
+    assert ours["reward"][0] < 0.3 and ours["reward"][-1] > 0.5, ours["reward"]
     assert ours["completions/mean_length"][0] > 7  # 8 tokens, a stop drawn now and then
     summary = launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 20), *mesh]),
                            str(tmp_path))

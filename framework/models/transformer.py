@@ -11,7 +11,7 @@ reshapes below infer the head count (-1) from the local tensor instead of readin
 """
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from framework.models.protocol import ModelProtocol
 from framework.config.errors import ConfigError
-from framework.models.documents import AttentionLayout, additive_mask, attend, attention_layout, gather_keys
+from framework.models.documents import AttentionLayout, attend, attention_layout, gather_keys
 from framework.models.initialization import init_transformer
 from framework.models.moe import MoE, count_step_load, load_balance_loss, moe_blocks, routing_metrics
 
@@ -100,50 +100,6 @@ def _prepare_rotation(rope: Rope, head_dim: int, tokens: torch.Tensor, start: in
     rope.prepare(head_dim, start + tokens.shape[1], tokens.device)
 
 
-class LayerCache:
-    """One layer's keys and values of the positions decoded so far (framework.generate),
-    allocated once for `capacity` positions so each new token costs the same. `pad` (batch,):
-    how many padding positions each row's prompt was left-padded with (prompts of different
-    lengths decoded side by side), None where no row is."""
-
-    def __init__(self, capacity: int, pad: Optional[torch.Tensor] = None):
-        self.capacity, self.length, self.pad = capacity, 0, pad
-        self.keys: Optional[torch.Tensor] = None
-        self.values: Optional[torch.Tensor] = None
-
-    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            shape = (keys.shape[0], self.capacity, *keys.shape[2:])
-            self.keys, self.values = keys.new_empty(shape), values.new_empty(shape)
-        end = self.length + keys.shape[1]
-        self.keys[:, self.length:end], self.values[:, self.length:end] = keys, values
-        self.length = end
-        return self.keys[:, :end], self.values[:, :end]
-
-    def layout(self, rope: "Rope", head_dim: int, tokens: torch.Tensor, hidden: torch.Tensor) -> Optional[AttentionLayout]:
-        return left_padded_layout(rope, head_dim, self, tokens, hidden)
-
-
-def left_padded_layout(rope: "Rope", head_dim: int, cache: LayerCache, tokens: torch.Tensor,
-                       hidden: torch.Tensor) -> Optional[AttentionLayout]:
-    """The layout of `tokens`, the next positions of rows left-padded by `cache.pad` (`hidden`
-    their embeddings, whose dtype attention computes in; under sequence parallelism a shard of
-    the sequence, which attention gathers whole before it runs): each
-    token rotated by its place after its row's padding, each query seeing its row's earlier real
-    keys (a padding query sees itself alone, so no row of the softmax is empty); None where no
-    row is padded (the cache's plain causal path)."""
-    if cache.pad is None:
-        return None
-    start, seq, device = cache.length, tokens.shape[1], tokens.device
-    index = start + torch.arange(seq, device=device)
-    positions = (index[None, :] - cache.pad[:, None]).clamp(min=0)
-    cos, sin = rope.cos_sin(head_dim, 0, start + seq, device)
-    keys = torch.arange(start + seq, device=device)[None, None, :]
-    queries = index[None, :, None]
-    seen = ((keys >= cache.pad[:, None, None]) | (keys == queries)) & (keys <= queries)
-    return AttentionLayout(cos[positions], sin[positions], additive_mask(seen, hidden)[:, None])
-
-
 class Attention(nn.Module):
     """Multi-head attention with grouped-query heads (n_kv_heads <= n_heads; each key/value head
     serves n_heads / n_kv_heads query heads), optional q/k/v bias (Qwen2) and per-head RMSNorm
@@ -162,7 +118,7 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps)
 
-    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None,
+    def forward(self, x: torch.Tensor, cache=None,
                 layout: Optional[AttentionLayout] = None) -> torch.Tensor:
         """`layout`: document-masked attention (and, under context parallelism, keys and values
         from every CP rank, framework.parallel.context_parallel); None: causal over the window."""
@@ -215,7 +171,7 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(dim, hidden_dim)
 
-    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None,
+    def forward(self, x: torch.Tensor, cache=None,
                 layout: Optional[AttentionLayout] = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cache=cache, layout=layout)
         return x + self.feed_forward(self.ffn_norm(x))
@@ -333,7 +289,7 @@ class Transformer(ModelProtocol, nn.Module):
         """The rotation table for these tokens' positions (from `start`), before the blocks run."""
         _prepare_rotation(self.rope, self.head_dim, tokens, start)
 
-    def forward(self, tokens: torch.Tensor, cache: Optional[List[LayerCache]] = None,
+    def forward(self, tokens: torch.Tensor, cache: Optional[list] = None,
                 positions: Optional[torch.Tensor] = None, logits_at: Optional[torch.Tensor] = None,
                 head: Optional[Callable[[torch.Tensor, nn.Module], Any]] = None) -> torch.Tensor:
         """`positions` (batch, seq): each token's place in its document, for packed windows of
