@@ -25,7 +25,7 @@ from framework import imports_done
 from framework.checkpoint.layout import CheckpointError, resolve
 from framework.config.errors import ConfigError
 from framework.config.schema import did_you_mean, register_schema, section_keys
-from framework.data.tokens import tokens_vocab
+from framework.data.dataset_config import tokens_vocab
 from framework.config.trust import check_composed
 from framework.launch.local import Interrupted, RankFailed
 from framework.training.logger import check_logger_overrides

@@ -26,7 +26,8 @@ from framework.data.tokenizer import load_tokenizer
 from framework.checkpoint.weights import load_base
 from framework.models.hf import HFTransformer, check_length, check_vocab, check_weights
 from framework.models.lifecycle import allocate
-from framework.models.lora import add_peft_adapter, is_adapter, load_peft_adapter
+from framework.models.adapter_names import is_adapter
+from framework.models.lora import add_peft_adapter, load_peft_adapter
 from framework.models.protocol import from_hugging_face, offered
 # (next_tokens: tests and bench import the decoder from here too)
 from framework.models.decode import decoding_generators, generate_groups, stop_ids

@@ -20,7 +20,8 @@ from framework.config.trust import check_targets
 from framework.data.loader import check_loader
 from framework.data.mixture import source_nodes
 from framework.training.logger import check_loggers
-from framework.data.tokens import check_document_masking, check_responses, check_token_data, tokenizer_of
+from framework.data.checks import check_document_masking, check_responses, check_token_data
+from framework.data.dataset_config import tokenizer_of
 from framework.models.hf import check_length, check_model_path, check_vocab, check_weights
 from framework.models.meta import SkipRandomInit
 from framework.models.hf_export import check_hf_out
@@ -301,7 +302,7 @@ MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_adapter_init_from,     # framework.models.lora: a PEFT adapter to start from
     check_qlora,                 # framework.models.nf4: NF4 blocks, torchao
     check_context_parallel,      # framework.parallel.context_parallel: the chunks, the model's attention
-    check_document_masking,      # framework.data.tokens: packed data, positions
+    check_document_masking,      # framework.data.checks: packed data, positions
     check_objective,             # framework.training.objectives: auxiliary terms
     check_preference,            # framework.training.objectives.preference: pairs, DPO's reference
     check_unpaired,              # framework.training.objectives.preference: unpaired examples, KTO's reference
@@ -309,7 +310,7 @@ MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_reward,                # framework.training.objectives.rewards: the reward and a user's file
     check_optimizer,             # (here) the optimizer's options
     check_dataset,               # (here) a global batch per split
-    check_responses,             # framework.data.tokens: instruction data keeps a response
+    check_responses,             # framework.data.checks: instruction data keeps a response
     check_checkpoint_sources,    # framework.checkpoint.compat: the checkpoint the run starts from
     check_checkpoint_writable,   # framework.checkpoint.manager: where the run saves
     check_reference_on_resume,   # framework.training.objectives.reference: DPO's stored reference on resume

@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 
 from framework.config.errors import ConfigError
 from framework.validate import validate
-from framework.data.tokens import TokenDataset
+from framework.data.datasets import TokenDataset
 from framework.inspect import count_collectives
 from framework.launch.handoff import rank_config
 from framework.launch.local import launch_local, spawn_ranks

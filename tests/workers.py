@@ -385,7 +385,7 @@ def one_step_gradients(cfg_container: dict, out_dir: str, logits_of: Optional[to
     full gradients and the batch's count of response tokens; on one process also the mean of
     the two interleaved halves' own means (what averaging two DP replicas' means would give).
     With `logits_of`, first the model's full logits on those tokens."""
-    from framework.data.tokens import IGNORE
+    from framework.data.batch import IGNORE
     from framework.training.trainer import Trainer, local_value, mean_over_dp
 
     run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="optimizer")

@@ -10,7 +10,7 @@ from torch import nn
 
 from framework.checkpoint.base_model import base_model, describe, same_base
 from framework.checkpoint.layout import CheckpointError, read_meta, resolve
-from framework.models.lora import is_adapter
+from framework.models.adapter_names import is_adapter
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.models.protocol import offered

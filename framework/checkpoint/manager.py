@@ -51,7 +51,7 @@ from framework.checkpoint.safe_load import load_checkpoint, read_checkpoint_meta
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.data.loader import DataPosition
-from framework.models.lora import is_adapter
+from framework.models.adapter_names import is_adapter
 from framework.training.schedule import fitted_to_groups
 from framework.training.state import TrainState
 

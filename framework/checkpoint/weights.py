@@ -14,7 +14,7 @@ from torch import nn
 
 from framework.checkpoint.layout import newest_checkpoint, read_meta, resolve
 from framework.models.hf import load_hf_weights
-from framework.models.lora import is_adapter
+from framework.models.adapter_names import is_adapter
 
 
 def restart_count() -> int:

@@ -3,7 +3,7 @@ block-causal attention): a token attends to the earlier tokens of its own docume
 rotary angle counts from its document's first token.
 
 Everything follows from one tensor per batch, `positions` (batch, seq): each token's place in
-its document (0 where a document starts; framework.data.tokens makes it from doc_offsets.npy).
+its document (0 where a document starts; framework.data.datasets makes it from doc_offsets.npy).
 A token at sequence index i with position p belongs to the document that starts at i - p: two
 tokens share a document when those starts are equal, which holds even when the sequence is
 split over context-parallel ranks (framework.parallel.context_parallel), each rank holding

@@ -12,7 +12,8 @@ from torch import nn
 
 from framework.config.errors import ConfigError
 from framework.models.hf import SIDE_FILES, model_state_dict
-from framework.models.lora import adapter_layers, merged_state_dict, peft_adapter
+from framework.models.adapter_names import adapter_layers
+from framework.models.lora import merged_state_dict, peft_adapter
 from framework.models.protocol import from_hugging_face
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
