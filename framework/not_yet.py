@@ -10,14 +10,15 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from framework.config.errors import ConfigError
 from framework.parallel.fault_tolerance import replica_dim
 from framework.parallel.roles import MeshRoles
+from framework.training.objectives.base import objective_kind
+from framework.training.objectives.grpo import GroupRelativePolicy
+from framework.training.objectives.preference import DirectPreference, KahnemanTversky, SimplePreference
 
-PREFERENCE = {f"framework.training.objectives.preference.{name}": short for name, short in
-              [("DirectPreference", "dpo"), ("SimplePreference", "simpo"), ("KahnemanTversky", "kto")]}
-GRPO = "framework.training.objectives.grpo.GroupRelativePolicy"
+PREFERENCE = (DirectPreference.kind, SimplePreference.kind, KahnemanTversky.kind)
 
 
 def _grpo(cfg: DictConfig) -> bool:
-    return cfg.objective.get("_target_") == GRPO
+    return objective_kind(cfg) == GroupRelativePolicy.kind
 
 
 def _torchft(cfg: DictConfig) -> bool:
@@ -56,14 +57,14 @@ class NotYet:
 
 NOT_YET = [
     NotYet("objective", "context parallelism (parallel.cp_dim)",
-           lambda cfg, roles: cfg.objective.get("_target_") in PREFERENCE and roles.cp_size > 1,
+           lambda cfg, roles: objective_kind(cfg) in PREFERENCE and roles.cp_size > 1,
            "each sequence's log-probabilities would be summed from its CP ranks' chunks; use a mesh without a cp dim",
-           shown="dpo / simpo / kto", value=lambda cfg: PREFERENCE[cfg.objective._target_]),
+           shown="dpo / simpo / kto", value=objective_kind),
     NotYet("objective", "pipeline parallelism (parallel.pp_dim)",
-           lambda cfg, roles: cfg.objective.get("_target_") in PREFERENCE and roles.pp_size > 1,
+           lambda cfg, roles: objective_kind(cfg) in PREFERENCE and roles.pp_size > 1,
            "each sequence's log-probabilities (and DPO's and KTO's reference) come from whole logits, not a stage "
            "of the schedule; use a mesh without a pp dim", shown="dpo / simpo / kto",
-           value=lambda cfg: PREFERENCE[cfg.objective._target_]),
+           value=objective_kind),
     NotYet("objective", "context or pipeline parallelism (parallel.cp_dim, pp_dim)",
            lambda cfg, roles: _grpo(cfg) and max(roles.cp_size, roles.pp_size) > 1,
            "generation decodes with a KV cache through whole sequences and every layer at once; use a mesh of "

@@ -1,5 +1,5 @@
 """`objective=grpo`: Group Relative Policy Optimization (Shao et al. 2024; TRL's GRPOTrainer) on
-prompts (data=prompts) with a reward (the `reward` group, framework.training.rewards).
+prompts (data=prompts) with a reward (the `reward` group, framework.training.objectives.rewards).
 
 Each step rolls out before it learns (`rollout`, called by the Trainer before the step's units
 are counted): every DP replica continues each of its prompts `group_size` times with the model as
@@ -23,7 +23,7 @@ that reuse a rollout are passed over. The token sum is normalized by `loss_type`
 - dr_grpo: the sum over (completions x max_new_tokens), a constant.
 Each is a sum over units (completions, tokens, completions x max_new_tokens) over the global
 count of them: the same numbers on every mesh. The reference (beta > 0) is DPO's
-(adapters_off, frozen_copy; framework.training.preference).
+(adapters_off, frozen_copy; framework.training.objectives.reference).
 """
 from typing import Dict, List, Optional
 
@@ -35,7 +35,7 @@ from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.data.batch import Batch
 from framework.data.tokens import IGNORE, kind_of
-from framework.training.objectives.base import Objective, StepShare
+from framework.training.objectives.base import Objective, StepShare, objective_kind
 from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits
 from framework.training.objectives.logps import token_logps
 from framework.training.objectives.reference import Reference
@@ -47,6 +47,8 @@ REFERENCES = ("adapters_off", "frozen_copy")
 
 
 class GroupRelativePolicy(GroupRollout, Objective):
+    kind = "grpo"
+
     def __init__(self, group_size: int = 4, max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                  scale_rewards: str = "group", loss_type: str = "grpo", epsilon: float = 0.2,
                  epsilon_high: Optional[float] = None, beta: float = 0.0, reference: str = "adapters_off",
@@ -156,16 +158,13 @@ class GroupRelativePolicy(GroupRollout, Objective):
         return {**super().logged_terms(model), **{name: name for name in names}}
 
 
-GRPO = f"{__name__}.GroupRelativePolicy"
-
-
 def check_grpo(c: Checked) -> None:
     """Before launch: GRPO's data holds prompts (and prompts train under GRPO alone), its keys
     make sense, a reward is named, and every prompt leaves room for max_new_tokens in seq_len."""
     cfg = c.cfg
     objective, dataset = cfg.objective, cfg.data.dataset
     prompts = kind_of(dataset) == "prompts"
-    grpo = objective.get("_target_") == GRPO
+    grpo = objective_kind(cfg) == GroupRelativePolicy.kind
     if prompts and not grpo:
         raise ConfigError("objective", objective.get("_target_"), "prompts (data=prompts) train under objective=grpo")
     if not grpo:

@@ -17,7 +17,8 @@ class NextTokenCrossEntropy(Objective):
     responses). Logits the plan leaves sharded on the vocabulary come under torch's loss_parallel,
     which the Trainer enters (once: it does not nest) around forward and backward. With
     trainer.loss_chunk_tokens the model's head sums it by chunks of tokens instead of logits
-    (framework.training.chunked_loss: LossSum)."""
+    (framework.training.objectives.chunked_loss: LossSum)."""
+    kind = "lm"
 
     def __init__(self, aux_coefficients: Optional[Mapping[str, float]] = None):
         super().__init__(aux_coefficients)
@@ -41,6 +42,7 @@ class NextTokenCrossEntropy(Objective):
 
 class MeanSquaredError(Objective):
     """Squared error summed over every output element (the seed's regression)."""
+    kind = "mse"
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(outputs, targets, reduction="sum")

@@ -63,7 +63,7 @@ from framework.config.checked import Checked
 from framework.data.batch import Batch
 from framework.data.tokens import kind_of, read_meta
 from framework.parallel.plan import final_output_layout
-from framework.training.objectives.base import Objective, StepShare
+from framework.training.objectives.base import Objective, StepShare, objective_kind
 from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits
 from framework.training.objectives.logps import response_lengths, sequence_logps
 from framework.training.objectives.reference import Reference, check_precomputed, check_reference, reshard
@@ -145,6 +145,7 @@ class PreferenceObjective(Objective):
 
 class DirectPreference(PreferenceObjective):
     """objective=dpo, its loss types (the module's docstring)."""
+    kind = "dpo"
 
     def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, reference: str = "adapters_off",
                  loss_type: str = "sigmoid", aux_coefficients: Optional[Dict[str, float]] = None):
@@ -170,6 +171,7 @@ class DirectPreference(PreferenceObjective):
 
 class SimplePreference(PreferenceObjective):
     """objective=simpo: DPO's pairs without a reference (the module's docstring)."""
+    kind = "simpo"
 
     def __init__(self, beta: float = 2.0, gamma_beta_ratio: float = 0.5, label_smoothing: float = 0.0,
                  aux_coefficients: Optional[Dict[str, float]] = None):
@@ -190,6 +192,7 @@ class SimplePreference(PreferenceObjective):
 
 class KahnemanTversky(PreferenceObjective):
     """objective=kto on unpaired examples (the module's docstring)."""
+    kind = "kto"
     metrics = KTO_METRICS
 
     def __init__(self, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
@@ -270,27 +273,24 @@ class KahnemanTversky(PreferenceObjective):
         self._sums = {name: value.detach() for name, value in zip(KTO_METRICS, values)}
 
 
-DPO, SIMPO, KTO = (f"{__name__}.{name}" for name in ("DirectPreference", "SimplePreference", "KahnemanTversky"))
-NAMES = {DPO: "dpo", SIMPO: "simpo", KTO: "kto"}
-
-
 def check_preference(c: Checked) -> None:
     """Before launch: pairs train under DPO or SimPO, whose data holds pairs, whose keys make
     sense, and whose reference (DPO's) exists."""
     cfg, objective = c.cfg, c.cfg.objective
-    target, dataset = objective.get("_target_"), cfg.data.dataset
+    target, kind, dataset = objective.get("_target_"), objective_kind(cfg), cfg.data.dataset
+    dpo, simpo = DirectPreference.kind, SimplePreference.kind
     pairs = kind_of(dataset) == "preference"
-    if pairs and target not in (DPO, SIMPO, KTO):  # (KTO's check names the data it needs)
+    if pairs and kind not in (dpo, simpo, KahnemanTversky.kind):  # (KTO's check names the data it needs)
         raise ConfigError("objective", target, "preference pairs (data=preferences) train under objective=dpo or "
                                                "objective=simpo")
-    if target not in (DPO, SIMPO):
+    if kind not in (dpo, simpo):
         return
     if not pairs:
-        raise ConfigError("objective", NAMES[target], f"needs preference pairs, and data.dataset is "
+        raise ConfigError("objective", kind, f"needs preference pairs, and data.dataset is "
                                                       f"{dataset.get('_target_') if dataset else None}; prepare them "
                                                       f"with framework.prepare --prompt-field --chosen-field "
                                                       f"--rejected-field and use data=preferences")
-    if target == DPO:
+    if kind == dpo:
         check_reference(c)
         loss_type = objective.get("loss_type")
         _check_rules(objective, [
@@ -305,7 +305,7 @@ def check_preference(c: Checked) -> None:
         _check_rules(objective, [("beta", lambda v: v > 0, "must be > 0"),
                                  ("gamma_beta_ratio", lambda v: v >= 0, "must be >= 0 (the margin over beta)"),
                                  ("label_smoothing", lambda v: 0 <= v < 0.5, "must be in [0, 0.5)")])
-    _check_mesh(c, NAMES[target])
+    _check_mesh(c, kind)
 
 
 def check_unpaired(c: Checked) -> None:
@@ -313,10 +313,11 @@ def check_unpaired(c: Checked) -> None:
     keys make sense, and whose reference exists; TRL's advice on the weights, as a warning."""
     cfg, objective = c.cfg, c.cfg.objective
     target, dataset = objective.get("_target_"), cfg.data.dataset
+    kto = objective_kind(cfg) == KahnemanTversky.kind
     unpaired = kind_of(dataset) == "unpaired"
-    if unpaired and target != KTO:
+    if unpaired and not kto:
         raise ConfigError("objective", target, "unpaired preference data (data=kto) trains under objective=kto")
-    if target != KTO:
+    if not kto:
         return
     if not unpaired:
         raise ConfigError("objective", "kto", f"needs unpaired preference data, and data.dataset is "

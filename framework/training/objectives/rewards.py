@@ -43,10 +43,10 @@ from omegaconf import OmegaConf
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.config.schema import RewardConfig
+from framework.training.objectives.base import objective_kind
 
 KINDS = ("none", "exact_match", "regex", "char_share", "length", "math_verify", "file", "combined")
 PART_KEYS = ("kind", "weight", "name", "marker", "pattern", "target_length")  # what a combined part may set
-GRPO = ".GroupRelativePolicy"  # the objective that scores completions (framework.training.grpo)
 INSTALL = "pip install '.[rl]' (the math-verify package)"
 USER_MODULE = "framework_reward_file"  # the name a reward.file is imported under
 
@@ -328,7 +328,7 @@ def check_reward(c: Checked) -> None:
     reward it would ignore."""
     reward = c.cfg.get("reward")
     kind = reward.kind if reward is not None else "none"
-    if not str(OmegaConf.select(c.cfg, "objective._target_") or "").endswith(GRPO):
+    if objective_kind(c.cfg) != "grpo":  # (the objective that scores completions, objectives.grpo)
         if kind != "none":
             raise ConfigError("reward.kind", kind, "only objective=grpo scores completions; drop the reward "
                                                    "(reward=none) or use objective=grpo")
