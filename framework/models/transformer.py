@@ -177,6 +177,24 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def _sparse_layers(moe: Dict[str, Any], n_layers: int):
+    """The blocks that are mixtures of experts (model.moe.layers, popped from `moe`: null for all)
+    and the load-balancing loss's coefficient (popped too), checked."""
+    layers = moe.pop("layers", None)
+    if moe and layers is not None and not layers:
+        raise ConfigError("model.moe.layers", list(layers), "names no block, so the model would be dense; name "
+                                                            "some blocks, null for all, or model.moe=null")
+    sparse = set(range(n_layers) if layers is None else layers) if moe else set()
+    if not sparse <= set(range(n_layers)):
+        raise ConfigError("model.moe.layers", layers, f"name blocks 0 to {n_layers - 1} (model.n_layers={n_layers}), "
+                                                      f"or null for all")
+    aux_loss_coef = moe.pop("aux_loss_coef", 0.0)
+    if aux_loss_coef < 0:
+        raise ConfigError("model.moe.aux_loss_coef", aux_loss_coef, "must be >= 0 (0: the load-balancing loss "
+                                                                    "reported, not trained)")
+    return sparse, aux_loss_coef
+
+
 class Transformer(ModelProtocol, nn.Module):
     """The defaults are the framework's own LMs; framework.models.hf sets the rest from a
     Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, and their mixtures of experts).
@@ -209,18 +227,7 @@ class Transformer(ModelProtocol, nn.Module):
         self.rope = rope = Rope(rope_theta, rope_scaling, rope_halves)  # one for all blocks: they share its table
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         moe = dict(moe or {})
-        layers = moe.pop("layers", None)
-        if moe and layers is not None and not layers:
-            raise ConfigError("model.moe.layers", list(layers), "names no block, so the model would be dense; name "
-                                                                "some blocks, null for all, or model.moe=null")
-        sparse = set(range(n_layers) if layers is None else layers) if moe else set()
-        if not sparse <= set(range(n_layers)):
-            raise ConfigError("model.moe.layers", layers, f"name blocks 0 to {n_layers - 1} (model.n_layers={n_layers}), "
-                                                          f"or null for all")
-        aux_loss_coef = moe.pop("aux_loss_coef", 0.0)
-        if aux_loss_coef < 0:
-            raise ConfigError("model.moe.aux_loss_coef", aux_loss_coef, "must be >= 0 (0: the load-balancing loss "
-                                                                        "reported, not trained)")
+        sparse, aux_loss_coef = _sparse_layers(moe, n_layers)
         self.layers = nn.ModuleList(
             TransformerBlock(dim, hidden_dim, norm_eps, moe=moe if i in sparse else None, n_heads=n_heads,
                              n_kv_heads=n_kv_heads, head_dim=head_dim, rope=rope, qkv_bias=qkv_bias, o_bias=o_bias,
@@ -237,13 +244,18 @@ class Transformer(ModelProtocol, nn.Module):
         self.tie_weights()
         self.context_parallel = None  # framework.parallel.context_parallel: the CP ranks sharing each sequence
         self.dim, self.n_layers = dim, n_layers
-        self.matmul_params = sum(p.numel() for name, p in self.named_parameters()
-                                 if p.dim() == 2 and not name.startswith("tok_embeddings"))
-        if tie_word_embeddings:  # the shared output projection is a matmul too (named once, as the embedding)
-            self.matmul_params += self.output.weight.numel()
-        for block in moe_blocks(self):  # a token runs top_k of the stacked experts' matmuls
-            self.matmul_params += block.top_k * sum(w[0].numel() for w in block.experts.local_weights())
+        self.matmul_params = self._count_matmul_params()
         self.init_weights()
+
+    def _count_matmul_params(self) -> int:
+        """The parameters a token multiplies by (its FLOPs): the 2-D ones but the embedding's."""
+        count = sum(p.numel() for name, p in self.named_parameters()
+                    if p.dim() == 2 and not name.startswith("tok_embeddings"))
+        if self.tie_word_embeddings:  # the shared output projection is a matmul too (named once, as the embedding)
+            count += self.output.weight.numel()
+        for block in moe_blocks(self):  # a token runs top_k of the stacked experts' matmuls
+            count += block.top_k * sum(w[0].numel() for w in block.experts.local_weights())
+        return count
 
     def init_weights(self) -> None:
         """The declared starting weights (framework.models.initialization), the same on every layout."""

@@ -302,17 +302,21 @@ class Trainer:
                 stopped = interrupt.agreed()
                 self._after_step(step, logging_step, grad_norm, stopping=stopped is not None)
                 if logging_step:
-                    history = state.history
-                    self.metrics.log_step(step, history["losses"][-1], lr, history["grad_norms"][-1])
+                    self.metrics.log_step(step, state.history["losses"][-1], lr, state.history["grad_norms"][-1])
                 if profiler:
                     profiler.step()
                 if stopped:
                     break
-        if profiler:  # each rank's own log (rank 0's is also the console)
-            log.info("profile of steps 2-%d:\n%s", trainer.profile_steps + 1,
-                     "\n".join(format_summary(run.rank, summary(profiler), trace_path(run.out_dir, run.rank))))
+        self._log_profile(profiler)
         self._finish(stopped)
         return self.metrics.summary(state.history, stopped)
+
+    def _log_profile(self, profiler) -> None:
+        """trainer.profile_steps' summary, in each rank's own log (rank 0's is also the console)."""
+        if profiler:
+            run = self.run
+            log.info("profile of steps 2-%d:\n%s", self.cfg.trainer.profile_steps + 1,
+                     "\n".join(format_summary(run.rank, summary(profiler), trace_path(run.out_dir, run.rank))))
 
     def _finish(self, stopped: Optional[str]) -> None:
         """After the last step: the last async save finished, then checkpoint.final_hf's model
