@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from framework.config.errors import ConfigError
 from framework.validate import validate
 from framework.data.batch import Batch
-from framework.data.tokens import IGNORE
+from framework.data.batch import IGNORE
 from framework.launch.local import spawn_ranks
 from framework.models import Transformer
 from framework.training.objectives.chunked_loss import Projection, fused

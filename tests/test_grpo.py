@@ -15,13 +15,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import framework
-from framework.data.tokens import IGNORE
+from framework.data.batch import IGNORE
 from framework.generate import generate
 from framework.models.decode import generate_groups, next_tokens
 from framework.models.transformer import Transformer
 from framework.training.objectives.grpo import GroupRelativePolicy
 from framework.training.objectives.rollout import group_advantages
-from framework.training.objectives.logps import token_logps
 from framework.training.objectives.base import StepShare
 
 

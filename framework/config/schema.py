@@ -147,7 +147,7 @@ class TrainerConfig:
     compile: Compile = Compile.none
     profile_steps: int = 0
     memory_snapshot: bool = False  # a GPU allocator's history from the first step, dumped at the end (framework.training.memory)
-    loss_chunk_tokens: Optional[int] = None  # the loss by chunks of N tokens (framework.training.chunked_loss); 0: whole logits; null: auto
+    loss_chunk_tokens: Optional[int] = None  # the loss by chunks of N tokens (framework.training.objectives.chunked_loss); 0: whole logits; null: auto
     sweep_metric: Optional[str] = None  # what a sweep job returns to an optimizing sweeper (framework/hpo.py METRICS); null: val_loss
 
 
@@ -212,7 +212,7 @@ class AdapterConfig:
 
 @dataclass
 class RewardConfig:
-    """What scores objective=grpo's completions (conf/reward/, framework.training.rewards)."""
+    """What scores objective=grpo's completions (conf/reward/, framework.training.objectives.rewards)."""
     kind: str = "none"  # none | exact_match | regex | char_share | length | math_verify | file | combined
     marker: Optional[str] = None  # exact_match: the answer follows the last one (null: the whole completion)
     pattern: Optional[str] = None  # regex: 1.0 when re.search finds it; char_share: the class a character matches

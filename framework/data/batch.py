@@ -2,7 +2,7 @@
 documents (data.document_masking) or under context parallelism, each token's position in its
 document, which the model takes as a keyword (framework.models.documents); for DPO with
 objective.reference=precomputed, each pair's reference log-probabilities; from a mixture
-(framework.data.mixture), each sample's source; for GRPO (framework.training.grpo), each prompt's
+(framework.data.mixture), each sample's source; for GRPO (framework.training.objectives.grpo), each prompt's
 index in its dataset (what seeds its sampling) and, once its completions are rolled out, each
 completion's advantage (the reference's per-token log-probabilities in `reference`, and with
 objective.num_iterations > 1 the policy's as it generated, `old_logps`)."""

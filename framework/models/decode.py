@@ -1,5 +1,5 @@
 """The decoder: KV-cache generation, which framework.generate (the command) and GRPO's rollout
-(framework.training.grpo) both call.
+(framework.training.objectives.grpo) both call.
 
 Everything stays on the model's device until the end: sampling draws its noise there from
 per-prompt generators (made on that device), temperature and top-p are tensor operations, the

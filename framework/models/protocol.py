@@ -17,7 +17,7 @@ class ModelProtocol:
     model_type: str = "llama"        # its config.json's model_type: how its parameter names map to HF's
     tie_word_embeddings: bool = False  # the output projection is the embedding matrix
     supports_context_parallel: bool = False  # use_context_parallel splits its sequences over CP ranks
-    takes_loss_head: bool = False  # its forward's head= replaces the output layer (framework.training.chunked_loss)
+    takes_loss_head: bool = False  # its forward's head= replaces the output layer (framework.training.objectives.chunked_loss)
     # Auxiliary loss terms (a mixture of experts' load balancing): the last training forward's, by
     # name, each a sum over its micro-batch's tokens (None: the model reports none), and each
     # term's own weight (objective.aux_coefficients wins; a term without either is refused).

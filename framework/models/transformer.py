@@ -309,9 +309,9 @@ class Transformer(ModelProtocol, nn.Module):
         (batch, seq, bool): only those positions' logits, (count, vocab) in row order, the rest
         never reaching the final norm and the output layer (a loss that reads the responses
         alone; TRL's fused LM head does the same). The caller checks the output layer is whole
-        on this rank (no TP plan, no pipeline: framework.training.chunked_loss.output_projection).
+        on this rank (no TP plan, no pipeline: framework.training.objectives.chunked_loss.output_projection).
         `head(hidden, output)`: what scores the final norm's hidden states in place of the output
-        layer (a loss by chunks of tokens, framework.training.chunked_loss)."""
+        layer (a loss by chunks of tokens, framework.training.objectives.chunked_loss)."""
         self.prepare_rotation(tokens, cache[0].length if cache else 0)
         h = self.tok_embeddings(tokens)
         if cache is None:

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from framework.config.errors import ConfigError
-from framework.data.tokens import IGNORE
+from framework.data.batch import IGNORE
 from framework.models.protocol import offered
 from framework.training.objectives.logps import LossSum, TokenLogps, cross_entropy_sum, token_logps
 

@@ -34,7 +34,8 @@ from torch import nn
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.data.batch import Batch
-from framework.data.tokens import IGNORE, kind_of
+from framework.data.batch import IGNORE
+from framework.data.dataset_config import kind_of
 from framework.training.objectives.base import Objective, StepShare, objective_kind
 from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits
 from framework.training.objectives.logps import token_logps

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.data.tokens import IGNORE
+from framework.data.batch import IGNORE
 from framework.training.objectives.base import Objective
 from framework.training.objectives.chunked_loss import Projection, output_projection, project
 from framework.training.objectives.logps import LossSum, cross_entropy_sum

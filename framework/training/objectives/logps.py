@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import register_dataclass
 
-from framework.data.tokens import IGNORE
+from framework.data.batch import IGNORE
 
 
 @dataclass

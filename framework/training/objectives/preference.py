@@ -61,7 +61,8 @@ from torch import nn
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.data.batch import Batch
-from framework.data.tokens import kind_of, read_meta
+from framework.data.dataset_config import kind_of
+from framework.data.token_files import read_meta
 from framework.parallel.plan import final_output_layout
 from framework.training.objectives.base import Objective, StepShare, objective_kind
 from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits

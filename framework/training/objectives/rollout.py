@@ -13,7 +13,7 @@ from torch import nn
 
 from framework.data.batch import Batch
 from framework.data.tokenizer import load_tokenizer
-from framework.data.tokens import IGNORE
+from framework.data.batch import IGNORE
 from framework.models.decode import compiled_step, decoding_generators, generate_groups, stop_ids
 from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
