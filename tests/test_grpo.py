@@ -397,7 +397,9 @@ def test_the_kl_to_the_reference_starts_at_zero_and_the_reference_stays_where_it
     summary = launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 4), "mesh=1x1",
                                            "objective.beta=0.04", *reference]), str(tmp_path))
     kl = scalars(tmp_path / "tb")["kl"]
-    assert kl[0] == pytest.approx(0.0, abs=1e-7) and all(k > 1e-6 for k in kl[1:]), kl
+    # measured (adapters_off, since the declared init): 0.0, 7.2e-7, 2.3e-6, 4.5e-6: zero within rounding,
+    # then above that bound and growing as the adapters move away from the base
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and all(k > 1e-7 for k in kl[1:]) and kl[1:] == sorted(kl[1:]), kl
     if "adapter=lora" not in reference:  # the same model and completions as the beta=0 run at step 1
         assert summary["losses"][0] == pytest.approx(one_process["summary"]["losses"][0], rel=1e-5, abs=1e-6)
 
