@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from framework.cli import checkpoint_source, parsed_status
-from framework.config.errors import ConfigError
+from framework.config.errors import ConfigError, check_rules
 from framework.data.tokenizer import load_tokenizer
 from framework.checkpoint.weights import load_base
 from framework.models.hf import HFTransformer, check_length, check_vocab, check_weights
@@ -119,9 +119,7 @@ def load_source(source: str, adapter: Optional[str] = None) -> Tuple[nn.Module, 
 
 def check_options(args: argparse.Namespace) -> None:
     """Before any loading: the first option that breaks its rule, named alone."""
-    for name, allowed, rule in OPTION_RULES:
-        if not allowed(getattr(args, name)):
-            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), rule)
+    check_rules(OPTION_RULES, lambda name: getattr(args, name), lambda name: f"--{name.replace('_', '-')}")
 
 
 def encoded_prompt(args: argparse.Namespace, model: nn.Module, tokenizer) -> List[int]:

@@ -10,8 +10,8 @@ from torch.utils.data import IterableDataset
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint.compat import check_checkpoint_keys, check_checkpoint_sources, checkpoint_dir
-from framework.checkpoint.manager import check_checkpoint_writable
+from framework.checkpoint.compat import (check_checkpoint_keys, check_checkpoint_sources, check_checkpoint_writable,
+                                         checkpoint_dir)
 from framework.config.schema import STAGES, did_you_mean, unknown_key
 from framework.config.checked import Checked, instantiate_checked
 from framework.config.errors import ConfigError
@@ -312,7 +312,7 @@ MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_dataset,               # (here) a global batch per split
     check_responses,             # framework.data.checks: instruction data keeps a response
     check_checkpoint_sources,    # framework.checkpoint.compat: the checkpoint the run starts from
-    check_checkpoint_writable,   # framework.checkpoint.manager: where the run saves
+    check_checkpoint_writable,   # framework.checkpoint.compat: where the run saves
     check_reference_on_resume,   # framework.training.objectives.reference: DPO's stored reference on resume
     check_final_hf,              # (here) checkpoint.final_hf's model and directory
 )

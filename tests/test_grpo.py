@@ -468,7 +468,10 @@ def test_greedy_generation_in_the_loop_is_framework_generate_s(mesh, prepared, r
                                                            r"objective.num_iterations=2 steps would resume without "
                                                            r"that rollout; make it a multiple of 2"),
     (["objective.beta=0.1"], r"objective.reference='adapters_off': is the base model with the adapters off, and this "
-                             r"run has none \(adapter=none\)"),
+                             r"run has none \(adapter=none\); use adapter=lora, or objective.reference=frozen_copy "
+                             r"for full training, or objective.beta=0$"),
+    (["objective.reference=nope"], r"objective.reference='nope': use one of adapters_off, frozen_copy$"),  # (beta 0)
+    (["reward=char_share", "reward.pattern=ab"], r"reward.pattern='ab': matches no single character"),
     (["objective.max_new_tokens=30"], r"data.dataset.seq_len=32: the longest prompt in .* has 5 tokens, and with "
                                       r"objective.max_new_tokens=30 a completion needs 35; raise seq_len or lower "
                                       r"max_new_tokens"),

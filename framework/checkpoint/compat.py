@@ -142,3 +142,17 @@ def check_model_keys(path: str, model: nn.Module, which: str = "all") -> None:
 
 def checkpoint_dir(cfg: DictConfig, out_dir: str) -> str:
     return os.path.abspath(os.path.expanduser(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints")))
+
+
+def check_checkpoint_writable(c: Checked) -> None:
+    """A run that saves (checkpoint.every) can make its checkpoint directory: the nearest part
+    of it that exists is a writable directory. Found before launch, not at the first save."""
+    if c.checkpoint_dir is None or not c.cfg.checkpoint.every:
+        return
+    existing = c.checkpoint_dir
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
+        raise ConfigError("checkpoint.dir", c.cfg.checkpoint.dir, f"checkpoints go to {c.checkpoint_dir}, but "
+                                                                  f"{existing} is not a writable directory; point "
+                                                                  f"checkpoint.dir at one")

@@ -48,8 +48,6 @@ from framework.checkpoint.layout import (
     write_meta_and_publish,
 )
 from framework.checkpoint.safe_load import load_checkpoint, read_checkpoint_metadata
-from framework.config.checked import Checked
-from framework.config.errors import ConfigError
 from framework.data.loader import DataPosition
 from framework.models.adapter_names import is_adapter
 from framework.training.schedule import fitted_to_groups
@@ -75,20 +73,6 @@ def framework_version(pyproject: str = SOURCE_PYPROJECT) -> str:
             return f"{tomllib.load(f)['project']['version']} (source tree, not installed)"
     except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError):
         return "unknown (not installed)"
-
-
-def check_checkpoint_writable(c: Checked) -> None:
-    """A run that saves (checkpoint.every) can make its checkpoint directory: the nearest part
-    of it that exists is a writable directory. Found before launch, not at the first save."""
-    if c.checkpoint_dir is None or not c.cfg.checkpoint.every:
-        return
-    existing = c.checkpoint_dir
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
-        raise ConfigError("checkpoint.dir", c.cfg.checkpoint.dir, f"checkpoints go to {c.checkpoint_dir}, but "
-                                                                  f"{existing} is not a writable directory; point "
-                                                                  f"checkpoint.dir at one")
 
 
 @dataclass

@@ -24,12 +24,11 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from framework.config.errors import ConfigError
 from framework.data.batch import IGNORE
+from framework.parallel.dtensors import is_dtensor
 from framework.models.protocol import offered
 from framework.training.objectives.logps import LossSum, TokenLogps, cross_entropy_sum, token_logps
 
@@ -231,13 +230,17 @@ def by_module(hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor, ch
 
 
 def _sharded_context(logits: torch.Tensor):
-    sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
-    return loss_parallel() if sharded and not _in_loss_parallel() else nullcontext()
+    """loss_parallel around vocabulary-sharded logits, unless the Trainer's backward entered it
+    already (it does not nest)."""
+    if not (is_dtensor(logits) and logits.placements[0].is_shard(logits.ndim - 1)):
+        return nullcontext()
+    # (DTensor's modules, loaded wherever a DTensor exists: validation imports this module in the
+    # launcher, which must not pay for them)
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
 
-
-def _in_loss_parallel() -> bool:
-    """Whether loss_parallel is entered (the Trainer's backward): it does not nest."""
-    return torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
+    entered = torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
+    return nullcontext() if entered else loss_parallel()
 
 
 def _score_sum(output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

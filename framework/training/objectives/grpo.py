@@ -32,14 +32,14 @@ from hydra.utils import instantiate
 from torch import nn
 
 from framework.config.checked import Checked
-from framework.config.errors import ConfigError
+from framework.config.errors import ConfigError, check_rules
 from framework.data.batch import Batch
 from framework.data.batch import IGNORE
 from framework.data.dataset_config import kind_of
 from framework.training.objectives.base import Objective, StepShare, objective_kind
 from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits
 from framework.training.objectives.logps import token_logps
-from framework.training.objectives.reference import Reference
+from framework.training.objectives.reference import Reference, check_reference
 from framework.training.objectives.rollout import ROLLOUT_METRICS, GroupRollout
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
@@ -186,23 +186,14 @@ def check_grpo(c: Checked) -> None:
              ("beta", lambda v: v >= 0, "must be >= 0 (0: no KL term, no reference)"),
              ("num_iterations", lambda v: v >= 1, "must be >= 1 (policy updates per rollout)"),
              ("compile_decode", lambda v: v in (None, True, False), "use true, false or null (null: on for cuda)")]
-    for key, allowed, rule in rules:
-        if not allowed(objective.get(key)):
-            raise ConfigError(f"objective.{key}", objective.get(key), rule)
+    check_rules(rules, objective.get, lambda key: f"objective.{key}")
     every = cfg.checkpoint.every
     if objective.num_iterations > 1 and every and every % objective.num_iterations:
         raise ConfigError("checkpoint.every", every, f"a checkpoint inside a rollout's "
                                                      f"objective.num_iterations={objective.num_iterations} steps "
                                                      f"would resume without that rollout; make it a multiple of "
                                                      f"{objective.num_iterations}")
-    if objective.beta > 0:
-        if objective.reference not in REFERENCES:
-            raise ConfigError("objective.reference", objective.reference, f"use one of {', '.join(REFERENCES)}")
-        if objective.reference == "adapters_off" and cfg.adapter.kind == "none":
-            raise ConfigError("objective.reference", "adapters_off", "is the base model with the adapters off, and "
-                                                                     "this run has none (adapter=none); use "
-                                                                     "adapter=lora, or objective.reference="
-                                                                     "frozen_copy, or objective.beta=0")
+    check_reference(c, REFERENCES, used=objective.beta > 0, otherwise=", or objective.beta=0")
     data = instantiate(dataset, split="train")
     room = data.seq_len - objective.max_new_tokens
     if data.longest_prompt() > room:

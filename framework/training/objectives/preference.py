@@ -58,7 +58,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from framework.config.errors import ConfigError
+from framework.config.errors import ConfigError, check_rules
 from framework.config.checked import Checked
 from framework.data.batch import Batch
 from framework.data.dataset_config import kind_of
@@ -335,9 +335,7 @@ def check_unpaired(c: Checked) -> None:
 
 
 def _check_rules(objective, rules) -> None:
-    for key, allowed, rule in rules:
-        if not allowed(objective.get(key)):
-            raise ConfigError(f"objective.{key}", objective.get(key), rule)
+    check_rules(rules, objective.get, lambda key: f"objective.{key}")
 
 
 def _check_mesh(c: Checked, name: str) -> None:

@@ -5,7 +5,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -26,10 +26,8 @@ from framework.models.lifecycle import allocate
 from framework.models.lora import adapters_disabled
 from framework.models.protocol import offered
 from framework.parallel.dtensors import local_bytes
-from framework.training.builder import build_and_run
 from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits
 from framework.training.objectives.logps import sequence_logps
-from framework.training.run import Run
 
 log = logging.getLogger("framework")
 REFERENCES = ("adapters_off", "frozen_copy", "precomputed")
@@ -100,6 +98,11 @@ def frozen_copy(run) -> nn.Module:
     """A second model from the policy's base (the seed, the Hugging Face files or
     checkpoint.init_from's weights, never a resumed policy's), through the same parallel stages
     (its TP plan, fsdp / hsdp), without adapters, frozen in eval mode: the module the loop would call."""
+    # (the builder and Run load DTensor's machinery: validation imports this module in the
+    # launcher, which must not pay for them; a rank building a reference already has)
+    from framework.training.builder import build_and_run
+    from framework.training.run import Run
+
     cfg = OmegaConf.merge(run.cfg, {"adapter": {"kind": "none", "init_from": None}})
     copy = Run(cfg=cfg, out_dir=run.out_dir, rank=run.rank, mesh=run.mesh, dp_cp_mesh=run.dp_cp_mesh, dp_cp=run.dp_cp,
                samples=run.samples, tp=run.tp)
@@ -192,14 +195,18 @@ def _reference_logps(run, dataset) -> np.ndarray:
     return gathered.transpose(0, 1).reshape(-1, 2)[:len(dataset)].float().cpu().numpy()
 
 
-def check_reference(c: Checked) -> None:
+def check_reference(c: Checked, allowed: Tuple[str, ...] = REFERENCES, used: bool = True,
+                    otherwise: str = "") -> None:
+    """objective.reference names a reference the objective can make (`allowed`); where it is
+    `used` (GRPO: beta > 0), adapters_off needs adapters. `otherwise`: the objective's other fix."""
     objective = c.cfg.objective
-    if objective.reference not in REFERENCES:
-        raise ConfigError("objective.reference", objective.reference, f"use one of {', '.join(REFERENCES)}")
-    if objective.reference == "adapters_off" and c.cfg.adapter.kind == "none":
-        raise ConfigError("objective.reference", "adapters_off", "is the base model with the adapters off, and this "
-                                                                 "run has none (adapter=none); use adapter=lora, or "
-                                                                 "objective.reference=frozen_copy for full training")
+    if objective.reference not in allowed:
+        raise ConfigError("objective.reference", objective.reference, f"use one of {', '.join(allowed)}")
+    if used and objective.reference == "adapters_off" and c.cfg.adapter.kind == "none":
+        raise ConfigError("objective.reference", "adapters_off", f"is the base model with the adapters off, and this "
+                                                                 f"run has none (adapter=none); use adapter=lora, or "
+                                                                 f"objective.reference=frozen_copy for full "
+                                                                 f"training{otherwise}")
 
 
 def check_precomputed(cfg) -> None:

@@ -231,6 +231,11 @@ def _pattern(reward: Any) -> Score:
 
 def _character_class(reward: Any) -> Score:
     _pattern(reward)  # (refused as regex's is: missing, or not a regular expression)
+    compiled = re.compile(reward.pattern)
+    if not any(compiled.fullmatch(chr(code)) for code in range(0x3000)):  # (Latin to CJK punctuation)
+        raise ConfigError("reward.pattern", reward.pattern, "matches no single character, so every completion would "
+                                                            "score 0; char_share scores each character alone: give a "
+                                                            "character class, e.g. '[a-z]'")
     return char_share(reward.pattern)
 
 
