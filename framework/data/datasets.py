@@ -90,9 +90,10 @@ class TokenDataset(DocumentsDataset):
         return window[:-1], window[1:], positions_in_documents(self.document_starts, begin, self.seq_len)
 
 
-
-class InstructionDataset(DocumentsDataset):
-    kind = "instruction"
+class ExamplesDataset(DocumentsDataset):
+    """Prepared data of one kind whose samples are its split's documents, one each (instruction
+    examples, prompts), their targets masked where nothing is learnt."""
+    kind: str
     masked_targets = True
 
     def __init__(self, path: str, seq_len: int = 128, split: str = "train", val_fraction: float = 0.05,
@@ -101,6 +102,10 @@ class InstructionDataset(DocumentsDataset):
 
     def __len__(self) -> int:
         return self.end - self.first
+
+
+class InstructionDataset(ExamplesDataset):
+    kind = "instruction"
 
     def __getitem__(self, index: int):
         return self.example(self.first + index)

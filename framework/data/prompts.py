@@ -1,15 +1,12 @@
 """Prompts for online RL (kind "prompts"): a dataset of its own kind, whose targets are the
 reference answers a reward compares with, not tokens the loss learns."""
-from typing import Optional
-
 import torch
 
 from framework.data.batch import IGNORE
-from framework.data.datasets import DocumentsDataset
-from framework.data.token_files import PreparedDocuments
+from framework.data.datasets import ExamplesDataset
 
 
-class PromptDataset(DocumentsDataset):
+class PromptDataset(ExamplesDataset):
     """Prompts for online RL (kind "prompts", framework.prepare --prompt-field [--answer-field]):
     sample i is the split's i-th document as a dict of "inputs", the prompt's ids exactly as
     prepare tokenized them (no BOS added, no EOS: what the policy continues), then -100;
@@ -19,14 +16,6 @@ class PromptDataset(DocumentsDataset):
     the prompts take). The last val_fraction of the prompts is held out; pad_id (the
     tokenizer's EOS when None) is kept for the completions, the samples are padded with -100."""
     kind = "prompts"
-    masked_targets = True
-
-    def __init__(self, path: str, seq_len: int = 128, split: str = "train", val_fraction: float = 0.05,
-                 pad_id: Optional[int] = None):
-        self._examples(PreparedDocuments(path, self.kind), seq_len, split, val_fraction, pad_id)
-
-    def __len__(self) -> int:
-        return self.end - self.first
 
     def __getitem__(self, index: int) -> dict:
         doc = self.first + index
