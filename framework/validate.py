@@ -29,6 +29,7 @@ from framework.parallel.mesh import resolve_device_type
 from framework.parallel.roles import MeshRoles
 from framework.models.lifecycle import adapt
 from framework.models.lora import check_adapter, check_adapter_init_from
+from framework.models.float8 import check_float8
 from framework.models.nf4 import check_qlora
 from framework.training.objectives.grpo import check_grpo
 from framework.training.objectives.preference import check_preference, check_unpaired
@@ -301,6 +302,7 @@ MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_expert_parallel,       # framework.parallel.expert_parallel: experts, EP dims, the plan
     check_adapter_init_from,     # framework.models.lora: a PEFT adapter to start from
     check_qlora,                 # framework.models.nf4: NF4 blocks, torchao
+    check_float8,                # framework.models.float8: the recipe, torchao, an sm_89+ GPU
     check_context_parallel,      # framework.parallel.context_parallel: the chunks, the model's attention
     check_document_masking,      # framework.data.checks: packed data, positions
     check_objective,             # framework.training.objectives: auxiliary terms

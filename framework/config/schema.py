@@ -22,6 +22,7 @@ STAGES = [
     "mesh",
     "model",
     "adapters",
+    "float8",
     "pipeline_parallel",
     "data_parallel",
     "tensor_parallel",
@@ -148,6 +149,7 @@ class TrainerConfig:
     profile_steps: int = 0
     memory_snapshot: bool = False  # a GPU allocator's history from the first step, dumped at the end (framework.training.memory)
     loss_chunk_tokens: Optional[int] = None  # the loss by chunks of N tokens (framework.training.objectives.chunked_loss); 0: whole logits; null: auto
+    float8: Any = None  # tensorwise / rowwise: float8 linear layers (framework.models.float8); null or false: off
     sweep_metric: Optional[str] = None  # what a sweep job returns to an optimizing sweeper (framework/hpo.py METRICS); null: val_loss
 
 

@@ -21,6 +21,7 @@ from framework.checkpoint.manager import Checkpointer
 from framework.config.schema import STAGES
 from framework.data.loader import StreamEpochs, build_dataloader, build_sampler
 from framework.checkpoint.weights import base_checkpoint, load_base, restart_count, starting_point
+from framework.models.float8 import apply_float8, float8_recipe
 from framework.models.lifecycle import adapt, allocate, new_model, on_meta
 from framework.models.lora import load_peft_adapter
 from framework.models.nf4 import quantize_base
@@ -108,6 +109,15 @@ def stage_adapters(run: Run) -> None:
             allocate(run.module, cfg.mesh.device_type, cfg.trainer.seed)
             load_base(run.module, None, offered(run.module).hf_path)
         quantize_base(run.module, a.block_size, a.scaler_block_size)
+
+
+def stage_float8(run: Run) -> None:
+    """trainer.float8: the linear layers as torchao's Float8Linear (framework.models.float8),
+    before any parallel stage shards, compiles or wraps them (torchtitan's order). Under
+    FSDP2 a tensorwise layer's weight is all-gathered in float8."""
+    recipe = float8_recipe(run.cfg.trainer)
+    if recipe:
+        apply_float8(run.module, recipe, fsdp_all_gather=run.cfg.parallel.dp_strategy != "replicate")
 
 
 def stage_pipeline_parallel(run: Run) -> None:
@@ -272,6 +282,7 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
     "mesh": stage_mesh,
     "model": stage_model,
     "adapters": stage_adapters,
+    "float8": stage_float8,
     "pipeline_parallel": stage_pipeline_parallel,
     "data_parallel": stage_data_parallel,
     "tensor_parallel": stage_tensor_parallel,
