@@ -87,10 +87,13 @@ def test_one_float8_step_is_close_to_the_unconverted_step(recipe, tmp_path_facto
 
 
 LAYOUTS = {"tp 1x2": ["mesh=1x2", "plan=lm_tp"], "fsdp 2x1": ["mesh=2x1", "parallel.dp_strategy=fsdp"]}
-# Against the one-rank float8 step. TP: the same (a tensorwise scale's amax is reduced over the
-# shards). FSDP2: each DP rank scales its own half of the batch's activations, so the rounding
-# differs (measured: loss 3.0e-6, gradient 3.1e-3 tensorwise); its weights are gathered in float8.
-LAYOUT_BOUNDS = {"tp 1x2": (1e-5, 1e-5), "fsdp 2x1": (3e-5, 3e-2)}
+# Against the one-rank float8 step of the recipe; measured (loss, gradient relative errors), bounds
+# at 10x (no tighter than 1e-5). TP: the same but for the shards' summation order (a tensorwise
+# scale's amax is reduced over the shards): tensorwise (0, 3.5e-8), rowwise (8.4e-8, 4.4e-5).
+# FSDP2: its weights gathered in float8 (tensorwise); each DP rank scales its own half of the
+# batch's activations, so tensorwise rounds differently: (3.0e-6, 3.1e-3); rowwise (0, 1.7e-4).
+LAYOUT_BOUNDS = {("tp 1x2", "tensorwise"): (1e-5, 1e-5), ("tp 1x2", "rowwise"): (1e-5, 4.4e-4),
+                 ("fsdp 2x1", "tensorwise"): (3e-5, 3.1e-2), ("fsdp 2x1", "rowwise"): (1e-5, 1.7e-3)}
 
 
 @pytest.mark.timeout(240)
@@ -101,7 +104,8 @@ LAYOUT_BOUNDS = {"tp 1x2": (1e-5, 1e-5), "fsdp 2x1": (3e-5, 3e-2)}
 def test_float8_under_tp_and_fsdp_is_close_to_the_one_rank_float8_step(layout, recipe, tmp_path_factory, tmp_path):
     result = one_step([*F8, *LAYOUTS[layout], f"trainer.float8={recipe}"], tmp_path, "run")
     loss, grads = relative_errors(result, one_rank_step(recipe, tmp_path_factory))
-    assert loss <= LAYOUT_BOUNDS[layout][0] and grads <= LAYOUT_BOUNDS[layout][1], (loss, grads)
+    loss_bound, grad_bound = LAYOUT_BOUNDS[layout, recipe]
+    assert loss <= loss_bound and grads <= grad_bound, (loss, grads)
 
 
 REFUSALS = [
