@@ -198,7 +198,8 @@ def test_document_masking_changes_what_the_model_learns_from_the_same_windows(do
     by hand: the initial model run on each document alone (masked) or on the whole window (plain)."""
     from tests.test_hf import first_global_batch
 
-    cfgs = {on: compose_config([*PACKED, f"data.path={documents}", "mesh=1x1", f"data.document_masking={on}"])
+    cfgs = {on: compose_config([*PACKED, f"data.path={documents}", "mesh=1x1", f"data.document_masking={on}",
+                                "trainer.max_steps=24"])
             for on in (True, False)}
     masked, plain = (reference_training(cfgs[on]) for on in (True, False))
     torch.manual_seed(cfgs[True].trainer.seed)
@@ -210,7 +211,10 @@ def test_document_masking_changes_what_the_model_learns_from_the_same_windows(do
     # each document alone against the window's block mask: other shapes (measured equal here)
     assert relative_error(masked["losses"][0], alone) <= 1e-5
     assert relative_error(plain["losses"][0], window) <= 1e-5
-    assert relative_error(alone, window) > 5e-4  # (measured 2.1e-3: the two first losses are told apart)
+    # the declared init starts every logit near 0, so the first losses hardly tell the masks apart
+    # (measured 3.6e-5 since then, 2.1e-3 before); what the model then learns in 24 steps does
+    # (measured 2.5e-2; 1.0e-3 in the first 8)
+    assert relative_error(alone, window) > 0
     assert max_relative_error(masked["losses"][1:], plain["losses"][1:]) > 1e-3
 
 
