@@ -4,6 +4,7 @@ whole model, after a step), for the LM, DPO and GRPO objectives, under TP's loss
 that no [tokens, vocab] tensor is ever made."""
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -123,11 +124,7 @@ def test_dpo_by_chunks_trains_the_model_the_whole_logits_train(select):
 def test_grpo_by_chunks_trains_the_model_the_whole_logits_train():
     grpo = GroupRelativePolicy(group_size=2, beta=0.1, reference="frozen_copy")
     grpo.projection = Projection(select=True)
-    pairs = preference_pairs()  # 2 prompts x a group of 2 completions
-    generator = torch.Generator().manual_seed(5)
-    batch = Batch(pairs.inputs, pairs.targets, reference=torch.randn(2, 2, 16, generator=generator) - 5,
-                  advantages=torch.randn(2, 2, generator=generator))
-    assert_same_step(grpo, batch)
+    assert_same_step(grpo, grpo_batch(preference_pairs()))  # 2 prompts x a group of 2 completions
 
 
 class LargestVocabularyTensor(TorchDispatchMode):
@@ -146,14 +143,23 @@ class LargestVocabularyTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("objective", ["lm", "dpo"])
+def grpo_batch(pairs: Batch) -> Batch:
+    """`pairs` as GRPO's batch: each pair a prompt's group of 2 completions, with advantages."""
+    generator = torch.Generator().manual_seed(5)
+    return Batch(pairs.inputs, pairs.targets, reference=torch.randn(*pairs.inputs.shape, generator=generator) - 5,
+                 advantages=torch.randn(pairs.inputs.shape[:2], generator=generator))
+
+
+@pytest.mark.parametrize("objective", ["lm", "dpo", "grpo"])
 def test_no_forward_or_backward_by_chunks_makes_a_tokens_by_vocabulary_tensor(objective):
     vocab, chunk = 1000, 16
     batch = preference_pairs(pairs=4, seq=32)  # 256 tokens
     if objective == "lm":
         scored, batch = NextTokenCrossEntropy(), Batch(batch.inputs.flatten(0, 1), batch.inputs.flatten(0, 1))
-    else:
+    elif objective == "dpo":
         scored = DirectPreference(reference="precomputed")
+    else:  # (a GRPO forward that took whole logits would make 256 x 1000)
+        scored, batch = GroupRelativePolicy(group_size=2, beta=0.1, reference="frozen_copy"), grpo_batch(batch)
     largest = {}
     for size in (chunk, 0):
         model = lm(vocab=vocab)
@@ -165,10 +171,30 @@ def test_no_forward_or_backward_by_chunks_makes_a_tokens_by_vocabulary_tensor(ob
     assert largest[0] >= batch.targets.numel() * vocab  # (what the test would see of whole logits)
 
 
+class HeldVocabularyTensors(torch.autograd.graph.saved_tensors_hooks):
+    """What autograd keeps for backward of the tensors with a `vocab`-long dimension (DTensors by
+    their global shape), each storage once, in elements: all of it is held from the forward to
+    the backward (torch.utils.checkpoint's own hooks, inside these, keep its chunks' out of it)."""
+
+    def __init__(self, vocab: int, weight_shape):
+        self.vocab, self.weight_shape, self.storages = vocab, tuple(weight_shape), {}
+        super().__init__(self.pack, lambda t: t)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.vocab in t.shape and sorted(t.shape) != sorted(self.weight_shape):
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            self.storages[local.untyped_storage().data_ptr()] = t.numel()
+        return t
+
+    @property
+    def held(self) -> int:
+        return sum(self.storages.values())
+
+
 def one_step(cfg_container: dict, out_dir: str) -> dict:
     """In each rank: the Trainer's forward and backward of the first global batch, the objective
     set up (trainer.loss_chunk_tokens); the global loss, the full gradients, the largest tensor
-    of the vocabulary's length made."""
+    of the vocabulary's length made and what of that length was kept for backward."""
     import torch.distributed as dist
 
     from framework.training.builder import build_and_run
@@ -177,11 +203,14 @@ def one_step(cfg_container: dict, out_dir: str) -> dict:
     run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="optimizer")
     run.objective.setup(run)
     batch = Batch.of(next(iter(run.dataloader)), "cpu")
-    with LargestVocabularyTensor(cfg_container["model"]["vocab_size"], (1, 1)) as seen:
+    vocab = cfg_container["model"]["vocab_size"]
+    kept = HeldVocabularyTensors(vocab, (1, 1))  # (its __enter__ returns None)
+    with LargestVocabularyTensor(vocab, (1, 1)) as seen, kept:
         loss = Trainer(run).forward_backward(batch)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
              for name, p in run.module.named_parameters()}
-    result = {"loss": mean_over_dp(run, local_value(loss).reshape(1))[0], "grads": grads, "largest": seen.largest}
+    result = {"loss": mean_over_dp(run, local_value(loss).reshape(1))[0], "grads": grads, "largest": seen.largest,
+              "held": kept.held}
     dist.destroy_process_group()
     return result
 
@@ -197,9 +226,12 @@ def test_under_tp_loss_parallel_the_chunks_train_the_model_one_process_trains(tm
         cfg = OmegaConf.to_container(compose_config([*base, *extra]), resolve=True)
         results[name] = spawn_ranks(math.prod(cfg["mesh"]["shape"]), one_step, cfg, str(tmp_path / name))[0]
     reference = results["1x1 whole"]
-    assert reference["largest"] >= 256 * 384
+    assert reference["largest"] >= 256 * 384 and reference["held"] >= 256 * 384
     assert results["1x2 chunks"]["largest"] <= 64 * 384  # (the DTensors' global shapes: 2 rows of 32 a chunk)
     assert results["1x1 chunks"]["largest"] <= 48 * 384
+    # held from forward to backward: at most a chunk's logits (the row chunks' recomputed in backward)
+    assert results["1x2 chunks"]["held"] <= 64 * 384, results["1x2 chunks"]["held"]
+    assert results["1x1 chunks"]["held"] <= 48 * 384, results["1x1 chunks"]["held"]
     for name, result in results.items():
         torch.testing.assert_close(result["loss"], reference["loss"], **LOSS_TOL, msg=name)
         assert set(result["grads"]) == set(reference["grads"])
@@ -217,3 +249,21 @@ def test_under_tp_loss_parallel_the_chunks_train_the_model_one_process_trains(tm
 def test_chunks_no_forward_can_score_are_refused_before_launch(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(compose_config([*TINY_LM, *overrides]))
+
+
+@pytest.mark.parametrize("device, vocab, setting, chunk", [
+    ("cuda", 32768, None, 2048),  # null: 2048 tokens a chunk on a GPU at a vocabulary of 32k or more
+    ("cuda", 32767, None, 0),
+    ("cpu", 32768, None, 0),
+    ("cuda", 32768, 0, 0),
+    ("cpu", 300, 64, 64),
+])
+def test_the_default_chunks_on_a_gpu_at_a_large_vocabulary_alone(device, vocab, setting, chunk):
+    """trainer.loss_chunk_tokens as the LM objective's setup reads it for the run's device and vocabulary."""
+    torch.manual_seed(0)
+    run = SimpleNamespace(tp={"size": 1}, pp={}, module=Transformer(vocab_size=vocab, dim=4, n_layers=1, n_heads=1),
+                          cfg=OmegaConf.create({"trainer": {"loss_chunk_tokens": setting},
+                                                "mesh": {"device_type": device}}))
+    objective = NextTokenCrossEntropy()
+    objective.setup(run)
+    assert objective.projection == Projection(select=False, chunk=chunk)
