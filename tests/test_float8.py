@@ -3,6 +3,8 @@ one-step loss and gradients against the unconverted model (float8 is lossy: boun
 error measured on this host), the same step under TP 1x2 and FSDP2 2x1 against the one-rank
 float8 step, and the refusals before launch. torch 2.13's CPU runs torch._scaled_mm on float8
 e4m3 inputs, so all of it runs without a GPU."""
+import importlib.util
+import logging
 import math
 import re
 
@@ -10,17 +12,22 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from framework.config.errors import ConfigError
 from framework.launch.local import spawn_ranks
 from framework.models import float8
 from framework.models.float8 import apply_float8, is_float8
 from framework.models.lifecycle import new_model
+from framework.training.builder import build_and_run
 from framework.validate import validate
 from tests.conftest import TINY_LM, compose_config, run_cli
+from tests import workers
 from tests.workers import one_step_gradients
 
-pytest.importorskip("torchao")
+# Per test (the refusals without torchao run without it): what converts or checks a device needs it.
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                   reason="torchao not installed (pip install -e '.[float8]')")
 
 F8 = [*TINY_LM, "plan=none", "mesh=1x1"]
 # lm_tiny: dim 32, hidden 64, 4 heads of 8, vocab 256, 2 blocks
@@ -34,6 +41,7 @@ LOSS_BOUND = {"tensorwise": 3e-4, "rowwise": 1e-5}
 GRAD_BOUND = {"tensorwise": 5.3e-2, "rowwise": 3.5e-2}
 
 
+@needs_torchao
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_every_block_linear_becomes_float8_but_the_output_projection(device):
     model = new_model(compose_config(F8).model, device, seed=0)
@@ -44,13 +52,33 @@ def test_every_block_linear_becomes_float8_but_the_output_projection(device):
     assert all(p.device.type == device for p in model.parameters())  # weights kept where they were
 
 
-def test_a_linear_whose_dims_are_not_whole_tiles_stays_as_it_was():
+@needs_torchao
+def test_a_linear_whose_dims_are_not_whole_tiles_stays_as_it_was(caplog):
     model = nn.ModuleDict({"a": nn.Linear(32, 48), "b": nn.Linear(24, 32), "c": nn.Linear(32, 40),
                            "lm_head": nn.Linear(32, 64)})
     weight = model["a"].weight.detach().clone()
-    assert apply_float8(model, "rowwise") == ["a"]
+    with caplog.at_level(logging.INFO, logger="framework"):
+        assert apply_float8(model, "rowwise") == ["a"]
     assert [type(m).__name__ for m in model.values()] == ["Float8Linear", "Linear", "Linear", "Linear"]
     assert torch.equal(model["a"].weight, weight)
+    assert caplog.messages == ["trainer.float8=rowwise: 1 linear layers as Float8Linear: a"]
+
+
+@needs_torchao
+def test_the_run_says_what_float8_converted(caplog):
+    with caplog.at_level(logging.INFO, logger="framework"):
+        apply_float8(new_model(compose_config(F8).model, "meta", seed=0), "tensorwise")
+    assert caplog.messages == ["trainer.float8=tensorwise: 14 linear layers as Float8Linear: "
+                               + ", ".join(f"layers.*.{name}" for name in BLOCK_LINEARS)]
+
+
+@needs_torchao
+def test_float8_that_converts_nothing_says_so(caplog):
+    model = new_model(compose_config([*F8, "model=seed_linear"]).model, "cpu", seed=0)  # a Linear(12, 12)
+    assert apply_float8(model, "tensorwise") == []
+    assert [(r.levelname, r.message) for r in caplog.records] == [
+        ("WARNING", "trainer.float8=tensorwise converted no layer of Linear: float8 takes an nn.Linear (not the "
+                    "output projection) whose dims are both multiples of 16, and it has none; it trains unconverted")]
 
 
 def one_step(overrides: list, tmp_path, name: str) -> dict:
@@ -77,6 +105,7 @@ def one_rank_step(recipe: str, tmp_path_factory) -> dict:
     return ONE_RANK[recipe]
 
 
+@needs_torchao
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_one_float8_step_is_close_to_the_unconverted_step(recipe, tmp_path_factory):
@@ -96,16 +125,47 @@ LAYOUT_BOUNDS = {("tp 1x2", "tensorwise"): (1e-5, 1e-5), ("tp 1x2", "rowwise"): 
                  ("fsdp 2x1", "tensorwise"): (3e-5, 3.1e-2), ("fsdp 2x1", "rowwise"): (1e-5, 1.7e-3)}
 
 
+# The gradient's relative error against the unconverted one-rank step, measured: a float8 step's
+# 4.4e-3 (FSDP2 tensorwise), 5.3e-3 (TP tensorwise), an unconverted FSDP2 step's 4.9e-7 (float32
+# rounding). A float8 step must be this far from the unconverted one (a tenth of float8's error).
+UNCONVERTED_MARGIN = 3e-4
+
+
+def float8_step(cfg_container: dict, out_dir: str) -> dict:
+    """In each rank: one_step_gradients, and what the float8 stage made: each Float8Linear by name,
+    with whether FSDP2 gathers its weight in float8 and the type of the weight's local shard."""
+    float8_layers = {}
+
+    def build(*args, **kwargs):
+        run = build_and_run(*args, **kwargs)
+        for name, module in run.module.named_modules():
+            if is_float8(module):
+                weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
+                float8_layers[name] = (module.config.enable_fsdp_float8_all_gather, type(weight).__name__)
+        return run
+
+    workers.build_and_run = build  # (in this rank's process alone)
+    return {**one_step_gradients(cfg_container, out_dir), "float8": float8_layers}
+
+
+@needs_torchao
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout,recipe", [
     ("tp 1x2", "tensorwise"), ("fsdp 2x1", "tensorwise"),
     pytest.param("tp 1x2", "rowwise", marks=pytest.mark.integration),
     pytest.param("fsdp 2x1", "rowwise", marks=pytest.mark.integration)])
 def test_float8_under_tp_and_fsdp_is_close_to_the_one_rank_float8_step(layout, recipe, tmp_path_factory, tmp_path):
-    result = one_step([*F8, *LAYOUTS[layout], f"trainer.float8={recipe}"], tmp_path, "run")
+    cfg = OmegaConf.to_container(compose_config([*F8, *LAYOUTS[layout], f"trainer.float8={recipe}"]), resolve=True)
+    result = spawn_ranks(2, float8_step, cfg, str(tmp_path / "run"))[0]
     loss, grads = relative_errors(result, one_rank_step(recipe, tmp_path_factory))
     loss_bound, grad_bound = LAYOUT_BOUNDS[layout, recipe]
     assert loss <= loss_bound and grads <= grad_bound, (loss, grads)
+    assert list(result["float8"]) == [f"layers.{i}.{name}" for i in range(2) for name in BLOCK_LINEARS]
+    gathered = layout.startswith("fsdp") and recipe == "tensorwise"  # (torchao casts rowwise after the gather)
+    expected = (True, "WeightWithDynamicFloat8CastTensor") if gathered else (False, "Tensor")
+    assert set(result["float8"].values()) == {expected}, result["float8"]
+    _, unconverted = relative_errors(result, one_rank_step("null", tmp_path_factory))
+    assert unconverted > UNCONVERTED_MARGIN, unconverted
 
 
 REFUSALS = [
@@ -138,6 +198,7 @@ def test_float8_without_torchao_names_the_extra(monkeypatch):
         validate(compose_config([*F8, "trainer.float8=tensorwise"]))
 
 
+@needs_torchao
 @pytest.mark.parametrize("capability,refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])
 def test_a_gpu_older_than_sm89_is_refused(capability, refused, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

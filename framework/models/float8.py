@@ -13,6 +13,8 @@ float8 before its all-gather (torchao's enable_fsdp_float8_all_gather), halving 
 torchao is an optional extra (pip install -e '.[float8]'), imported here only, when used.
 """
 import dataclasses
+import logging
+import re
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -25,6 +27,8 @@ from framework.models.nf4 import torchao_quietly
 RECIPES = ("tensorwise", "rowwise")
 KEPT = ("output", "lm_head")  # the output projections, kept in high precision
 TILE = 16  # float8 GEMMs need both dims of a weight a multiple of this
+
+log = logging.getLogger("framework")
 
 
 def float8_recipe(trainer: Any) -> Optional[str]:
@@ -69,7 +73,19 @@ def apply_float8(model: nn.Module, recipe: str, fsdp_all_gather: bool = False) -
         return chosen
 
     convert(model, config=float8_config(recipe, fsdp_all_gather), module_filter_fn=keep)
+    say_converted(model, recipe, converted)
     return converted
+
+
+def say_converted(model: nn.Module, recipe: str, converted: List[str]) -> None:
+    """Log what became Float8Linear (the count; the names, a layer index as *), or that nothing did."""
+    if not converted:
+        log.warning("trainer.float8=%s converted no layer of %s: float8 takes an nn.Linear (not the output "
+                    "projection) whose dims are both multiples of %d, and it has none; it trains unconverted",
+                    recipe, type(model).__name__, TILE)
+        return
+    names = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in converted)
+    log.info("trainer.float8=%s: %d linear layers as Float8Linear: %s", recipe, len(converted), ", ".join(names))
 
 
 def is_float8(module: nn.Module) -> bool:
