@@ -60,16 +60,24 @@ def test_the_static_cache_s_logits_are_the_forward_s_without_a_cache():
 
 @pytest.mark.parametrize("check_every", [1, 3, 0])
 def test_looking_at_the_stop_every_k_tokens_or_never_gives_the_same_completions(check_every):
-    """Rows past their stop are padding either way; greedy, every row stops at step 4, so an
-    early look ends the loop and a late one decodes padding: the same tokens and lengths."""
+    """Rows past their stop are padding either way; greedy, every row stops by step 4, so an
+    early look ends the loop and a late one decodes padding: the same tokens and lengths. The
+    model's forwards: the prompts', then one a token drawn before the look that finds every row
+    stopped (the first multiple of k at or after the longest row's length L), the last one
+    drawn not fed back: k x ceil(L / k) of them; never looking, max_new_tokens."""
     model = tiny_lm()
     greedy, _ = generate_groups(model, PROMPTS, 2, 12, 0.0, 1.0, [torch.Generator()] * 3, set(), 0)
     stop = set(greedy[:, 3].tolist())  # each row's 4th token
     every, lengths = generate_groups(model, PROMPTS, 2, 12, 0.0, 1.0, [torch.Generator()] * 3, stop, 0,
                                      check_every=1)
+    forwards = []
+    counting = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     other, other_lengths = generate_groups(model, PROMPTS, 2, 12, 0.0, 1.0, [torch.Generator()] * 3, stop, 0,
                                            check_every=check_every)
+    counting.remove()
     assert lengths.max() <= 4 and torch.equal(every, other) and torch.equal(lengths, other_lengths)
+    longest = int(lengths.max())
+    assert len(forwards) == (check_every * -(-longest // check_every) if check_every else 12)
 
 
 @pytest.mark.timeout(600)
@@ -78,10 +86,13 @@ def test_the_compiled_step_draws_the_eager_tokens_under_the_same_seeds():
     eager step: sampled with top-p, the same tokens and lengths; and a second call of other
     prompts with the same capacity reuses the compiled step."""
     model, step = tiny_lm(), compiled_step(torch.device("cpu"))
+    torch._dynamo.reset()  # (its counters and caches: this test's compilations alone)
     for prompts in (PROMPTS, [[1, 2, 3, 4], [9], [6, 6]]):
         runs = [generate_groups(model, prompts, 3, 10, 1.0, 0.9, decoding_generators([5, 6, 7], torch.device("cpu")),
                                 {11}, 0, capacity=32, step=compiled) for compiled in (None, step)]
         assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    # dynamo made one graph (an eager step: none; a recompile for the second prompts: two)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
 
 
 # -- GRPO's rollout figures on real gloo groups --------------------------------------------
