@@ -100,11 +100,12 @@ def test_the_compiled_step_draws_the_eager_tokens_under_the_same_seeds():
 LENGTHS = [[3.0, 8.0, 5.0, 1.0], [2.0, 6.0, 7.0, 4.0]]  # each DP rank's completion lengths
 
 
-def max_length_on_rank() -> float:
-    """(Each of 2 gloo ranks, one DP group.) completions/max_length of this rank's rollout."""
-    dist.init_process_group("gloo")
-    objective = GroupRelativePolicy(group_size=2)
-    objective.replicas, objective.replica_group, objective.device = 2, dist.group.WORLD, torch.device("cpu")
+def max_length_on_rank(cfg_container: dict, out_dir: str) -> float:
+    """(Each of 2 gloo ranks, 2 DP replicas, the objective set up from the run.) completions/max_length
+    of this rank's rollout."""
+    from tests.test_grpo import set_up_on_rank
+
+    objective = set_up_on_rank(cfg_container, out_dir)
     objective._note_rollout(torch.zeros(4, dtype=torch.float64), {}, torch.tensor(LENGTHS[dist.get_rank()]),
                             torch.zeros(4, 8, dtype=torch.int64))
     dist.destroy_process_group()
@@ -112,11 +113,12 @@ def max_length_on_rank() -> float:
 
 
 @pytest.mark.timeout(120)
-def test_the_longest_completion_is_every_replica_s_not_an_average():
+def test_the_longest_completion_is_every_replica_s_not_an_average(tmp_path):
     """TRL's max_length: 8 on both ranks (rank 1's own is 7; averaged over DP it would be 7.5)."""
     from framework.launch.local import spawn_ranks
+    from tests.test_grpo import grpo_config
 
-    reports = spawn_ranks(2, max_length_on_rank)
+    reports = spawn_ranks(2, max_length_on_rank, grpo_config("objective.group_size=2"), str(tmp_path))
     assert reports == {0: max(max(lengths) for lengths in LENGTHS), 1: 8.0}
 
 

@@ -48,13 +48,32 @@ BATCH_REWARDS = [[1.0, 0.0, 0.5, 0.5, 2.0, 0.0, 1.0, 1.0],   # rank 0's two grou
                  [3.0, 3.5, 4.0, 3.5, 3.25, 3.0, 3.5, 4.0]]  # rank 1's: another mean and spread
 
 
-def batch_std_on_rank() -> dict:
-    """(Run in each of 2 gloo ranks.) scale_rewards=batch's std of this rank's rewards over the DP
-    group (its moments all-reduced), and the advantages it gives; the group is the one setup
-    takes from the run (the world's two ranks here)."""
-    dist.init_process_group("gloo")
-    objective = GroupRelativePolicy(group_size=4, scale_rewards="batch")
-    objective.replicas, objective.replica_group, objective.device = 2, dist.group.WORLD, torch.device("cpu")
+def grpo_config(*overrides: str) -> dict:
+    """recipe=grpo_lm (the shipped prompts, 2x1) on the CPU, resolved for the ranks."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import QUIET, compose_config
+
+    return OmegaConf.to_container(compose_config(["recipe=grpo_lm", *QUIET, "mesh.device_type=cpu", *overrides]),
+                                  resolve=True)
+
+
+def set_up_on_rank(cfg_container: dict, out_dir: str) -> GroupRelativePolicy:
+    """(In each rank.) The run's objective as the Trainer sets it up: its DP replicas and group
+    are the run's."""
+    from omegaconf import OmegaConf
+
+    from framework.training.builder import build_and_run
+
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="optimizer")  # (it makes the objective)
+    run.objective.setup(run)
+    return run.objective
+
+
+def batch_std_on_rank(cfg_container: dict, out_dir: str) -> dict:
+    """(Run in each of 2 gloo ranks, 2 DP replicas.) scale_rewards=batch's std of this rank's
+    rewards over the DP group (its moments all-reduced), and the advantages it gives."""
+    objective = set_up_on_rank(cfg_container, out_dir)
     rewards = torch.tensor(BATCH_REWARDS[dist.get_rank()], dtype=torch.float64)
     std = objective._batch_std(rewards)
     advantages = group_advantages(rewards, 4, "batch", std)
@@ -63,12 +82,13 @@ def batch_std_on_rank() -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_batch_scaled_advantages_divide_by_the_std_of_every_replica_s_rewards():
+def test_batch_scaled_advantages_divide_by_the_std_of_every_replica_s_rewards(tmp_path):
     """On 2 DP ranks each rank's std is the std of all 16 rewards (Bessel-corrected, TRL's nanstd
     over the gathered batch), not its own 8's; each advantage its group-centred reward over it."""
     from framework.launch.local import spawn_ranks
 
-    reports = spawn_ranks(2, batch_std_on_rank)
+    cfg = grpo_config("objective.group_size=4", "objective.scale_rewards=batch")
+    reports = spawn_ranks(2, batch_std_on_rank, cfg, str(tmp_path))
     every = torch.tensor(BATCH_REWARDS, dtype=torch.float64).flatten()
     by_hand = float(nanstd(every))
     for rank in (0, 1):
@@ -151,7 +171,8 @@ def test_with_several_updates_per_rollout_the_clipped_ratio_to_the_old_policy_is
     objective = GroupRelativePolicy(group_size=2, max_new_tokens=max_new, loss_type=loss_type, epsilon=0.2,
                                     epsilon_high=0.28, num_iterations=2)
     step = StepShare(float(objective.count(targets)), 1.0)
-    objective._tokens = float(mask.sum())
+    set_up_in_one_process(objective)
+    objective._note_rollout(torch.zeros(rows, dtype=torch.float64), {}, mask.sum(-1), targets)  # (its tokens)
     ours = objective((logits, advantages, None, old), targets, torch.nn.Linear(1, 1), step)
     expected = trl_loss(logps, old, None, advantages, mask, loss_type, 0.2, 0.28, 0.0, max_new, mask.sum())
     assert float(ours) == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
@@ -159,6 +180,19 @@ def test_with_several_updates_per_rollout_the_clipped_ratio_to_the_old_policy_is
     region = (((ratio < 0.8) & (a < 0)) | ((ratio > 1.28) & (a > 0))).double()
     assert float(step.terms["clip_ratio"]) == pytest.approx(float((region * mask).sum() / mask.sum()), abs=1e-6)
     assert 0 < float(step.terms["clip_ratio"]) < 1
+
+
+def set_up_in_one_process(objective: GroupRelativePolicy) -> None:
+    """objective.setup_rollout of a one-process grpo_lm run (one replica, no process group)."""
+    from types import SimpleNamespace
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(grpo_config("mesh=1x1"))
+    dataset = instantiate(cfg.data.dataset, split="train")
+    objective.setup_rollout(SimpleNamespace(cfg=cfg, module=tiny_lm(), dataset=dataset, dp_cp={"size": 1},
+                                            dp_cp_group=None, tp={"size": 1}))
 
 
 def tiny_lm(vocab: int = 32) -> Transformer:
