@@ -56,3 +56,44 @@ def test_the_rank_layout_header_says_the_device_and_why(tmp_path):
     forced = run_cli(["mesh=1x1", "mesh.device_type=cpu", "trainer.max_steps=1", "trainer.progress_bar=false",
                       f"hydra.run.dir={tmp_path / 'forced'}"])
     assert "device: cpu (mesh.device_type=cpu)" in forced.stdout, forced.stderr
+
+
+class OneRankMesh:
+    """A DeviceMesh of one rank, as stage_mesh reads it (each dim's size and this rank's place)."""
+
+    def __getitem__(self, dim):
+        return self
+
+    def size(self) -> int:
+        return 1
+
+    def get_local_rank(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("env,gpus,device,reason", [
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, 2, "cuda", "auto: 2 GPUs for 2 local ranks"),  # 2 hosts of 2
+    ({"WORLD_SIZE": "4"}, 2, "cpu", "auto: 2 GPUs for 4 local ranks"),  # one host of 4: a rank without a GPU
+    ({}, 1, "cuda", "auto: 1 GPU for 1 local rank"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, 0, "cpu", "auto: no GPU"),
+])
+def test_the_builder_resolves_auto_for_this_host_s_ranks_and_the_header_says_it(env, gpus, device, reason,
+                                                                                monkeypatch, caplog, tmp_path):
+    """A config no launcher resolved (torchrun's ranks): the builder picks the device from this
+    host's ranks (LOCAL_WORLD_SIZE, else WORLD_SIZE), and the rank-layout header says it."""
+    from framework.training import builder
+
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setitem(builder.STAGE_FUNCTIONS, "distributed", lambda run: setattr(run, "rank", 0))
+    meshes = []
+    monkeypatch.setattr(builder, "build_mesh", lambda *mesh: meshes.append(mesh) or OneRankMesh())
+    cfg = compose_config(["mesh=1x1", *QUIET])
+    with caplog.at_level("INFO", logger="framework"):
+        builder.build_and_run(cfg, str(tmp_path), through="mesh")
+    assert (cfg.mesh.device_type, cfg.mesh.device_reason) == (device, reason)
+    assert meshes == [(device, [1, 1], ["dp", "tp"])]
+    assert caplog.messages[0].splitlines()[0] == f"device: {device} ({reason})"
