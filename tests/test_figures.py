@@ -1,7 +1,7 @@
 """The figures a run reports, against hand counts: the tokens a step forwards (LM, DPO, GRPO
 batches), the GPU allocator's figures from a memory_stats()-shaped dict, and the loggers'
-calls (none on a step with nothing to log). A cuda run's summary.json `device_memory` and its
-snapshots cannot run here (no GPU): this checks the figures and their plumbing on CPU."""
+calls (none on a step with nothing to log); and a whole 2-rank run on a stand-in of torch.cuda's
+allocator functions (no GPU here): each window's peaks, the run's, summary.json and the snapshots."""
 from types import SimpleNamespace
 
 import pytest
@@ -93,3 +93,88 @@ def test_the_run_s_peak_is_the_largest_window_s():
 
 def test_a_cpu_run_has_no_device_memory():
     assert DeviceMemory.of("cpu") is None
+
+
+# -- a run's device figures, through a stand-in of torch.cuda's allocator functions ----------
+
+# Each rank's allocator peak (active GiB; reserved 4 GiB more) in each window between two reads
+# (3 logging steps, then the summary's): they fall and rise, and the run's peak is not the last.
+WINDOW_PEAKS = {0: [10, 30, 20, 25], 1: [12, 8, 35, 5]}
+RETRIES_FROM, OOM_AT = 1, 2  # rank 1's allocator retries twice in window 1 and reports an OOM in window 2
+
+
+class StandInAllocator:
+    """torch.cuda's memory functions as a 144 GiB GPU's whose peaks in window w are WINDOW_PEAKS[rank][w]:
+    memory_stats reads the peaks since the last reset_peak_memory_stats (a window, one read each);
+    the retries and OOMs are counts since the start, as the allocator's are."""
+
+    def __init__(self, rank: int):
+        self.peaks, self.rank, self.reads, self.reset_at, self.oom_observer = WINDOW_PEAKS[rank], rank, 0, 0, None
+
+    def memory_stats(self) -> dict:
+        window, self.reads = self.reads, self.reads + 1
+        peak = max(self.peaks[self.reset_at:window + 1]) * GIB
+        if self.rank == 1 and window == OOM_AT:
+            self.oom_observer(0, 0, 0, 0)
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak + 4 * GIB,
+                "num_alloc_retries": 2 * (self.rank == 1 and window >= RETRIES_FROM),
+                "num_ooms": int(self.rank == 1 and window >= OOM_AT)}
+
+    def reset_peak_memory_stats(self) -> None:
+        self.reset_at = self.reads
+
+    def install(self) -> None:
+        from framework.training import memory
+
+        memory.DeviceMemory.of = staticmethod(lambda device_type: memory.DeviceMemory("cuda"))
+        cuda = torch.cuda
+        cuda.memory_stats, cuda.reset_peak_memory_stats = self.memory_stats, self.reset_peak_memory_stats
+        cuda.current_device = lambda: 0
+        cuda.get_device_properties = lambda index: SimpleNamespace(total_memory=144 * GIB)
+        cuda.memory._record_memory_history = lambda **kwargs: None
+        cuda.memory._dump_snapshot = lambda path: open(path, "wb").close()
+        torch._C._cuda_attach_out_of_memory_observer = lambda observer: setattr(self, "oom_observer", observer)
+
+
+def run_on_a_stand_in_gpu(cfg_container: dict, out_dir: str) -> None:
+    """(Each rank, in its own process.) The whole run, its allocator the stand-in."""
+    import os
+
+    from framework.launch.worker import run_rank
+
+    StandInAllocator(int(os.environ["RANK"])).install()
+    run_rank(cfg_container, out_dir)
+
+
+def figures(active: float, reserved: float, retries: int, ooms: int) -> dict:
+    return {"max_active_gib": active, "max_active_pct": pytest.approx(100 * active / 144, rel=1e-5),
+            "max_reserved_gib": reserved, "max_reserved_pct": pytest.approx(100 * reserved / 144, rel=1e-5),
+            "alloc_retries": retries, "ooms": ooms}
+
+
+@pytest.mark.timeout(120)
+def test_a_run_s_device_figures_are_each_window_s_and_the_run_s_peak_reaches_summary_json(tmp_path):
+    import json
+    import math
+    import re
+
+    from omegaconf import OmegaConf
+
+    from framework.launch.local import spawn_ranks
+    from tests.conftest import QUIET, TINY_LM, compose_config
+
+    cfg = compose_config([*TINY_LM, *QUIET, "mesh=2x1", "mesh.device_type=cpu", "trainer.max_steps=3",
+                          "trainer.log_every=1", "trainer.memory_snapshot=true", "checkpoint.every=null"])
+    spawn_ranks(math.prod(cfg.mesh.shape), run_on_a_stand_in_gpu, OmegaConf.to_container(cfg, resolve=True),
+                str(tmp_path))
+    for rank, peaks in WINDOW_PEAKS.items():  # each logging step's own window (reset after each read)
+        log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
+        assert [float(gib) for gib in re.findall(r"step \d: memory max active ([\d.]+) GiB", log)] == peaks[:3]
+        assert f"memory snapshot (end) for https://pytorch.org/memory_viz: {tmp_path}/memory_snapshot/rank{rank}_end" \
+               f".pickle" in log
+    assert "rank 1: 2 allocation retries and 1 OOMs so far" in (tmp_path / "logs" / "rank1.log").read_text()
+    assert sorted(p.name for p in (tmp_path / "memory_snapshot").iterdir()) == [
+        "rank0_end.pickle", "rank1_end.pickle", "rank1_oom.pickle"]
+    device = json.loads((tmp_path / "summary.json").read_text())["device_memory"]
+    assert device == {"rank0": figures(30.0, 34.0, 0, 0),  # the run's peak: window 1's, not the last one's
+                      "max_over_ranks": figures(35.0, 39.0, 2, 1)}
