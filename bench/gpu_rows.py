@@ -142,13 +142,19 @@ class Shared:
 
     @functools.cached_property
     def hf_model(self) -> str:
+        from framework.models.nf4 import torchao_quietly
         from tests.hf_models import make_hf_model
 
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()  # ("Writing model shards" on the table's console)
         s = self.scale.hf
-        return make_hf_model("llama", str(self.work / "hf_llama"), hidden_size=s["dim"], intermediate_size=s["hidden_dim"],
-                             num_hidden_layers=s["n_layers"], num_attention_heads=s["n_heads"],
-                             num_key_value_heads=s["n_kv_heads"], vocab_size=s["vocab_size"], rope_scaling=None,
-                             rope_theta=500000.0, max_position_embeddings=4 * self.scale.seq, tie_word_embeddings=True)
+        with torchao_quietly():  # (transformers' model classes import its quantizers, which load torchao)
+            return make_hf_model("llama", str(self.work / "hf_llama"), hidden_size=s["dim"],
+                                 intermediate_size=s["hidden_dim"], num_hidden_layers=s["n_layers"],
+                                 num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv_heads"],
+                                 vocab_size=s["vocab_size"], rope_scaling=None, rope_theta=500000.0,
+                                 max_position_embeddings=4 * self.scale.seq, tie_word_embeddings=True)
 
     @functools.cached_property
     def hf_tokens(self) -> str:

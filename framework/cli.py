@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from framework import imports_done
 from framework.checkpoint.layout import CheckpointError, resolve
 from framework.config.errors import ConfigError
+from framework.config.overrides import check_overrides
 from framework.config.schema import did_you_mean, register_schema, section_keys
 from framework.data.dataset_config import tokens_vocab
 from framework.config.trust import check_composed
@@ -47,6 +48,7 @@ def compose_checked(overrides: Sequence[str], config_name: str = "config") -> Di
     file would make anything run (framework.config.trust); nothing of it instantiated."""
     register_config()
     check_logger_overrides(overrides)
+    check_overrides(overrides)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
     check_composed(cfg, overrides)
@@ -115,14 +117,17 @@ def parsed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[Option
 def parsed_status(parser: argparse.ArgumentParser, argv: Sequence[str], body: Callable[[argparse.Namespace], int],
                   failed: str) -> int:
     """An argparse command's status (export, generate): argparse's (--help 0, a usage error 2),
-    else its body's, or 2 with one line `<failed>: <error>` for bad input (a ConfigError, an
-    unusable checkpoint)."""
+    else its body's, or 2 with one line for bad input: a ConfigError's own `config error: ...`
+    (as train says it), an unusable checkpoint's `<failed>: <error>`."""
     args, status = parsed(parser, argv)
     if args is None:
         return status
     try:
         return body(args)
-    except (ConfigError, CheckpointError) as error:
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    except CheckpointError as error:
         print(f"{failed}: {error}", file=sys.stderr)
         return 2
 

@@ -37,6 +37,7 @@ run block by block. The first step (which also runs the stages' warm-up exchange
 counted: the second is, as `framework.inspect comm` does.
 """
 import math
+import os
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -84,6 +85,22 @@ try:
 except ImportError as error:
     FakeStore = None
     MISSING_INTERNALS = str(error)
+
+
+@contextmanager
+def c_stderr_silenced() -> Iterator[None]:
+    """The process's stderr (file descriptor 2) to /dev/null: destroying the fake process group
+    makes c10d warn from C++ ("No backend of type 0 found ... hasHooks"), once per simulated rank,
+    where no Python filter reaches. A Python exception still raises with its message."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 @contextmanager
@@ -243,7 +260,8 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
             collectives=dict(sorted(totals.items())),
         )
     finally:
-        dist.destroy_process_group()
+        with c_stderr_silenced():
+            dist.destroy_process_group()
         # DTensor caches its sharding decisions by mesh, and meshes of one shape compare equal
         # whatever their groups: the next rank would reuse this rank's destroyed groups.
         _clear_sharding_prop_cache()
@@ -252,7 +270,7 @@ def simulate_rank(cfg: DictConfig, rank: int) -> RankReport:
 def dry_run(cfg: DictConfig) -> List[RankReport]:
     """Validate as the launcher does, then simulate each rank asked. The simulated mesh is on
     cpu whatever mesh.device_type says: shapes and collectives do not depend on the device."""
-    validate(cfg, world_size=math.prod(cfg.mesh.shape))
+    validate(cfg, world_size=math.prod(cfg.mesh.shape), devices_here=False)
     check_dryrun(cfg)
     # and uncompiled: compiling changes none of the shapes, bytes or collectives it reports; and
     # the optimizer unfused: fused kernels refuse meta tensors, and hold the same state as the loop

@@ -34,6 +34,7 @@ from framework.models.decode import decoding_generators, generate_groups, stop_i
 from framework.export import load_model, saved_config_errors
 
 DEVICES = ("auto", "cpu", "cuda")
+ROPE_POSITIONS = 1 << 24  # float32 holds every integer position up to here
 SOURCES = ("a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a step_N checkpoint or a "
            "checkpoints dir (its newest)")
 # (option, whether its value is allowed, the rule): each refused alone, by name
@@ -131,7 +132,38 @@ def encoded_prompt(args: argparse.Namespace, model: nn.Module, tokenizer) -> Lis
         raise ConfigError("--prompt", args.prompt, "encodes to no tokens; give some text")
     if from_hugging_face(model):
         check_length(model, "--max-new-tokens", args.max_new_tokens, before=len(prompt))
+    check_room(model, len(prompt), args.max_new_tokens)
     return prompt
+
+
+def available_bytes(device: torch.device) -> int:
+    """What the decoder may allocate: the GPU's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def check_room(model: nn.Module, before: int, new: int) -> None:
+    """The prompt and `new` tokens fit the decoder: positions the rotary embedding computes
+    exactly (float32, to ROPE_POSITIONS), and the static cache (every layer's keys and values for
+    every position, preallocated) with the rotation table and a step's scores in the memory
+    there is, else refused before the cache is allocated (100M new tokens ran until the kernel
+    killed the process)."""
+    param = next(model.parameters())
+    per_position = (len(model.layers) * 2 * model.n_kv_heads * model.head_dim * param.element_size()
+                    + 8 * model.head_dim + 8 * model.n_heads + 64)  # (the table rounded to a power of 2; masks)
+    free = available_bytes(param.device)
+    limit = min(ROPE_POSITIONS, free // per_position)
+    if before + new > limit:
+        prompt = f"with the prompt's {before} tokens, " if before else ""
+        why = (f"passes the {ROPE_POSITIONS} positions the rotary embedding computes exactly (in float32)"
+               if limit == ROPE_POSITIONS else
+               f"the decoder's cache would take {(before + new) * per_position / 2 ** 30:.1f} GiB and the "
+               f"{param.device.type} has {free / 2 ** 30:.1f} GiB available")
+        fix = f"use at most {limit - before}" if limit > before else "shorten the prompt"
+        raise ConfigError("--max-new-tokens", new, f"{prompt}{why}; {fix}")
 
 
 def parser() -> argparse.ArgumentParser:

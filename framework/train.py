@@ -40,6 +40,14 @@ register_config()
 # conf/hydra/launcher/submitit_*.yaml take the submitit plugin's options as their schema, on purpose.
 warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
 
+
+def choose_layout(cfg: DictConfig, world: Optional[int] = None) -> DictConfig:
+    """mesh=auto: the planner's first choice for planner.world ranks, or torchrun's `world`."""
+    from framework.planner.auto import choose_layout as planned  # (the planner: only when asked for)
+
+    return planned(cfg, list(HydraConfig.get().overrides.task), world=world)
+
+
 def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     """Join torchrun's world or a submitit job's when inside one, else validate and start the
     ranks here (with mesh=auto, on the planner's first choice)."""
@@ -52,11 +60,9 @@ def launch(cfg: DictConfig, out_dir: str) -> Optional[dict]:
         # the ranks' machinery (DTensor and the rest), which keeps its start-up short.
         from framework.launch.torchrun import launch_in_torchrun_world
 
-        return launch_in_torchrun_world(cfg, out_dir, list(HydraConfig.get().overrides.task))
+        return launch_in_torchrun_world(cfg, out_dir, choose_layout)
     if cfg.mesh.auto:
-        from framework.planner.auto import choose_layout  # (the planner: only when asked for)
-
-        cfg = choose_layout(cfg, list(HydraConfig.get().overrides.task))
+        cfg = choose_layout(cfg)
     validate(cfg, out_dir=out_dir)
     finished = nothing_to_train(cfg, checkpoint_dir(cfg, out_dir))
     if finished:

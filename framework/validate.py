@@ -18,6 +18,7 @@ from framework.config.errors import ConfigError
 from framework.not_yet import check_not_yet
 from framework.config.trust import check_targets
 from framework.data.loader import check_loader
+from framework.launch.threads import available_cores
 from framework.data.mixture import source_nodes
 from framework.training.logger import check_loggers
 from framework.data.checks import check_document_masking, check_responses, check_token_data
@@ -115,6 +116,9 @@ def check_trainer_and_data(cfg: DictConfig) -> None:
     for key in ("max_steps", "log_every", "eval_batches"):
         if cfg.trainer[key] < 1:
             raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be >= 1")
+    for key, what in (("trainer.seed", "the model's init and every draw of the run"), ("sampler.seed", "the data's order")):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(key, OmegaConf.select(cfg, key), f"must be an integer >= 0 (the seed of {what})")
     if cfg.trainer.check_replicas_every is not None and cfg.trainer.check_replicas_every < 1:
         raise ConfigError("trainer.check_replicas_every", cfg.trainer.check_replicas_every, "must be >= 1, or null")
     if cfg.trainer.eval_every is not None and cfg.trainer.eval_every < 1:
@@ -328,10 +332,11 @@ def checked_config(cfg: DictConfig, model: Optional[torch.nn.Module] = None, out
 
 
 def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: Optional[int] = None,
-             deep: bool = True, out_dir: Optional[str] = None) -> None:
+             deep: bool = True, out_dir: Optional[str] = None, devices_here: bool = True) -> None:
     """All checks. `world_size` is the world a launcher joined (torchrun); `deep` also builds the
     model on meta and the dataset, which the launcher does once and the ranks skip; with the
-    job's `out_dir`, also the checkpoint the run would start from."""
+    job's `out_dir`, also the checkpoint the run would start from; without `devices_here` (the
+    dry run, which simulates the ranks on this CPU) not this host's GPUs."""
     check_known_keys(cfg)
     mesh_size = math.prod(cfg.mesh.shape)
     per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or mesh_size
@@ -348,12 +353,13 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     check_fault_tolerance(cfg)
     MeshRoles.from_config(cfg).check_tp_placement(per_host, cfg.parallel.enforce_tp_innermost,
                                                   cfg.parallel.allow_tp_across_hosts)
-    check_devices(cfg, per_host)
+    if devices_here:
+        check_devices(cfg, per_host)
     check_targets(cfg)
     check_trainer_and_data(cfg)
     check_model_path(cfg)  # before check_token_data reads data.tokenizer, often ${model.path}
     check_token_data(cfg)
-    check_loader(cfg)
+    check_loader(cfg, available_cores())
     check_checkpoint_keys(cfg)
     check_loggers(cfg)
     if deep:

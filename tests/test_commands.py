@@ -64,7 +64,7 @@ def test_export_refuses_an_output_it_would_overwrite_or_cannot_write_in_one_line
     (tmp_path / "model.pt").write_text("kept")
     before = sorted(tmp_path.rglob("*"))
     assert export.main([str(checkpoint), str(tmp_path / out), "--format", fmt]) == 2
-    assert capsys.readouterr().err == f"export failed: config error: {line.format(out=tmp_path / out, tmp=tmp_path)}\n"
+    assert capsys.readouterr().err == f"config error: {line.format(out=tmp_path / out, tmp=tmp_path)}\n"
     assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "model.pt").read_text() == "kept"
 
 
@@ -100,7 +100,7 @@ def test_a_model_path_from_a_checkpoint_that_is_gone_is_said_to_come_from_the_ch
 def test_generate_names_the_one_option_or_the_source_it_refuses(argv, line, tmp_path, capsys):
     source = tmp_path / "none"
     assert generate.main([str(source), "--prompt", "hi", *argv]) == 2
-    assert capsys.readouterr().err == f"generate failed: config error: {line.format(source=source)}\n"
+    assert capsys.readouterr().err == f"config error: {line.format(source=source)}\n"
 
 
 def test_export_of_a_run_dir_points_at_its_checkpoints(tmp_path, capsys):
@@ -140,4 +140,4 @@ def test_generate_s_device_is_refused_on_the_command_line_before_the_source_is_r
     """`python -m framework.generate`: one line and exit 2 (the source does not even exist)."""
     result = run_cli([str(tmp_path / "none"), "--prompt", "hi", "--device", "gpu"], module="framework.generate")
     assert result.returncode == 2
-    assert result.stderr == "generate failed: config error: --device='gpu': use one of auto, cpu, cuda\n"
+    assert result.stderr == "config error: --device='gpu': use one of auto, cpu, cuda\n"

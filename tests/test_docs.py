@@ -38,12 +38,17 @@ def commands(page: str) -> List[List[str]]:
     """Each command line of the page's code blocks as its words, continuation lines joined and
     trailing comments dropped; `...` (the previous command's arguments) filled in."""
     found = []
-    for block in re.findall(r"```[a-z]*\n(.*?)\n```", text(page), re.S):
+    fenced = re.findall(r"```[a-z]*\n(.*?)\n```", text(page), re.S)
+    # and Markdown's indented blocks: lines of four spaces after a blank line (docs/training.md's)
+    indented = re.findall(r"(?:^|\n\n)((?: {4}.*(?:\n|$))+)", re.sub(r"```.*?```", "", text(page), flags=re.S))
+    for block in fenced + indented:
         first = None
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             if not PROGRAM.match(line.strip()):
                 continue
             words = shlex.split(line.strip().removeprefix("$ "), comments=True)
+            if "-m" not in words:  # a script (bench/...), not a command of the package
+                continue
             if "..." in words:
                 at = words.index("...")
                 words = words[:at] + [w for w in first if w not in words] + words[at + 1:]

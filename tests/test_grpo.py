@@ -399,6 +399,9 @@ def test_the_toy_recipe_runs_as_shipped_from_a_directory_without_prompts(tmp_pat
     assert any(prompt in first for prompt in prompts), first  # the shipped prompts were read
     rewards = scalars(tmp_path / "run" / "tb")["reward"]
     assert len(rewards) == 2 and all(0 < r < 0.5 for r in rewards), rewards  # a graded share, near 26/256
+    # the reward, what a GRPO user watches (the loss hovers at 0), on the final line as TensorBoard has it
+    assert f"final loss {summary['final_loss']:.6f}, reward {rewards[-1]:.4f} after 2 steps" in result.stdout, \
+        result.stdout
 
 
 @pytest.mark.timeout(300)

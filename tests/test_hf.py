@@ -266,7 +266,7 @@ def test_generate_refuses_a_model_directory_as_train_does_in_one_line_naming_sou
     elif case == "missing_shard":
         _index_naming_a_missing_shard(path)
     assert generate_main([path, "--prompt", "hi", *argv]) == 2
-    assert capsys.readouterr().err == f"generate failed: config error: {fix.format(path=path)}\n"
+    assert capsys.readouterr().err == f"config error: {fix.format(path=path)}\n"
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -37,6 +37,10 @@ def test_compiled_blocks_train_the_eager_model_and_their_checkpoint_resumes_eage
     eager = run_cli([*base, f"hydra.run.dir={tmp_path / 'eager'}"])
     compiled = run_cli([*base, "trainer.compile=blocks", "checkpoint.every=2", f"hydra.run.dir={tmp_path / 'compiled'}"])
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    # the first step says it waits for the compiler (once), the eager run does not
+    said = re.findall(r"step 1: data, forward and backward.*: torch.compile is compiling; the first steps wait",
+                      compiled.stdout)
+    assert len(said) == 1 and "torch.compile" not in eager.stdout, compiled.stdout
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "compiled")), torch.tensor(losses(tmp_path / "eager")),
                                rtol=1e-5, atol=1e-6)
     if mesh in ("1x1", "1x2"):  # saved compiled, resumed eager: the same names, the same curve

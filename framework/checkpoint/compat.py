@@ -3,6 +3,7 @@ path resolves to a complete checkpoint, its model keys and shapes are this model
 resume keeps the global batch order (or says checkpoint.reset_data). The mesh shape, plan,
 TP size and optimizer options may all differ: DCP reshards on load."""
 import os
+import tempfile
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -145,14 +146,18 @@ def checkpoint_dir(cfg: DictConfig, out_dir: str) -> str:
 
 
 def check_checkpoint_writable(c: Checked) -> None:
-    """A run that saves (checkpoint.every) can make its checkpoint directory: the nearest part
-    of it that exists is a writable directory. Found before launch, not at the first save."""
+    """A run that saves (checkpoint.every) can make its checkpoint directory: a file can be
+    written (and removed) in the nearest part of it that exists. Tried, not asked of os.access,
+    which tells root that /proc is writable. Found before launch, not at the first save."""
     if c.checkpoint_dir is None or not c.cfg.checkpoint.every:
         return
     existing = c.checkpoint_dir
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
-        raise ConfigError("checkpoint.dir", c.cfg.checkpoint.dir, f"checkpoints go to {c.checkpoint_dir}, but "
-                                                                  f"{existing} is not a writable directory; point "
-                                                                  f"checkpoint.dir at one")
+    try:
+        with tempfile.TemporaryFile(dir=existing, prefix=".writable-"):
+            pass
+    except OSError as error:
+        raise ConfigError("checkpoint.dir", c.cfg.checkpoint.dir,
+                          f"checkpoints go to {c.checkpoint_dir}, but {existing} is not a writable directory; "
+                          f"point checkpoint.dir at one (a file written there: {error.strerror})") from None

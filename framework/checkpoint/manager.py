@@ -19,13 +19,15 @@ import logging
 import os
 import time
 import tomllib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -115,6 +117,22 @@ class OptimizerState(Stateful):
         set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint DCP could not write, said in one line (DCP's CheckpointException is a
+    BaseException whose message holds every rank's traceback)."""
+
+
+@contextmanager
+def said_in_one_line(partial: str) -> Iterator[None]:
+    try:
+        yield
+    except CheckpointException as error:
+        ranks = sorted(error.failures)
+        cause = error.failures[ranks[0]][0] if ranks else error
+        raise SaveFailed(f"the checkpoint could not be written to {partial} (ranks {ranks}): "
+                         f"{type(cause).__name__}: {cause}; check checkpoint.dir") from error
+
+
 def optimizer_saved_flat(path: str) -> bool:
     """Whether the checkpoint holds the optimizer flattened (this version) or, as before, one
     param_groups list (whose first group's `params` is then a key of its own)."""
@@ -156,7 +174,8 @@ class Checkpointer:
         partial, final = partial_dir(self.dir, step), step_dir(self.dir, step)
         meta = self._meta()
         if self.async_group is None:
-            dcp.save(state, checkpoint_id=partial)  # returns once every rank's files and .metadata are written
+            with said_in_one_line(partial):
+                dcp.save(state, checkpoint_id=partial)  # returns once every rank's files and .metadata are written
             self._record_blocking(entry, meta, start)
             self._publish(partial, final, meta, entry, start)
         else:
@@ -181,7 +200,8 @@ class Checkpointer:
             return
         future, *publish = self.in_flight
         self.in_flight = None
-        future.result()
+        with said_in_one_line(publish[0]):
+            future.result()
         self._publish(*publish)
 
     def _publish(self, partial: str, final: str, meta: dict, entry: dict, start: float) -> None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
 from torch import nn
 
 from framework.config.errors import ConfigError
@@ -31,11 +32,28 @@ class Checked:
 
 
 def instantiate_checked(node: Any, **kwargs: Any) -> Any:
-    """instantiate, letting a ConfigError raised by the target (a bad data path, say) through
-    unwrapped, so it prints as the one-line config error it is."""
+    """instantiate, letting a ConfigError raised by the target or by a resolver (a bad data path,
+    say) through unwrapped, so it prints as the one-line config error it is; an interpolation of
+    a key the config lacks (data=random_tokens' ${model.vocab_size} under a model without one)
+    as one too, naming the key that holds it."""
     try:
         return instantiate(node, **kwargs)
-    except InstantiationException as error:
-        if isinstance(error.__cause__, ConfigError):
-            raise error.__cause__ from None
+    except (InstantiationException, InterpolationResolutionError) as error:
+        cause = error.__cause__ or error.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        if isinstance(error, InterpolationKeyError) and isinstance(node, DictConfig):
+            _refuse_unresolvable(node)
         raise
+
+
+def _refuse_unresolvable(node: DictConfig) -> None:
+    for key in node.keys():
+        try:
+            value = node[key]
+        except InterpolationKeyError as error:
+            raw = OmegaConf.to_container(node)[key]
+            raise ConfigError(node._get_full_key(key), raw, f"{str(error).splitlines()[0]}: set the key itself, "
+                                                            f"or use a config that has what it names") from None
+        if isinstance(value, DictConfig):
+            _refuse_unresolvable(value)

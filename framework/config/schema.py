@@ -297,6 +297,16 @@ def unknown_key(cfg: Any) -> Optional[Tuple[str, List[str]]]:
     return _unknown_in(cfg, Config, "")
 
 
+def field_type(key: str) -> Any:
+    """The schema's type of a dotted key (`trainer.memory_snapshot`), None where free-form or unknown."""
+    schema: Any = Config
+    for name in key.split("."):
+        if not dataclasses.is_dataclass(schema):
+            return None
+        schema = {f.name: f.type for f in dataclasses.fields(schema)}.get(name)
+    return schema
+
+
 def section_keys(section: str) -> List[str]:
     """The keys of a typed section (`trainer`, `mesh`, ...; "" for the top), [] for a free-form one."""
     schema: Any = Config

@@ -1,9 +1,11 @@
 """The data's checks before launch, from meta.json (or data=hf's tokenizer) and the config:
 tokenizers and vocabularies agree, sample sizes, pad ids, document masking, responses kept."""
 import inspect
+import json
 import sys
 
 from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import IterableDataset
 
 from framework.config.checked import Checked
@@ -19,6 +21,7 @@ def check_token_data(cfg) -> None:
     from data.tokenizer (when one is named) and from one tokenizer, and fit model.vocab_size.
     (That each split holds a global batch is framework.validate's check_dataset.)"""
     check_sample_sizes(cfg.data.dataset, source_nodes(cfg.data.dataset))
+    check_distinct_sources(source_nodes(cfg.data.dataset))
     if cfg.data.get("streaming") and not issubclass(get_class(cfg.data.dataset._target_), IterableDataset):
         raise ConfigError("data.streaming", True, f"{cfg.data.dataset._target_} is read indexed: streaming reads text "
                                                   f"records (data=hf) only; set data.streaming=false")
@@ -47,17 +50,45 @@ def check_token_data(cfg) -> None:
                               "${tokens_vocab:${data.path},${data.tokenizer}} as recipes/lm_files.yaml does")
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_sample_sizes(dataset, sources: dict) -> None:
-    """A sample's length and the held-out share, before a dataset divides by them (a seq_len of
-    0 ended in a ZeroDivisionError inside Hydra's instantiation)."""
+    """A sample's length, the held-out share, the data's seed and its number of samples, for
+    every dataset and every source of a mixture, before a dataset divides by them or seeds a
+    generator with them (a seq_len of 0 ended in a ZeroDivisionError inside Hydra's
+    instantiation, num_samples=-4 in torch's, a seed of -1 in numpy's, in a rank)."""
     nodes = {"data.dataset": dataset, **{f"data.dataset.sources.{name}.dataset": node
                                          for name, node in sources.items() if name}}
+    mixture = "" not in sources
     for key, node in nodes.items():
         seq_len, fraction = node.get("seq_len"), node.get("val_fraction")
-        if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+        if seq_len is not None and (not _count(seq_len) or seq_len < 1):
             raise ConfigError(f"{key}.seq_len", seq_len, "must be an integer >= 1 (tokens per sample)")
+        seed, samples = node.get("seed"), node.get("num_samples")
+        if seed is not None and (not _count(seed) or seed < 0):
+            raise ConfigError(f"{key}.seed", seed, "must be an integer >= 0 (the draws' seed)")
+        if samples is not None and (not _count(samples) or samples < 1):
+            whole = key == "data.dataset" and mixture
+            raise ConfigError(f"{key}.num_samples", samples,
+                              "must be an integer >= 1 (samples per epoch of the mixture), or null for the sources' "
+                              "samples summed" if whole else "must be an integer >= 1 (the dataset's samples)")
         if fraction is not None and (isinstance(fraction, bool) or not 0 <= fraction < 1):
             raise ConfigError(f"{key}.val_fraction", fraction, "must be in [0, 1): the share of the data held out")
+
+
+def check_distinct_sources(sources: dict) -> None:
+    """No mixture source is another's dataset again under a second name: its weight would be
+    the two weights summed, drawn as two sources."""
+    seen = {}
+    for name, node in sources.items():
+        if not isinstance(node, DictConfig):
+            continue  # (the mixture refuses a source that is no dataset config)
+        same = seen.setdefault(json.dumps(OmegaConf.to_container(node), sort_keys=True), name)
+        if same != name:
+            raise ConfigError(f"data.dataset.sources.{name}.dataset", node.get("path", node.get("_target_")),
+                              f"is source {same}'s dataset again; give it once, with the weight you mean")
 
 
 def check_pad_id(node, tokenizer: dict, source: str) -> None:

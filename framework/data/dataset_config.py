@@ -45,6 +45,12 @@ def tokens_vocab(path: Optional[str], tokenizer: Optional[str] = None) -> int:
     """`${tokens_vocab:${data.path},${data.tokenizer}}`: the vocabulary of the prepared data at
     `path` (or, for data=hf, of `tokenizer`), rounded up to a multiple of 64 (rows past the
     tokenizer's are never a target)."""
+    if not path and not tokenizer:
+        raise ConfigError("data.tokenizer", None, "the model's vocabulary (model.vocab_size) comes from the prepared "
+                                                  "data at data.path or from data.tokenizer, and neither is given "
+                                                  "(data=mixture has no data.path: its sources name their own); name "
+                                                  "the tokenizer the data was prepared with: data.tokenizer=PATH "
+                                                  "(a tokenizer.json or its directory) or bytes")
     if tokenizer and not os.path.isfile(os.path.join(os.path.expanduser(path or ""), META)):
         vocab = load_tokenizer(tokenizer).vocab_size
     else:

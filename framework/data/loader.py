@@ -20,12 +20,18 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from framework.config.errors import ConfigError
 
 
-def check_loader(cfg) -> None:
-    """The loader's worker count, before torch refuses it in every rank."""
+def check_loader(cfg, cores: int) -> None:
+    """The loader's worker count, before torch refuses it in every rank, or starts more worker
+    processes than the host's `cores` (each a process with its own copy of the dataset, which
+    only contend for the cores: torch's own suggested maximum)."""
     workers = cfg.data.get("num_workers")
     if workers is not None and workers < 0:
         raise ConfigError("data.num_workers", workers, "must be >= 0 (0: the samples are read in the rank's own "
                                                        "process)")
+    if workers is not None and workers > cores:
+        raise ConfigError("data.num_workers", workers, f"is more than this host's {cores} cores: each worker is a "
+                                                       f"process of its own for every rank, and more than the cores "
+                                                       f"only contend for them; use at most {cores}")
 
 
 class StreamEpochs:

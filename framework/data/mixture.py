@@ -55,7 +55,6 @@ class Mixture(Dataset):
         if not sources:
             raise ConfigError("data.dataset.sources", None, "name at least one source: NAME: {weight: W, dataset: "
                                                             "{_target_: ..., ...}}")
-        _check_counts(seed, num_samples)
         self.source_names = list(sources)
         weights = np.array([_weight(name, sources[name]) for name in self.source_names], dtype=np.float64)
         if weights.sum() <= 0:
@@ -108,16 +107,6 @@ class Mixture(Dataset):
 
 
 MIXTURES = ("framework.data.Mixture", f"{__name__}.Mixture")
-
-
-def _check_counts(seed, num_samples) -> None:
-    """The draws' seed seeds numpy's generator (which takes no negative); the epoch counts samples."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ConfigError("data.dataset.seed", seed, "must be an integer >= 0 (the draws' seed)")
-    if num_samples is not None and (not isinstance(num_samples, int) or isinstance(num_samples, bool)
-                                    or num_samples < 1):
-        raise ConfigError("data.dataset.num_samples", num_samples, "must be an integer >= 1 (samples per epoch of the "
-                                                                   "mixture), or null for the sources' samples summed")
 
 
 def _weight(name: str, source) -> float:

@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 from datetime import timedelta
-from typing import List, Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 from omegaconf import DictConfig
@@ -47,16 +47,16 @@ def _torchrun_store() -> dist.TCPStore:
                          timeout=HANDSHAKE_TIMEOUT)
 
 
-def launch_in_torchrun_world(cfg: DictConfig, out_dir: str, overrides: List[str]) -> Optional[dict]:
-    """Rank 0 under torchrun: plan the layout if mesh=auto, validate against the world, publish
-    the config (or the error), then run as rank 0."""
+def launch_in_torchrun_world(cfg: DictConfig, out_dir: str,
+                             choose_layout: Callable[[DictConfig, int], DictConfig]) -> Optional[dict]:
+    """Rank 0 under torchrun: plan the layout if mesh=auto (`choose_layout` of the config and
+    the world's size: the command's planner, which sits above the launchers), validate against
+    the world, publish the config (or the error), then run as rank 0."""
     store = _torchrun_store()
     out_dir = _job_dir(store, out_dir)
     try:
         if cfg.mesh.auto:
-            from framework.planner.auto import choose_layout  # (the planner: only when asked for)
-
-            cfg = choose_layout(cfg, overrides, world=int(os.environ["WORLD_SIZE"]))
+            cfg = choose_layout(cfg, int(os.environ["WORLD_SIZE"]))
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]),
                  ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])), out_dir=out_dir)
     except Exception as error:  # a ConfigError, or anything else: never leave the others waiting

@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,7 @@ class Metrics:
         self.first_step_s: Optional[float] = None
         self.first_step_unix: Optional[float] = None
         self.memory: Optional[dict] = None
+        self.headline: Dict[str, float] = {}  # the objective's terms shown beside the loss (GRPO's reward), last logged
         # a mixture's sources (framework.data.mixture): learned tokens per source since the last logging step
         self.source_names = list(getattr(run.dataset, "source_names", ()))
         self.source_tokens = torch.zeros(len(self.source_names), device=cfg.mesh.device_type)
@@ -143,7 +144,7 @@ class Metrics:
         """A logging step: the window's throughput since the last one, to the bar and TensorBoard."""
         step_time = (time.perf_counter() - self.window_start) / (step - self.window_first + 1)
         self.window_start, self.window_first = time.perf_counter(), step + 1
-        self.progress.set_postfix(loss=f"{loss:.4f}")
+        self.progress.set_postfix(loss=f"{loss:.4f}", **{name: f"{value:.4f}" for name, value in self.headline.items()})
         values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": self.global_batch / step_time,
                   "step_time_s": step_time}
         if self.tokens_per_sample:
@@ -225,7 +226,8 @@ class Metrics:
     def _report(self, summary: dict) -> None:
         cfg, samples_per_s = self.run.cfg, summary["samples_per_s"]
         throughput = f"{samples_per_s:.1f} samples/s" if samples_per_s else "samples/s not measured (only a first step)"
-        log.info("final loss %.6f after %d steps, %s", summary["final_loss"], summary["steps"], throughput)
+        shown = "".join(f", {name} {value:.4f}" for name, value in self.headline.items())
+        log.info("final loss %.6f%s after %d steps, %s", summary["final_loss"], shown, summary["steps"], throughput)
         if self.loggers:
             self.loggers.log_hparams(
                 {"mesh": "x".join(map(str, cfg.mesh.shape)), "dim_names": list(cfg.mesh.dim_names),

@@ -378,6 +378,8 @@ class Trainer:
         if terms or len(tokens):
             values = mean_over_dp(self.run, torch.cat([torch.stack(terms) if terms else tokens[:0], tokens]))
             self.metrics.scalars(step, dict(zip(tags.values(), values)))
+            self.metrics.headline = {name: value for name, value in zip(tags, values)
+                                     if name in self.objective.headline}
             self.metrics.source_shares(step, values[len(terms):])
 
     def _evaluate_and_log(self, step: int) -> float:

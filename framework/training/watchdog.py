@@ -93,16 +93,17 @@ class StallWatchdog:
         self.current = "starting training"
         self.last_finished = time.monotonic()
         self.compiling_since: Optional[float] = None
+        self.said_compiling = False
         self._stop = threading.Event()
         for stale in (report_path(out_dir, rank), compiling_path(out_dir, rank)):  # an earlier attempt's
             if os.path.exists(stale):
                 os.remove(stale)
-        if timeout_s is not None:
-            # torch imported here: the launcher, which reads the reports, never makes a watchdog
-            from torch._dynamo import callback_handler
+        # torch imported here: the launcher, which reads the reports, never makes a watchdog
+        from torch._dynamo import callback_handler
 
-            callback_handler.register_start_callback(self.compile_started)
-            callback_handler.register_end_callback(self.compile_ended)
+        callback_handler.register_start_callback(self.compile_started)
+        callback_handler.register_end_callback(self.compile_ended)
+        if timeout_s is not None:
             threading.Thread(target=self._watch, name="stall-watchdog", daemon=True).start()
 
     def stage(self, name: str) -> None:
@@ -112,6 +113,12 @@ class StallWatchdog:
         self.last_finished = time.monotonic()
 
     def compile_started(self, _args=None) -> None:
+        """Rank 0 says so the first time: a first step that compiles (trainer.compile, float8,
+        GRPO's compile_decode) waits without a word for up to minutes otherwise."""
+        if self.rank == 0 and not self.said_compiling:
+            self.said_compiling = True
+            log.info("%s: torch.compile is compiling; the first steps wait for it (minutes with a cold inductor "
+                     "cache), later ones reuse it", self.current)
         self.compiling_since = time.monotonic()
         open(compiling_path(self.out_dir, self.rank), "w").close()
 
@@ -128,11 +135,10 @@ class StallWatchdog:
 
     def close(self) -> None:
         self._stop.set()
-        if self.timeout_s is not None:
-            from torch._dynamo import callback_handler
+        from torch._dynamo import callback_handler
 
-            callback_handler.remove_start_callback(self.compile_started)
-            callback_handler.remove_end_callback(self.compile_ended)
+        callback_handler.remove_start_callback(self.compile_started)
+        callback_handler.remove_end_callback(self.compile_ended)
 
     def _watch(self) -> None:
         interval = min(1.0, self.timeout_s / 5)

@@ -12,8 +12,9 @@ its forward sets `auxiliary_losses = {name: sum over the micro-batch's tokens}`
 else the model's own `aux_coefficients`, e.g. an HF config's router_aux_loss_coef), normalized by the global batch's
 tokens the same way (a token count needs no communication), and keeps their values for logging.
 """
+import inspect
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 from hydra.utils import get_class
@@ -22,6 +23,7 @@ from torch import nn
 
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
+from framework.config.schema import did_you_mean
 from framework.models.protocol import offered
 from framework.training.objectives.chunked_loss import check_loss_chunks
 
@@ -48,8 +50,11 @@ class Objective:
     and their coefficients are common to all. An objective that needs more than the model's
     output (DPO's reference model) overrides `setup` (once the run is built) and `forward`.
     `kind` is the objective's name (objective=<kind>, conf/objective/<kind>.yaml): the checks and
-    the not-yet table ask objective_kind, never the class's path."""
+    the not-yet table ask objective_kind, never the class's path. `headline`: the logged terms
+    shown beside the loss on the progress line and in the final line (GRPO's reward, what its
+    user watches: its loss hovers at 0 by construction)."""
     kind: Optional[str] = None
+    headline: Tuple[str, ...] = ()
 
     def __init__(self, aux_coefficients: Optional[Mapping[str, float]] = None):
         self.aux_coefficients = dict(aux_coefficients or {})
@@ -141,13 +146,28 @@ def objective_kind(cfg) -> Optional[str]:
                                                         f"of conf/objective/") from None
 
 
+def check_options(objective_cfg) -> None:
+    """Every objective.KEY is an option of the objective's class (its signature): `+objective.foo=1`
+    would fail in every rank as its constructor's TypeError."""
+    cls = get_class(objective_cfg._target_)
+    taken = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
+        return
+    for key, value in objective_cfg.items():
+        if not str(key).startswith("_") and key not in taken:
+            raise ConfigError(f"objective.{key}", value, f"{cls.__name__} takes no such option; "
+                                                         f"{did_you_mean(f'objective.{key}', sorted(taken))}")
+
+
 def check_objective(c: Checked) -> None:
-    """Before launch: trainer.loss_chunk_tokens (check_loss_chunks); the auxiliary terms' weights
+    """Before launch: the objective's keys (check_options), trainer.loss_chunk_tokens
+    (check_loss_chunks); the auxiliary terms' weights
     name terms the model reports (a mistyped name would leave the model's own weight in place),
     and no weighted term under pipeline parallelism (the last stage's loss cannot add a term an
     earlier stage's module reports; a term of weight 0 is only not reported there)."""
     check_loss_chunks(c)
     objective_cfg, model, pp_size = c.cfg.objective, c.model, c.roles.pp_size
+    check_options(objective_cfg)
     reports, declared = offered(model).auxiliary_losses is not None, dict(offered(model).aux_coefficients)
     if reports and pp_size > 1:
         weights = {**declared, **(objective_cfg.get("aux_coefficients") or {})}

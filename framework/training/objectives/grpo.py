@@ -49,6 +49,7 @@ REFERENCES = ("adapters_off", "frozen_copy")
 
 class GroupRelativePolicy(GroupRollout, Objective):
     kind = "grpo"
+    headline = ("reward",)
 
     def __init__(self, group_size: int = 4, max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                  scale_rewards: str = "group", loss_type: str = "grpo", epsilon: float = 0.2,
@@ -187,6 +188,15 @@ def check_grpo(c: Checked) -> None:
              ("num_iterations", lambda v: v >= 1, "must be >= 1 (policy updates per rollout)"),
              ("compile_decode", lambda v: v in (None, True, False), "use true, false or null (null: on for cuda)")]
     check_rules(rules, objective.get, lambda key: f"objective.{key}")
+    sharded = [what for what, on in (
+        (f"parallel.dp_strategy={getattr(cfg.parallel.dp_strategy, 'value', cfg.parallel.dp_strategy)} shards it over the DP ranks",
+         cfg.parallel.dp_strategy != "replicate"),
+        (f"tensor parallelism splits it over {c.roles.tp_size} ranks", c.roles.tp_size > 1)) if on]
+    if objective.compile_decode and sharded:
+        raise ConfigError("objective.compile_decode", True, f"the compiled one-token decode step (one graph) needs the "
+                                                            f"whole model on the rank, and {sharded[0]}; use "
+                                                            f"parallel.dp_strategy=replicate without TP, or "
+                                                            f"objective.compile_decode=null (off when sharded)")
     every = cfg.checkpoint.every
     if objective.num_iterations > 1 and every and every % objective.num_iterations:
         raise ConfigError("checkpoint.every", every, f"a checkpoint inside a rollout's "
