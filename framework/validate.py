@@ -39,7 +39,7 @@ from framework.training.objectives.rewards import check_reward
 from framework.parallel.context_parallel import check_context_parallel
 from framework.parallel.expert_parallel import check_expert_parallel
 from framework.parallel.fault_tolerance import check_fault_tolerance
-from framework.training.objectives.base import check_objective
+from framework.training.objectives.base import check_objective, check_objective_options
 from framework.parallel.pipeline import check_pipeline_parallel
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules, shards_sequence
 from framework.training.compile import compiled_blocks
@@ -314,6 +314,7 @@ MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_unpaired,              # framework.training.objectives.preference: unpaired examples, KTO's reference
     check_grpo,                  # framework.training.objectives.grpo: prompts, GRPO's keys, room for completions
     check_reward,                # framework.training.objectives.rewards: the reward and a user's file
+    check_objective_options,     # framework.training.objectives: objective.KEY is an option (after the pairings above)
     check_optimizer,             # (here) the optimizer's options
     check_dataset,               # (here) a global batch per split
     check_responses,             # framework.data.checks: instruction data keeps a response

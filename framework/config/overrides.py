@@ -20,8 +20,9 @@ def check_overrides(overrides: Sequence[str]) -> None:
                                                          "each under a name of their own)")
             added.append(key)
         kind = field_type(key)
-        if kind in (bool, Optional[bool]) and not override.is_sweep_override() and not override.is_delete():
+        nullable = kind == Optional[bool]
+        if (kind is bool or nullable) and not override.is_sweep_override() and not override.is_delete():
             # OmegaConf takes any non-zero number as true (trainer.memory_snapshot=2)
             value = override.value()
-            if not isinstance(value, bool) and not (value is None and kind is Optional[bool]):
-                raise ConfigError(key, value, "must be true or false" + (", or null" if kind is Optional[bool] else ""))
+            if not isinstance(value, bool) and not (value is None and nullable):
+                raise ConfigError(key, value, "must be true or false" + (", or null" if nullable else ""))

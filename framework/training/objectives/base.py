@@ -159,15 +159,19 @@ def check_options(objective_cfg) -> None:
                                                          f"{did_you_mean(f'objective.{key}', sorted(taken))}")
 
 
+def check_objective_options(c: Checked) -> None:
+    """Before launch, after the checks that pair the data with its objective (a recipe's
+    `objective.beta` under `objective=lm` is the wrong objective, not a stray key): check_options."""
+    check_options(c.cfg.objective)
+
+
 def check_objective(c: Checked) -> None:
-    """Before launch: the objective's keys (check_options), trainer.loss_chunk_tokens
-    (check_loss_chunks); the auxiliary terms' weights
+    """Before launch: trainer.loss_chunk_tokens (check_loss_chunks); the auxiliary terms' weights
     name terms the model reports (a mistyped name would leave the model's own weight in place),
     and no weighted term under pipeline parallelism (the last stage's loss cannot add a term an
     earlier stage's module reports; a term of weight 0 is only not reported there)."""
     check_loss_chunks(c)
     objective_cfg, model, pp_size = c.cfg.objective, c.model, c.roles.pp_size
-    check_options(objective_cfg)
     reports, declared = offered(model).auxiliary_losses is not None, dict(offered(model).aux_coefficients)
     if reports and pp_size > 1:
         weights = {**declared, **(objective_cfg.get("aux_coefficients") or {})}
