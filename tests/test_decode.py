@@ -58,6 +58,28 @@ def test_the_static_cache_s_logits_are_the_forward_s_without_a_cache():
         torch.testing.assert_close(stepped[row], alone, rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def test_an_eager_cpu_step_attends_over_the_written_positions_and_a_compiled_one_over_all():
+    """The eager step on the CPU reads the keys written so far (position + the new tokens), not
+    the whole buffer: the keys attention is handed, and the mask's width, against the position;
+    a compiled step's cache (static_address) hands every position, whatever the position. The
+    logits of both against the plain forward in test_the_static_cache_s_logits_... above."""
+    model, pad = tiny_lm(), torch.tensor([0, 4, 3])
+    model.rope.prepare(model.head_dim, 10, torch.device("cpu"))
+    handed = {}
+    for compiled in (False, True):
+        position = torch.zeros((), dtype=torch.int64)
+        cache = [StaticCache(10, position, pad, static_address=compiled) for _ in model.layers]
+        widths = []
+        for tokens in (torch.tensor([[0] * (6 - len(p)) + p for p in PROMPTS]), torch.tensor([[11], [12], [13]])):
+            keys, _ = cache[0].extend(torch.zeros(3, tokens.shape[1], 2, 8), torch.zeros(3, tokens.shape[1], 2, 8))
+            layout = cache[0].layout(model.rope, model.head_dim, tokens, torch.zeros(3, tokens.shape[1], 32))
+            widths.append((keys.shape[1], layout.mask.shape[-1]))
+            position += tokens.shape[1]
+        handed[compiled] = widths
+    assert handed == {False: [(6, 6), (7, 7)], True: [(10, 10), (10, 10)]}
+
+
 @pytest.mark.parametrize("check_every", [1, 3, 0])
 def test_looking_at_the_stop_every_k_tokens_or_never_gives_the_same_completions(check_every):
     """Rows past their stop are padding either way; greedy, every row stops by step 4, so an

@@ -44,10 +44,14 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
 
 class StaticCache:
     """One layer's keys and values for `capacity` positions, zeroed (a masked key's weight is 0,
-    and 0 x garbage could be NaN), written at `position` (a 0-d tensor every layer shares): each
-    step's shapes are the same, so a compiled step never recompiles. `pad` (rows,): each row's
-    left padding. Transformer.forward asks it for the layout (`layout`); its `length` is 0
-    because the rotation table was made for the whole capacity before decoding (`prepare`)."""
+    and 0 x garbage could be NaN), written at `position` (a 0-d tensor every layer shares). A
+    compiled step (`static_address`) and a GPU's attend over every position: each step's shapes
+    are the same, so a compiled step never recompiles, and the position is never read back to
+    the host. An eager step on the CPU, where that read costs nothing, attends over the positions
+    written so far (`span`): over the whole buffer, a 64-token rollout's attention read 2-3x the
+    keys it needed (bench/README.md). `pad` (rows,): each row's left padding.
+    Transformer.forward asks it for the layout (`layout`); its `length` is 0 because the rotation
+    table was made for the whole capacity before decoding (`prepare`)."""
 
     length = 0
 
@@ -68,7 +72,14 @@ class StaticCache:
         at = self.position + torch.arange(keys.shape[1], device=keys.device)
         self.keys.index_copy_(1, at, keys)
         self.values.index_copy_(1, at, values)
-        return self.keys, self.values
+        span = self.span(keys.shape[1])
+        return self.keys[:, :span], self.values[:, :span]
+
+    def span(self, new: int) -> int:
+        """The positions attention reads when `new` tokens are written at `position`."""
+        if self.static_address or self.position.device.type != "cpu":
+            return self.capacity
+        return int(self.position) + new
 
     def layout(self, rope, head_dim: int, tokens: torch.Tensor, hidden: torch.Tensor) -> AttentionLayout:
         """Each token rotated by its place after its row's padding; query i (position .. + i)
@@ -77,7 +88,7 @@ class StaticCache:
         index = self.position + torch.arange(tokens.shape[1], device=device)
         places = (index[None, :] - self.pad[:, None]).clamp(min=0)
         cos, sin = rope.cos_sin(head_dim, 0, self.capacity, device)
-        keys = torch.arange(self.capacity, device=device)[None, None, :]
+        keys = torch.arange(self.span(tokens.shape[1]), device=device)[None, None, :]
         queries = index[None, :, None]
         seen = ((keys >= self.pad[:, None, None]) | (keys == queries)) & (keys <= queries)
         return AttentionLayout(cos[places], sin[places], additive_mask(seen, hidden)[:, None])
