@@ -30,6 +30,7 @@ import pytest
 from omegaconf import DictConfig
 
 import framework.cli
+from framework.launch.zygote import zygote_socket
 from tests.errors import recording_assert_close
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,13 +111,33 @@ def compose_config(overrides: List[str] = ()) -> DictConfig:
     return framework.cli.compose_config(list(overrides))
 
 
+def cli_command(module: str, args: List[str], env: Dict[str, str]) -> List[str]:
+    """`python -m MODULE ARGS` started in milliseconds: a fork of one interpreter that imported
+    the commands, whose ranks are forks of one that imported the ranks' code
+    (FRAMEWORK_ZYGOTE_SOCKET), each started once per test session (framework.launch.zygote). A
+    fork is the command as a user runs it (its stdio, arguments, cwd, environment, exit status
+    and signals; its atexit handlers run), less the ~5 CPU-seconds an interpreter spends
+    importing torch and Hydra."""
+    env["FRAMEWORK_ZYGOTE_SOCKET"] = zygote_socket()
+    return [sys.executable, "-m", "framework.launch.zygote", zygote_socket("framework.train"), module, *args]
+
+
 def run_cli(args: List[str], timeout: float = 240, env: dict | None = None, module: str = "framework.train",
             prefix: List[str] = ()) -> subprocess.CompletedProcess:
     """Run `python -m framework.train ARGS` (or under a prefix such as torchrun) from the repo root.
-    On timeout the whole process group goes, ranks included, so a hang leaves nothing running."""
+    Without `env` the command is a fork of the session's interpreters (cli_command), which
+    imported under the environment of the first such run; a run whose environment an import
+    reads (a marker found in /proc, PYTHONPATH, OMP_NUM_THREADS, ...) passes it as `env`, and gets
+    a fresh interpreter. On timeout the whole process group goes, ranks included, so a hang
+    leaves nothing running."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     full_env = {key: value for key, value in full_env.items() if value is not None}  # env={KEY: None} unsets KEY
-    cmd = [*prefix, "-m", module, *args] if prefix else [sys.executable, "-m", module, *args]
+    if prefix:
+        cmd = [*prefix, "-m", module, *args]
+    elif env:
+        cmd = [sys.executable, "-m", module, *args]
+    else:
+        cmd = cli_command(module, list(args), full_env)
     with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as process:
         try:
@@ -137,3 +158,4 @@ def processes_with_marker(marker: str) -> list:
         except OSError:
             continue
     return found
+

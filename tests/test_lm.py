@@ -22,7 +22,8 @@ STEPS = 10
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mesh,plan", [("2x2", "lm_tp"), ("2x2", "lm_tp_sp"), ("1x2", "lm_tp_sp_loss_parallel")])
+@pytest.mark.parametrize("mesh,plan", [pytest.param("2x2", "lm_tp", marks=pytest.mark.integration),  # (inside lm_tp_sp)
+                                       ("2x2", "lm_tp_sp"), ("1x2", "lm_tp_sp_loss_parallel")])
 def test_lm_loss_equals_single_process_training(mesh, plan, tmp_path):
     """The training losses, and the validation losses (each DP replica evaluates its share)."""
     evaluated = [o for o in TINY if o != "trainer.eval_every=null"] + ["trainer.eval_every=5", "trainer.eval_batches=2"]

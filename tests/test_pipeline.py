@@ -34,7 +34,7 @@ def one_process_clipped():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("overrides", [
-    ["mesh=pp2x1x1", "parallel.pp_schedule=gpipe"],
+    pytest.param(["mesh=pp2x1x1", "parallel.pp_schedule=gpipe"], marks=pytest.mark.integration),
     ["mesh=pp2x1x1", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=4"],
     ["mesh=pp2x1x1", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"],
     pytest.param(["mesh=pp2x1x1", "parallel.pp_schedule=interleaved_zero_bubble", "parallel.pp_stages_per_rank=2"], marks=pytest.mark.integration),

@@ -29,7 +29,7 @@ def tiny_lm_shapes(tp: int) -> list:
 
 CASES = [
     # model, mesh, strategy, plan, rank 0's parameter bytes (hand count)
-    ("seed", "4x1", "fsdp", "seed_mlp_tp", SEED_BYTES // 4),
+    pytest.param("seed", "4x1", "fsdp", "seed_mlp_tp", SEED_BYTES // 4, marks=pytest.mark.integration),
     ("seed", "2x2x1", "hsdp", "seed_mlp_tp", SEED_BYTES // 2),
     ("lm", "2x2", "fsdp", "lm_tp_sp", fsdp_rank0_bytes(tiny_lm_shapes(tp=2), 2)),  # TP halves, 2 FSDP shards
     pytest.param("lm", "2x1x2", "hsdp", "lm_tp", fsdp_rank0_bytes(tiny_lm_shapes(tp=2), 1),  # TP halves, 1 shard,

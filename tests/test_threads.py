@@ -50,7 +50,8 @@ def assert_shared_out(cores: dict, threads: int) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mesh,plan", [("1x1", "plan=none"), ("2x2", "plan=seed_mlp_tp")])
+@pytest.mark.parametrize("mesh,plan", [pytest.param("1x1", "plan=none", marks=pytest.mark.integration),
+                                       ("2x2", "plan=seed_mlp_tp")])
 def test_each_rank_gets_its_share_of_the_cores_and_is_bound_to_them(mesh, plan, tmp_path):
     threads = threads_in_ranks(tmp_path, mesh, plan, "launcher.bind_cores=true")
     ranks = len(threads)

@@ -19,8 +19,8 @@ PARITY_STEPS = 20
 @pytest.mark.parametrize("overrides", [
     ["mesh=1x1"],
     ["mesh=2x2", "plan=seed_mlp_colwise_rowwise"],
-    ["mesh=4x1"],
-    ["mesh=1x4"],
+    pytest.param(["mesh=4x1"], marks=pytest.mark.integration),  # (the 2x2 case's dims, each alone)
+    pytest.param(["mesh=1x4"], marks=pytest.mark.integration),
     ["recipe=seed_tp"],  # the seed's Linear, colwise, on a 1-D TP mesh
     ["recipe=seed_tp", "model=seed_sequential", "plan=seed_sequential_rowwise_colwise"],
 ], ids=lambda o: " ".join(o))

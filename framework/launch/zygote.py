@@ -6,8 +6,11 @@ most of a short run's wall time importing. The elastic agent still starts, watch
 restarts each rank as a command (so it sees every rank's exit code and error file); that command
 is this module's light client, which hands its stdio, environment and arguments to the zygote,
 relays the agent's signals to the forked rank, and exits as the rank did (same code, or killed
-by the same signal). A rank kills itself when its client disappears, so nothing outlives the
-agent. Stdlib only: the client must start fast.
+by the same signal). A rank kills itself when its client disappears, and a client dies with the
+agent, so nothing outlives the agent. Stdlib only: the client must start fast.
+
+Launches may share one zygote: FRAMEWORK_ZYGOTE_SOCKET names a running one (the test suite
+starts one per session, and its commands' ranks are all forks of it).
 
     server: python -m framework.launch.zygote --serve SOCKET PRELOADED_MODULE LAUNCHER_PID
     client: python -m framework.launch.zygote SOCKET MODULE [ARGS...]
@@ -27,7 +30,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 _HEADER = struct.Struct("!Q")
 _RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -44,31 +47,35 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-_running: Optional[Tuple[subprocess.Popen, str]] = None
+_running: Dict[str, Tuple[subprocess.Popen, str]] = {}
 
 
 def zygote_socket(preload: str = "framework.launch.worker") -> str:
-    """The socket of this process's zygote, started on first use and stopped at exit. It is a
-    fresh interpreter (not a fork of the caller, whose threads or OpenMP may not survive a fork)
-    with the caller's environment, so starting it early overlaps its imports with the caller's."""
-    global _running
-    if _running is None or _running[0].poll() is not None:
+    """The socket of this process's zygote for `preload`, started on first use and stopped at exit
+    (for the ranks' preload, FRAMEWORK_ZYGOTE_SOCKET's where set). It is a fresh interpreter (not a
+    fork of the caller, whose threads or OpenMP may not survive a fork) with the caller's
+    environment, so starting it early overlaps its imports with the caller's."""
+    if preload == "framework.launch.worker" and os.environ.get("FRAMEWORK_ZYGOTE_SOCKET"):
+        return os.environ["FRAMEWORK_ZYGOTE_SOCKET"]
+    running = _running.get(preload)
+    if running is None or running[0].poll() is not None:
         sock_dir = tempfile.mkdtemp(prefix="framework-zygote-")
         path = os.path.join(sock_dir, "zygote.sock")
         # One OpenMP thread in the zygote: it never computes, and a fork must not inherit a
         # thread pool; each rank sets its own count (framework.launch.threads).
         # A session of its own: a terminal's Ctrl-C is the launcher's to act on, and must not
         # reach the zygote while its interpreter still starts (before it can ignore signals).
-        _running = subprocess.Popen([sys.executable, "-m", __name__, "--serve", path, preload, str(os.getpid())],
-                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True), path
+        server = subprocess.Popen([sys.executable, "-m", __name__, "--serve", path, preload, str(os.getpid())],
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        running = _running[preload] = server, path
 
         def stop() -> None:
-            _running[0].kill()
-            _running[0].wait()
+            server.kill()
+            server.wait()
             shutil.rmtree(sock_dir, ignore_errors=True)
 
         atexit.register(stop)
-    return _running[1]
+    return running[1]
 
 
 # ---- server -------------------------------------------------------------------------------
@@ -120,6 +127,7 @@ def _run_rank(conn: socket.socket, stdio: list, request: dict, zygote: int) -> N
         traceback.print_exc()
         code = 1
     finally:
+        atexit._run_exitfuncs()  # as the interpreter's own exit would (the command's, and those of its imports)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -204,6 +212,10 @@ def _connect(path: str, timeout_s: float = 120.0) -> socket.socket:
 
 
 def run_client(path: str, module: str, args: list) -> None:
+    agent = os.getppid()
+    _die_with_parent()  # a shared zygote outlives the agent; its rank must not
+    if os.getppid() != agent:
+        os._exit(1)
     conn = _connect(path)
     request = json.dumps({"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     socket.send_fds(conn, [_HEADER.pack(len(request))], [0, 1, 2])
