@@ -158,4 +158,3 @@ def processes_with_marker(marker: str) -> list:
         except OSError:
             continue
     return found
-
