@@ -349,7 +349,9 @@ def _hf_text_reader(streaming: bool) -> str:
 def register_schema() -> None:
     """The schema, and the resolvers configs may use that read no data (framework.cli registers
     the one that does, `${tokens_vocab:...}`, where the config is composed)."""
-    ConfigStore.instance().store(name="config_schema", node=Config)
+    store = ConfigStore.instance()
+    if "config_schema.yaml" not in store.repo:  # once: making it from the dataclasses takes ~50 ms
+        store.store(name="config_schema", node=Config)
     if not OmegaConf.has_resolver("hf_text_reader"):
         OmegaConf.register_new_resolver("hf_text_reader", _hf_text_reader)
     if not OmegaConf.has_resolver("packaged"):

@@ -12,6 +12,7 @@ Recipes and group files are what people share, so none of them may choose code t
   function (COMMAND_LINE_ONLY) only from the command line;
 - a Python file whose function scores GRPO's completions (reward.file): only from the command line.
 """
+import functools
 import os
 from pathlib import Path
 from typing import Any, Iterator, List, Sequence, Tuple
@@ -147,11 +148,21 @@ def check_allowlist_files(runtime: DictConfig) -> None:
         if choice is None or group.startswith("hydra/"):
             continue
         for path in (Path(d, group, f"{choice}.yaml") for d in dirs):
-            loaded = OmegaConf.load(path) if path.is_file() else None
-            if isinstance(loaded, DictConfig) and "allowed_targets" in loaded:
-                raise ConfigError("allowed_targets", OmegaConf.to_container(loaded.allowed_targets),
+            sets, value = _allowed_targets_in(str(path), path.stat().st_mtime_ns) if path.is_file() else (False, None)
+            if sets:
+                raise ConfigError("allowed_targets", value,
                                   f"set in {path}: a config file may not widen what may be instantiated; give it "
                                   f"on the command line (allowed_targets=[...]) or in {ALLOWLIST_ENV} if you trust it")
+
+
+@functools.lru_cache(maxsize=None)
+def _allowed_targets_in(path: str, mtime_ns: int) -> Tuple[bool, Any]:
+    """Whether the file sets allowed_targets, and to what: read once per version of the file (a
+    process composes many configs of the same files)."""
+    loaded = OmegaConf.load(path)
+    if isinstance(loaded, DictConfig) and "allowed_targets" in loaded:
+        return True, OmegaConf.to_container(loaded, resolve=False)["allowed_targets"]
+    return False, None
 
 
 def check_composed(cfg: DictConfig, overrides: Sequence[str]) -> None:
