@@ -24,14 +24,14 @@ def one_side(vocab: int, rows: int, seq: int, chunk: int, steps: int) -> dict:
 
     from framework.data.batch import Batch
     from framework.models import Transformer
-    from framework.training.objectives.chunked_loss import Projection
+    from framework.training.objectives.head import OutputHead
     from framework.training.objectives.lm import NextTokenCrossEntropy
 
     torch.manual_seed(0)
     model = Transformer(vocab_size=vocab, dim=128, n_layers=4, n_heads=8, hidden_dim=352)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     objective = NextTokenCrossEntropy()
-    objective.projection = Projection(chunk=chunk)
+    objective.head = OutputHead(model.output, chunk=chunk)
     tokens = torch.randint(0, vocab, (rows, seq + 1))
     batch = Batch(tokens[:, :-1], tokens[:, 1:])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -7,8 +7,8 @@ summary.json losses (and validation losses) saved, or compared bitwise with a sa
 The set: the tiny LM of lm_2d on 1x1 and 2x2 TP+SP, pp2x2x1 1F1B, lm_moe 2x1 with experts over
 DP, cp 1x2x1cp, LoRA on a tiny Hugging Face Llama under fsdp 2x1, DPO (adapters_off) 1x1,
 torchft replica groups on 2x1, GRPO (recipe=grpo_lm, its shipped prompts) on 2x1, KTO on the HF
-Llama 1x1 and a two-source mixture of the tokens on 1x1: 6 steps each, from a fresh clone's data (the byte corpus and a
-tiny random Llama made with transformers, the dev extra)."""
+Llama 1x1 and a two-source mixture of two corpora's tokens on 1x1: 6 steps each, from a fresh
+clone's data (the byte corpus and a tiny random Llama made with transformers, the dev extra)."""
 import argparse
 import json
 import os
@@ -50,7 +50,7 @@ def runs(data: dict) -> dict:
                         f"+data.dataset.sources.a={{weight: 0.7, dataset: {{_target_: framework.data.TokenDataset, "
                         f"path: {data['tokens']}}}}}",
                         f"+data.dataset.sources.b={{weight: 0.3, dataset: {{_target_: framework.data.TokenDataset, "
-                        f"path: {data['tokens']}}}}}"],
+                        f"path: {data['tokens_b']}}}}}"],
     }
 
 
@@ -61,12 +61,15 @@ def make_data(root: str) -> dict:
     model = make_hf_model("llama", os.path.join(root, "llama"))
     with open(os.path.join(root, "text.txt"), "w") as f:
         f.write("".join(f"line {i}: the mesh trains one model\n" for i in range(2000)))
+    with open(os.path.join(root, "text_b.txt"), "w") as f:  # (a mixture's second source: another corpus)
+        f.write("".join(f"row {i}: each rank reads its share\n" for i in range(2000)))
     rng = random.Random(0)
     with open(os.path.join(root, "pairs.jsonl"), "w") as f:
         for i in range(200):
             f.write(json.dumps({"prompt": f"q{i}:", "chosen": "ab" * (i % 4 + 2),
                                 "rejected": "".join(rng.choice("cdefgh") for _ in range(i % 5 + 3))}) + "\n")
     assert prepare([os.path.join(root, "text.txt"), "--tokenizer", model, "--out", os.path.join(root, "tokens")]) == 0
+    assert prepare([os.path.join(root, "text_b.txt"), "--tokenizer", model, "--out", os.path.join(root, "tokens_b")]) == 0
     assert prepare([os.path.join(root, "pairs.jsonl"), "--prompt-field", "prompt", "--chosen-field", "chosen",
                     "--rejected-field", "rejected", "--tokenizer", model, "--out", os.path.join(root, "pairs")]) == 0
     with open(os.path.join(root, "kto.jsonl"), "w") as f:
@@ -75,7 +78,7 @@ def make_data(root: str) -> dict:
                                 "label": bool(i % 2)}) + "\n")
     assert prepare([os.path.join(root, "kto.jsonl"), "--prompt-field", "prompt", "--response-field", "completion",
                     "--label-field", "label", "--tokenizer", model, "--out", os.path.join(root, "kto")]) == 0
-    return {"model": model, **{name: os.path.join(root, name) for name in ("tokens", "pairs", "kto")}}
+    return {"model": model, **{name: os.path.join(root, name) for name in ("tokens", "tokens_b", "pairs", "kto")}}
 
 
 def losses_of(overrides: list, out: str) -> dict:

@@ -19,8 +19,9 @@ from framework.data.batch import Batch
 from framework.data.batch import IGNORE
 from framework.launch.local import spawn_ranks
 from framework.models import Transformer
-from framework.training.objectives.chunked_loss import Projection, fused
+from framework.training.objectives.chunked_loss import fused
 from framework.training.objectives.grpo import GroupRelativePolicy
+from framework.training.objectives.head import OutputHead
 from framework.training.objectives.lm import NextTokenCrossEntropy
 from framework.training.objectives.preference import DirectPreference
 from tests.conftest import QUIET, TINY_LM, compose_config
@@ -77,12 +78,13 @@ def lm(seed: int = 0, vocab: int = 300) -> Transformer:
     return Transformer(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
 
 
-def step_grads_and_weights(objective, chunk: int, batch: Batch):
+def step_grads_and_weights(objective, chunk: int, batch: Batch, select: bool):
     """One step of an LM on `batch` under `objective` with chunks of `chunk` tokens (0: whole
-    logits): the loss, every parameter's gradient, the parameters after an SGD step (AdamW's
-    first step, lr x sign(gradient), flips on gradients near 0)."""
+    logits), at the counted targets alone with `select`: the loss, every parameter's gradient,
+    the parameters after an SGD step (AdamW's first step, lr x sign(gradient), flips on
+    gradients near 0)."""
     model = lm()
-    objective.projection = Projection(select=getattr(objective.projection, "select", False), chunk=chunk)
+    objective.head = OutputHead(model.output, select=select, chunk=chunk)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss = objective.loss_sum(objective.forward(model, batch), batch.targets)
     loss.backward()
@@ -91,9 +93,9 @@ def step_grads_and_weights(objective, chunk: int, batch: Batch):
     return loss.detach(), grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def assert_same_step(objective, batch: Batch, chunk: int = 8) -> None:
-    loss, grads, weights = step_grads_and_weights(objective, chunk, batch)
-    whole_loss, whole_grads, whole_weights = step_grads_and_weights(objective, 0, batch)
+def assert_same_step(objective, batch: Batch, chunk: int = 8, select: bool = False) -> None:
+    loss, grads, weights = step_grads_and_weights(objective, chunk, batch, select)
+    whole_loss, whole_grads, whole_weights = step_grads_and_weights(objective, 0, batch, select)
     torch.testing.assert_close(loss, whole_loss, **LOSS_TOL)
     for name in whole_grads:
         torch.testing.assert_close(grads[name], whole_grads[name], **GRAD_TOL, msg=name)
@@ -117,14 +119,12 @@ def preference_pairs(pairs: int = 2, seq: int = 16) -> Batch:
 @pytest.mark.parametrize("select", [False, True])
 def test_dpo_by_chunks_trains_the_model_the_whole_logits_train(select):
     dpo = DirectPreference(beta=0.5, reference="precomputed")
-    dpo.projection = Projection(select=select)
-    assert_same_step(dpo, preference_pairs())
+    assert_same_step(dpo, preference_pairs(), select=select)
 
 
 def test_grpo_by_chunks_trains_the_model_the_whole_logits_train():
     grpo = GroupRelativePolicy(group_size=2, beta=0.1, reference="frozen_copy")
-    grpo.projection = Projection(select=True)
-    assert_same_step(grpo, grpo_batch(preference_pairs()))  # 2 prompts x a group of 2 completions
+    assert_same_step(grpo, grpo_batch(preference_pairs()), select=True)  # 2 prompts x a group of 2 completions
 
 
 class LargestVocabularyTensor(TorchDispatchMode):
@@ -163,7 +163,7 @@ def test_no_forward_or_backward_by_chunks_makes_a_tokens_by_vocabulary_tensor(ob
     largest = {}
     for size in (chunk, 0):
         model = lm(vocab=vocab)
-        scored.projection = Projection(chunk=size)
+        scored.head = OutputHead(model.output, chunk=size)
         with LargestVocabularyTensor(vocab, model.output.weight.shape) as seen:
             scored.loss_sum(scored.forward(model, batch), batch.targets).backward()
         largest[size] = seen.largest
@@ -244,7 +244,7 @@ def test_under_tp_loss_parallel_the_chunks_train_the_model_one_process_trains(tm
     (["trainer.loss_chunk_tokens=64", "mesh=pp2x1x1", "model.n_layers=4", "plan=none"],
      "trainer.loss_chunk_tokens=64: a pipeline's last stage scores whole logits; set 0"),
     (["trainer.loss_chunk_tokens=64", "model=seed_mlp", "plan=none", "mesh=1x1"],
-     "trainer.loss_chunk_tokens=64: SeedMLP's forward takes no loss head"),
+     "trainer.loss_chunk_tokens=64: SeedMLP declares no output layer for the loss to score by chunks"),
 ])
 def test_chunks_no_forward_can_score_are_refused_before_launch(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -266,4 +266,4 @@ def test_the_default_chunks_on_a_gpu_at_a_large_vocabulary_alone(device, vocab, 
                                                 "mesh": {"device_type": device}}))
     objective = NextTokenCrossEntropy()
     objective.setup(run)
-    assert objective.projection == Projection(select=False, chunk=chunk)
+    assert objective.head == OutputHead(run.module.output, select=False, chunk=chunk)

@@ -119,7 +119,7 @@ def trl_loss(logps, old, ref, advantages, mask, loss_type, eps_low, eps_high, be
 @pytest.mark.parametrize("selected", [False, True], ids=["all-logits", "logits-at-completions"])
 def test_the_loss_is_trl_s_for_each_loss_type_and_its_gradient_the_policy_gradient(loss_type, beta, selected):
     """One update per rollout: the old policy is the new one detached, the ratio 1. `selected`:
-    the policy's logits at the completions' tokens alone (the model's logits_at, in row order)."""
+    the policy's logits at the completions' tokens alone (OutputHead's select, in row order)."""
     torch.manual_seed(0)
     rows, seq, vocab, max_new = 6, 10, 11, 5
     logits = torch.randn(rows, seq, vocab, dtype=torch.float64, requires_grad=True)

@@ -324,12 +324,11 @@ def test_kto_trains_the_same_on_every_mesh_and_with_micro_batches(hf_dirs, unpai
 
 
 def test_the_responses_logits_alone_give_the_whole_logits_log_probabilities():
-    """logits_at: only the counted targets' positions reach the output layer (TRL's fused LM head
+    """OutputHead's select: only the counted targets' positions reach the output layer (TRL's fused LM head
     does the same); their sequence log-probabilities are the whole logits' (measured: 3.8e-6 at
     sums near -50 in fp32, the logits themselves equal)."""
     from framework.models.transformer import Transformer
-    from framework.training.objectives.chunked_loss import Projection
-    from framework.training.objectives.chunked_loss import response_logits
+    from framework.training.objectives.head import OutputHead
     from framework.training.objectives.logps import sequence_logps
 
     torch.manual_seed(0)
@@ -338,8 +337,8 @@ def test_the_responses_logits_alone_give_the_whole_logits_log_probabilities():
     targets = torch.full((4, 12), -100)
     for row, start in enumerate((3, 5, 11, 0)):
         targets[row, start:] = torch.randint(64, (12 - start,))
-    whole = response_logits(model, inputs, targets, Projection(select=False))
-    selected = response_logits(model, inputs, targets, Projection(select=True))
+    whole = OutputHead(model.output, select=False)(model, inputs, targets, per_token=True)
+    selected = OutputHead(model.output, select=True)(model, inputs, targets, per_token=True)
     assert selected.shape == (int((targets != -100).sum()), 64)
     torch.testing.assert_close(selected, whole[targets != -100], rtol=1e-5, atol=1e-5)
     for average in (False, True):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from framework.models.documents import AttentionLayout, additive_mask
+from framework.models.protocol import offered, project
 
 CHECK_EVERY = 8  # tokens between two looks at `done` (bench/README.md, GRPO: the stop check)
 
@@ -133,8 +134,9 @@ def generate_groups(model: nn.Module, prompts: List[List[int]], n: int, max_new_
     forward a multiple of it: the tokens, then pad_id up to it, written after every real
     position (no real query sees them) and overwritten by the next. `last_only` (the output
     layer whole on this rank: no TP plan, no pipeline): the prompts' forward projects each row's
-    last position alone (the model's logits_at), not every prompt position (2,048 of them over a
-    150k vocabulary: 1.2 GB of logits a row), as transformers' generate keeps one. `capacity`:
+    last position alone (its hidden states, a forward with skip_output, through the model's
+    output_layer), not every prompt position (2,048 of them over a 150k vocabulary: 1.2 GB of
+    logits a row), as transformers' generate keeps one. `capacity`:
     the cache's positions (default the longest prompt + max_new_tokens + block; a fixed one
     keeps a compiled `step`'s shapes from one call to the next). `step`: compiled_step's, or
     None for the eager one-token step."""
@@ -146,16 +148,15 @@ def generate_groups(model: nn.Module, prompts: List[List[int]], n: int, max_new_
     position = torch.zeros((), dtype=torch.int64, device=first.device)
     prepare(model, capacity, first.device)
     cache = [StaticCache(capacity, position, pad, static_address=step is not None) for _ in model.layers]
+    output = offered(model).output_layer()
 
     def forward(tokens: torch.Tensor, one_step) -> torch.Tensor:
         filler = -tokens.shape[1] % block
         padded = torch.cat([tokens, tokens.new_full((len(tokens), filler), pad_id)], 1) if filler else tokens
         if one_step is not None:
             logits = one_step(model, padded, cache)
-        elif last_only:
-            at = torch.zeros(padded.shape, dtype=torch.bool, device=padded.device)
-            at[:, tokens.shape[1] - 1] = True
-            logits = model(padded, cache, logits_at=at)
+        elif last_only:  # the output layer on each row's last position alone
+            logits = project(output, model(padded, cache, skip_output=True)[:, tokens.shape[1] - 1])
         else:
             logits = model(padded, cache)[:, tokens.shape[1] - 1]
         position.add_(tokens.shape[1])

@@ -6,6 +6,7 @@ happens to exist."""
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional
 
+import torch
 from torch import nn
 
 
@@ -17,12 +18,18 @@ class ModelProtocol:
     model_type: str = "llama"        # its config.json's model_type: how its parameter names map to HF's
     tie_word_embeddings: bool = False  # the output projection is the embedding matrix
     supports_context_parallel: bool = False  # use_context_parallel splits its sequences over CP ranks
-    takes_loss_head: bool = False  # its forward's head= replaces the output layer (framework.training.objectives.chunked_loss)
     # Auxiliary loss terms (a mixture of experts' load balancing): the last training forward's, by
     # name, each a sum over its micro-batch's tokens (None: the model reports none), and each
     # term's own weight (objective.aux_coefficients wins; a term without either is refused).
     auxiliary_losses: Optional[Dict[str, Any]] = None
     aux_coefficients: Mapping[str, float] = MappingProxyType({})
+
+    def output_layer(self) -> Optional[nn.Module]:
+        """The output projection (final hidden states -> logits), which the loss owns: it scores
+        it whole, at chosen positions or by chunks (framework.training.objectives.head). With one,
+        `forward(..., skip_output=True)` returns the hidden states it projects; None: the loss
+        reads the forward's own outputs."""
+        return None
 
     def tie_weights(self) -> None:
         """Tie what tie_word_embeddings ties again (after TP replaced the parameters)."""
@@ -60,3 +67,14 @@ def offered(model: nn.Module) -> ModelProtocol:
 def from_hugging_face(model: nn.Module) -> bool:
     """Whether the model's weights come from a Hugging Face directory (loaded after sharding)."""
     return offered(model).hf_path is not None
+
+
+def project(output: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`output` (a model's output_layer) on hidden states a forward returned with skip_output. Out
+    of autocast, in the layer's own dtype (FSDP2's bf16 parameters, whose root casts what its
+    forward returns to fp32), the logits back in the hidden states' dtype, as that root would."""
+    weight = getattr(output, "weight", None)
+    dtype = weight.dtype if weight is not None and weight.dtype.is_floating_point else hidden.dtype
+    if dtype == hidden.dtype or torch.is_autocast_enabled(hidden.device.type):
+        return output(hidden)
+    return output(hidden.to(dtype)).to(hidden.dtype)

@@ -11,7 +11,7 @@ reshapes below infer the head count (-1) from the local tensor instead of readin
 """
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -262,7 +262,9 @@ class Transformer(ModelProtocol, nn.Module):
         init_transformer(self)
 
     supports_context_parallel = True
-    takes_loss_head = True
+
+    def output_layer(self) -> nn.Module:
+        return self.output
 
     def use_context_parallel(self, cp: Any) -> None:
         """The model (which makes the attention masks) and every attention take `cp`'s chunks."""
@@ -302,16 +304,12 @@ class Transformer(ModelProtocol, nn.Module):
         _prepare_rotation(self.rope, self.head_dim, tokens, start)
 
     def forward(self, tokens: torch.Tensor, cache: Optional[list] = None,
-                positions: Optional[torch.Tensor] = None, logits_at: Optional[torch.Tensor] = None,
-                head: Optional[Callable[[torch.Tensor, nn.Module], Any]] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, skip_output: bool = False) -> torch.Tensor:
         """`positions` (batch, seq): each token's place in its document, for packed windows of
-        several documents (framework.models.documents); None: one causal window. `logits_at`
-        (batch, seq, bool): only those positions' logits, (count, vocab) in row order, the rest
-        never reaching the final norm and the output layer (a loss that reads the responses
-        alone; TRL's fused LM head does the same). The caller checks the output layer is whole
-        on this rank (no TP plan, no pipeline: framework.training.objectives.chunked_loss.output_projection).
-        `head(hidden, output)`: what scores the final norm's hidden states in place of the output
-        layer (a loss by chunks of tokens, framework.training.objectives.chunked_loss)."""
+        several documents (framework.models.documents); None: one causal window. `skip_output`:
+        the final norm's hidden states, for the loss that owns the output layer (output_layer) to
+        score (at the positions it counts, by chunks: framework.training.objectives.head) or the
+        decoder to project at each row's last position."""
         self.prepare_rotation(tokens, cache[0].length if cache else 0)
         h = self.tok_embeddings(tokens)
         if cache is None:
@@ -322,9 +320,8 @@ class Transformer(ModelProtocol, nn.Module):
                 h = layer(h, layer_cache, layout)
         if self.sparse_layers and torch.is_grad_enabled():  # training: evaluation and decoding need no term
             self.auxiliary_losses = {"load_balance": load_balance_loss(moe_blocks(self), self.token_group)}
-        if logits_at is not None:
-            h = h[logits_at]
-        return self.output(self.norm(h)) if head is None else head(self.norm(h), self.output)
+        h = self.norm(h)
+        return h if skip_output else self.output(h)
 
     def logged_metrics(self) -> Dict[str, float]:
         """What TensorBoard shows of the model at a logging step (every rank calls it): the experts'

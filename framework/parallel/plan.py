@@ -133,6 +133,18 @@ def final_output_layout(entry: Mapping[str, Any]) -> Tuple[Any, bool]:
     return None, True
 
 
+def vocabulary_sharded(plan: Optional[Mapping[str, Any]], tp_size: int) -> bool:
+    """Whether the logits reach the loss as a DTensor sharded on the vocabulary: the plan's
+    `output` entry leaves them shard(-1) (or shard(2)) and hands on the DTensor (use_local_output
+    false). Such a loss runs under torch's loss_parallel, forward and backward: the one place that
+    decides it (the Trainer enters it)."""
+    entry = (plan or {}).get("output")
+    if tp_size <= 1 or not entry:
+        return False
+    layout, local = final_output_layout(entry)
+    return not local and str(layout).replace(" ", "").lower() in ("shard(-1)", "shard(2)")
+
+
 def output_module(model: nn.Module) -> Optional[str]:
     """The module whose forward returns the model's output, from torch.fx's symbolic trace (no
     tensors, milliseconds); None when the trace fails (data-dependent control flow, say) or the

@@ -34,7 +34,7 @@ from framework.data.loader import batches
 from framework.models.hf_export import save_hf_sharded
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
 from framework.parallel.pipeline import Pipeline, gathered_over_stages, microbatches
-from framework.parallel.plan import final_output_layout
+from framework.parallel.plan import vocabulary_sharded
 from framework.parallel.replica_check import check_replicas
 from framework.training.interrupt import Interrupt
 from framework.training.metrics import Metrics
@@ -107,6 +107,8 @@ class Trainer:
         self.run, self.cfg, self.objective = run, run.cfg, run.objective
         self.device = torch.device(run.cfg.mesh.device_type)
         self.count_is_fixed = self.objective.count_is_fixed(run.dataset)
+        plan = OmegaConf.to_container(self.cfg.plan, resolve=True) if self.cfg.plan else {}
+        self.vocabulary_sharded = vocabulary_sharded(plan, run.tp.get("size", 1))
         self.step = StepShare()  # what this step's micro-batch losses are normalized by, and its terms
         self.pipeline = self._build_pipeline(make_stage) if run.stages else None
 
@@ -117,11 +119,6 @@ class Trainer:
         run.gradient_sync.sync_after_pipeline()
         n_stages = run.pp["size"] * p.pp_stages_per_rank
         self.microbatches = microbatches(p, n_stages)
-        plan = OmegaConf.to_container(self.cfg.plan, resolve=True) if self.cfg.plan else {}
-        layout, local = final_output_layout(plan["output"]) if "output" in plan else (None, True)
-        # the DTensor compute_loss would see sharded on its last (vocabulary) dim
-        self.sharded_logits = run.tp.get("size", 1) > 1 and not local and str(layout).replace(" ", "") in (
-            "shard(-1)", "shard(2)")
         return Pipeline(run.stages, n_stages, run.pp_group, p.pp_schedule, self.microbatches, self.micro_batch_loss,
                         device=self.device, make_stage=make_stage)
 
@@ -139,9 +136,13 @@ class Trainer:
         loss_parallel (vocabulary-sharded logits)."""
         contexts = ExitStack()
         contexts.enter_context(self._autocast())
-        if self.sharded_logits:
-            contexts.enter_context(loss_parallel())
+        contexts.enter_context(self._loss_parallel())
         return contexts
+
+    def _loss_parallel(self):
+        """torch's loss_parallel where the plan leaves the logits sharded on the vocabulary
+        (framework.parallel.plan.vocabulary_sharded), around a forward's loss and its backward."""
+        return loss_parallel() if self.vocabulary_sharded else nullcontext()
 
     def _pipeline_forward_backward(self, batch: Batch) -> torch.Tensor:
         """The schedule's micro-batches (parallel.pp_microbatches) through the stages, then the
@@ -165,11 +166,8 @@ class Trainer:
         master weights: autocast casts per op, and its fp32 ops, the loss among them, stay fp32);
         logits the plan leaves sharded on the vocabulary (output_layouts shard(-1),
         use_local_output false) get torch's loss_parallel instead of a gather."""
-        with self._autocast():
-            logits = self.objective.forward(self.run.model, batch)
-            sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
-            with loss_parallel() if sharded else nullcontext():
-                return self.micro_batch_loss(logits, batch.targets)
+        with self._autocast(), self._loss_parallel():
+            return self.micro_batch_loss(self.objective.forward(self.run.model, batch), batch.targets)
 
     def _autocast(self):
         """bf16 autocast with trainer.mixed_precision=bf16 under replicate; fsdp / hsdp: FSDP2's
@@ -196,7 +194,7 @@ class Trainer:
             self.step.loss = loss.detach() if self.step.loss is None else self.step.loss + loss.detach()
             # micro-batches before the last add up their gradients without syncing them over DP
             with nullcontext() if i == len(chunks) - 1 else self.run.gradient_sync.no_sync():
-                with loss_parallel() if isinstance(loss, DTensor) else nullcontext():
+                with self._loss_parallel():
                     loss.backward()
         return self.step.loss
 

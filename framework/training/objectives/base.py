@@ -25,7 +25,7 @@ from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.config.schema import did_you_mean
 from framework.models.protocol import offered
-from framework.training.objectives.chunked_loss import check_loss_chunks
+from framework.training.objectives.head import check_loss_chunks
 
 
 @dataclass

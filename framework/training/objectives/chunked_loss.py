@@ -1,9 +1,9 @@
 """A loss that never holds the whole logits (`trainer.loss_chunk_tokens`).
 
 At a 128k vocabulary the fp32 logits of 8 x 2048 tokens are 8.4 GB, and the loss's backward
-holds as much again. Here the objective hands the model a *head*: its forward passes the final
-norm's hidden states and its output layer to the head instead of projecting them, and the head
-scores them a chunk of tokens at a time (Liger's fused linear cross entropy, torchtitan's
+holds as much again. Here the objective's OutputHead (framework.training.objectives.head) hands
+the final norm's hidden states and the model's output layer to score_by_chunks, which scores
+them a chunk of tokens at a time (Liger's fused linear cross entropy, torchtitan's
 ChunkedLossWrapper, TRL's chunked NLL):
 - the LM objective's summed cross entropy computes each chunk's gradients of the hidden states
   and the output weight in the forward (the chunk's logits freed at once), the backward only
@@ -14,112 +14,37 @@ ChunkedLossWrapper, TRL's chunked NLL):
 - an output layer that is not a bare weight (TP's vocabulary-sharded DTensor under
   loss_parallel, LoRA's hook, NF4) is called as a module on chunks of rows under
   torch.utils.checkpoint, whose backward recomputes the chunk.
-The peak then holds one chunk's logits, not all. The head's result is wrapped (LossSum,
-TokenLogps: pytree dataclasses, so DataParallel's and FSDP2's output hooks see their tensors) and
-the objectives read it where they read logits.
+The peak then holds one chunk's logits, not all. The result is wrapped (LossSum, TokenLogps)
+and the objectives read it where they read logits.
 """
-from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from framework.config.errors import ConfigError
 from framework.data.batch import IGNORE
-from framework.parallel.dtensors import is_dtensor
-from framework.models.protocol import offered
+from framework.models.protocol import project
 from framework.training.objectives.logps import LossSum, TokenLogps, cross_entropy_sum, token_logps
 
-AUTO_CHUNK = 2048  # tokens a chunk under trainer.loss_chunk_tokens=null: 1 GB of fp32 logits at 128k
-AUTO_VOCAB = 32768  # ... where the vocabulary is at least this, on a GPU
 
-
-
-@dataclass(frozen=True)
-class Projection:
-    """How a forward meets the output layer: at the counted targets alone (`select`: the layer
-    whole on this rank) and by chunks of `chunk` tokens (0: whole logits)."""
-    select: bool = False
-    chunk: int = 0
-
-
-def output_projection(run, select: bool = True) -> Projection:
-    """The run's Projection: positions selected (where `select` asks) if no TP plan and no pipeline
-    split the final norm and the output layer; chunks as trainer.loss_chunk_tokens says (null:
-    AUTO_CHUNK on a GPU with a vocabulary of AUTO_VOCAB or more) where the model takes a head
-    (ModelProtocol.takes_loss_head) and no pipeline's last stage scores whole logits instead."""
-    whole = run.tp.get("size", 1) == 1 and run.pp.get("size", 1) == 1
-    chunk = run.cfg.trainer.get("loss_chunk_tokens")
-    if not offered(run.module).takes_loss_head or run.pp.get("size", 1) > 1:
-        chunk = 0
-    elif chunk is None:
-        big = run.module.output.weight.shape[0] >= AUTO_VOCAB
-        chunk = AUTO_CHUNK if run.cfg.mesh.device_type == "cuda" and big else 0
-    return Projection(select=select and whole, chunk=chunk)
-
-
-def check_loss_chunks(c) -> None:
-    """Before launch: trainer.loss_chunk_tokens a count of tokens, and chunks only where a forward
-    can score them (a model that takes a head; no pipeline, whose last stage scores whole logits)."""
-    chunk = c.cfg.trainer.get("loss_chunk_tokens")
-    if chunk is None or chunk == 0:
-        return
-    if chunk < 0:
-        raise ConfigError("trainer.loss_chunk_tokens", chunk, "must be > 0 (tokens a chunk), 0 for whole logits, or "
-                                                              "null for the automatic choice")
-    if c.roles.pp_size > 1:
-        raise ConfigError("trainer.loss_chunk_tokens", chunk, "a pipeline's last stage scores whole logits; set 0 "
-                                                              "(or null), or use a mesh without a pp dim")
-    if not offered(c.model).takes_loss_head:
-        raise ConfigError("trainer.loss_chunk_tokens", chunk, f"{type(c.model).__name__}'s forward takes no loss head "
-                                                              f"(ModelProtocol.takes_loss_head); set 0 or null")
-
-
-
-def project(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, projection: Projection, per_token: bool,
-            **model_inputs):
-    """`model`'s forward on `inputs` scored against `targets`: its logits (at the counted targets
-    alone with projection.select), or, where the projection chunks, a head's TokenLogps (`per_token`) or LossSum."""
-    if projection.select:
-        model_inputs["logits_at"] = targets != IGNORE
-    if projection.chunk:
-        model_inputs["head"] = Head(targets, projection.chunk, per_token)
-    return model(inputs, **model_inputs)
-
-
-
-def response_logits(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, projection: Projection):
-    """`model`'s logits of `inputs` (rows, seq_len), token_logps reads them: with projection.select
-    only at the targets that count (the prompt's positions skip the output layer: on the peers'
-    DPO row it is half of them), by projection.chunk's chunks a head's TokenLogps."""
-    return project(model, inputs, targets, projection, per_token=True)
-
-
-
-class Head:
-    """What a model's forward calls in place of its output layer (ModelProtocol.takes_loss_head):
-    `head(hidden, output)` with the final norm's hidden states, (rows, seq, dim), or (count, dim)
-    at the counted targets alone."""
-
-    def __init__(self, targets: torch.Tensor, chunk: int, per_token: bool):
-        self.targets, self.chunk, self.per_token = targets, chunk, per_token
-
-    def __call__(self, hidden: torch.Tensor, output: nn.Module):
-        chunk, targets = self.chunk, self.targets[self.targets != IGNORE] if hidden.dim() == 2 else self.targets
-        if bare_weight(output):
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            scored = fused(flat, output.weight, targets.reshape(-1), chunk, self.per_token)
-        else:
-            scored = by_module(hidden, output, targets, chunk, self.per_token)
-        if not self.per_token:
-            return LossSum(scored)
-        if hidden.dim() == 2:  # back to the targets' places
-            counted = self.targets != IGNORE
-            return TokenLogps(torch.zeros(self.targets.shape, dtype=scored.dtype, device=scored.device)
-                              .masked_scatter(counted, scored))
-        return TokenLogps(scored.view(self.targets.shape))
+def score_by_chunks(hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor, chunk: int, per_token: bool):
+    """`output` (the model's output layer) scored on the final hidden states, (rows, seq, dim) or
+    (count, dim) at the counted targets alone, by chunks of `chunk` tokens: a TokenLogps in the
+    targets' shape (`per_token`), or a LossSum."""
+    counted = targets != IGNORE
+    picked = targets[counted] if hidden.dim() == 2 else targets
+    if bare_weight(output):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        scored = fused(flat, output.weight, picked.reshape(-1), chunk, per_token)
+    else:
+        scored = by_module(hidden, output, picked, chunk, per_token)
+    if not per_token:
+        return LossSum(scored)
+    if hidden.dim() == 2:  # back to the targets' places
+        return TokenLogps(torch.zeros(targets.shape, dtype=scored.dtype, device=scored.device)
+                          .masked_scatter(counted, scored))
+    return TokenLogps(scored.view(targets.shape))
 
 
 def bare_weight(output: nn.Module) -> bool:
@@ -130,17 +55,17 @@ def bare_weight(output: nn.Module) -> bool:
         and type(output.weight.data) is torch.Tensor
 
 
-def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The matmul's dtype: autocast's where it is on (as F.linear would compute), else the hidden
-    states' (FSDP2's bf16 parameters come with bf16 inputs)."""
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The matmul's dtype: autocast's where it is on (as F.linear would compute), else the output
+    layer's own (FSDP2's bf16 parameters; framework.models.protocol.project)."""
     device = hidden.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
 def fused(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, per_token: bool):
     """hidden (tokens, dim) @ weight.T scored by chunks: per-token log-probabilities (tokens,), or the
     summed cross entropy (a 0-dim tensor)."""
-    dtype = compute_dtype(hidden)
+    dtype = compute_dtype(hidden, weight)
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         with torch.autocast(hidden.device.type, enabled=False):
             lse, picked, _, _ = by_chunks(hidden, weight.to(dtype), targets, chunk)
@@ -220,8 +145,8 @@ def by_module(hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor, ch
     """The output layer called as a module on chunks of `chunk` tokens' rows (whole rows of
     (rows, seq, dim) hidden states, whatever the sequence's TP layout), each under
     torch.utils.checkpoint so its backward recomputes the chunk's logits; vocabulary-sharded
-    logits (TP's loss_parallel plans) scored under loss_parallel, whose backward the Trainer
-    enters for a DTensor loss."""
+    logits (TP's loss_parallel plans) scored under the loss_parallel the Trainer enters around
+    forward and backward (framework.parallel.plan.vocabulary_sharded)."""
     rows = max(1, chunk // hidden.shape[1]) if hidden.dim() == 3 else chunk
     score = _score_tokens if per_token else _score_sum
     parts = [checkpoint(score, output, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(output, h, t)
@@ -229,30 +154,14 @@ def by_module(hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor, ch
     return torch.cat(parts) if per_token else sum(parts[1:], parts[0])
 
 
-def _sharded_context(logits: torch.Tensor):
-    """loss_parallel around vocabulary-sharded logits, unless the Trainer's backward entered it
-    already (it does not nest)."""
-    if not (is_dtensor(logits) and logits.placements[0].is_shard(logits.ndim - 1)):
-        return nullcontext()
-    # (DTensor's modules, loaded wherever a DTensor exists: validation imports this module in the
-    # launcher, which must not pay for them)
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    entered = torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
-    return nullcontext() if entered else loss_parallel()
-
-
 def _score_sum(output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = output(hidden)
+    logits = project(output, hidden)
     if hidden.dim() == 2:
         logits, targets = logits[:, None], targets[:, None]
-    with _sharded_context(logits):
-        return cross_entropy_sum(logits, targets)
+    return cross_entropy_sum(logits, targets)
 
 
 def _score_tokens(output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = output(hidden)
-    with _sharded_context(logits):
-        return token_logps(logits[:, None] if hidden.dim() == 2 else logits, targets[:, None] if hidden.dim() == 2
-                           else targets).flatten()
+    logits = project(output, hidden)
+    return token_logps(logits[:, None] if hidden.dim() == 2 else logits, targets[:, None] if hidden.dim() == 2
+                       else targets).flatten()

@@ -37,7 +37,7 @@ from framework.data.batch import Batch
 from framework.data.batch import IGNORE
 from framework.data.dataset_config import kind_of
 from framework.training.objectives.base import Objective, StepShare, objective_kind
-from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits
+from framework.training.objectives.head import OutputHead, output_head
 from framework.training.objectives.logps import token_logps
 from framework.training.objectives.reference import Reference, check_reference
 from framework.training.objectives.rollout import ROLLOUT_METRICS, GroupRollout
@@ -65,7 +65,7 @@ class GroupRelativePolicy(GroupRollout, Objective):
         self.step = None  # (setup: the compiled one-token decode step, where compile_decode)
         self.tp_group = None  # (setup: under TP, the group whose rank 0 scores the completions for all)
         self.reference = Reference(reference) if beta > 0 else None  # DPO's (beta 0: no KL term)
-        self.select, self.projection = False, Projection()  # (setup: output_projection)
+        self.select, self.head = False, OutputHead()  # (setup: output_head)
         self._rollout_terms: Dict[str, torch.Tensor] = {}
         self._kl: Optional[torch.Tensor] = None
         self._clipped: Optional[torch.Tensor] = None
@@ -74,10 +74,10 @@ class GroupRelativePolicy(GroupRollout, Objective):
         self.rollout_s: List[float] = []  # each step's seconds spent generating and scoring (this attempt)
 
     def setup(self, run) -> None:
-        """The generation phase's (setup_rollout), the policy's projection and frozen_copy's reference."""
+        """The generation phase's (setup_rollout), the policy's OutputHead and frozen_copy's reference."""
         self.setup_rollout(run)
-        self.projection = output_projection(run)  # the policy's logits at the completions' tokens alone, by chunks
-        self.select = self.projection.select
+        self.head = output_head(run)  # the policy's logits at the completions' tokens alone, by chunks
+        self.select = self.head.select
         if self.reference is not None:
             self.reference.setup(run)
 
@@ -88,7 +88,7 @@ class GroupRelativePolicy(GroupRollout, Objective):
         allows, at the completions' tokens alone: the prompts' positions skip the output layer),
         their advantages, the reference's and the old policy's log-probabilities, a completion a row."""
         reference, old = (t.flatten(0, 1) if t is not None else None for t in (batch.reference, batch.old_logps))
-        logits = response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.projection)
+        logits = self.head(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), per_token=True)
         return logits, batch.advantages.flatten(), reference, old
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from torch import nn
 
 from framework.data.batch import IGNORE
 from framework.training.objectives.base import Objective
-from framework.training.objectives.chunked_loss import Projection, output_projection, project
+from framework.training.objectives.head import OutputHead, output_head
 from framework.training.objectives.logps import LossSum, cross_entropy_sum
 
 
@@ -16,19 +16,19 @@ class NextTokenCrossEntropy(Objective):
     targets that count (not -100: pre-training counts every token, instruction data its
     responses). Logits the plan leaves sharded on the vocabulary come under torch's loss_parallel,
     which the Trainer enters (once: it does not nest) around forward and backward. With
-    trainer.loss_chunk_tokens the model's head sums it by chunks of tokens instead of logits
-    (framework.training.objectives.chunked_loss: LossSum)."""
+    trainer.loss_chunk_tokens its OutputHead sums it by chunks of tokens instead of logits
+    (framework.training.objectives.head: LossSum)."""
     kind = "lm"
 
     def __init__(self, aux_coefficients: Optional[Mapping[str, float]] = None):
         super().__init__(aux_coefficients)
-        self.projection = Projection()  # (setup: every position, by trainer.loss_chunk_tokens' chunks)
+        self.head = OutputHead()  # (setup: every position, by trainer.loss_chunk_tokens' chunks)
 
     def setup(self, run) -> None:
-        self.projection = output_projection(run, select=False)
+        self.head = output_head(run, select=False)
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
-        return project(model, batch.inputs, batch.targets, self.projection, per_token=False, **batch.model_inputs())
+        return self.head(model, batch.inputs, batch.targets, per_token=False, **batch.model_inputs())
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
         return outputs.value if isinstance(outputs, LossSum) else cross_entropy_sum(outputs, targets)

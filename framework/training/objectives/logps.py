@@ -29,7 +29,7 @@ register_dataclass(TokenLogps)
 def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Each target's log-probability (rows, seq); 0 where the target is -100. `logits` are
     (rows, seq, vocab), or (count, vocab) at the targets that count alone, in row order (the
-    model's logits_at), or a head's TokenLogps already."""
+    OutputHead's select), or an OutputHead's TokenLogps by chunks."""
     if isinstance(logits, TokenLogps):
         return logits.values
     if logits.dim() == 2:

@@ -65,7 +65,7 @@ from framework.data.dataset_config import kind_of
 from framework.data.token_files import read_meta
 from framework.parallel.plan import final_output_layout
 from framework.training.objectives.base import Objective, StepShare, objective_kind
-from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits
+from framework.training.objectives.head import OutputHead, output_head
 from framework.training.objectives.logps import response_lengths, sequence_logps
 from framework.training.objectives.reference import Reference, check_precomputed, check_reference, reshard
 
@@ -108,10 +108,10 @@ class PreferenceObjective(Objective):
     def __init__(self, aux_coefficients: Optional[Dict[str, float]] = None):
         super().__init__(aux_coefficients)
         self._sums: Dict[str, torch.Tensor] = {}
-        self.projection = Projection()  # the responses' logits alone, by chunks (output_projection, per run)
+        self.head = OutputHead()  # the responses' logits alone, by chunks (output_head, per run)
 
     def setup(self, run) -> None:
-        self.projection = output_projection(run)
+        self.head = output_head(run)
         if self.reference is not None:
             self.reference.setup(run)
 
@@ -158,7 +158,7 @@ class DirectPreference(PreferenceObjective):
         """The policy's logits for every sequence of the pairs (chosen, rejected, ...), and the
         reference's log-probabilities of each pair's two (pairs, 2)."""
         reference = self.reference.logps(model, batch.inputs, batch.targets, batch.reference)
-        policy = response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.projection)
+        policy = self.head(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), per_token=True)
         return policy, reference
 
     def loss_sum(self, outputs: Tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
@@ -181,7 +181,7 @@ class SimplePreference(PreferenceObjective):
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
         """The policy's logits for every sequence of the pairs: no reference."""
-        return response_logits(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), self.projection)
+        return self.head(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), per_token=True)
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         average = sequence_logps(outputs, targets.flatten(0, 1), average=True).view(-1, 2)
@@ -227,7 +227,7 @@ class KahnemanTversky(PreferenceObjective):
         sums = torch.zeros(3, dtype=torch.float64, device=batch.inputs.device)
         for part in batch.split(self.micro_batch or len(batch.inputs)):
             inputs, targets = part.inputs[:, 1], part.targets[:, 1]
-            policy = sequence_logps(response_logits(model, inputs, targets, self.projection), targets)
+            policy = sequence_logps(self.head(model, inputs, targets, per_token=True), targets)
             stored = part.reference[:, 1] if part.reference is not None else None
             reference = self.reference.logps(model, inputs, targets, stored)
             labels = self.labels_of(part)
@@ -245,7 +245,7 @@ class KahnemanTversky(PreferenceObjective):
         step = self._step if model.training else self.estimate(model, batch)
         stored = batch.reference[:, 0] if batch.reference is not None else None
         reference = self.reference.logps(model, batch.inputs[:, 0], batch.targets[:, 0], stored)
-        return (response_logits(model, batch.inputs[:, 0], batch.targets[:, 0], self.projection), reference,
+        return (self.head(model, batch.inputs[:, 0], batch.targets[:, 0], per_token=True), reference,
                 self.labels_of(batch), step)
 
     def labels_of(self, batch: Batch) -> torch.Tensor:

@@ -26,7 +26,7 @@ from framework.models.lifecycle import allocate
 from framework.models.lora import adapters_disabled
 from framework.models.protocol import offered
 from framework.parallel.dtensors import local_bytes
-from framework.training.objectives.chunked_loss import Projection, output_projection, response_logits
+from framework.training.objectives.head import OutputHead, output_head
 from framework.training.objectives.logps import sequence_logps
 
 log = logging.getLogger("framework")
@@ -48,12 +48,13 @@ class Reference:
     def __init__(self, kind: str):
         self.kind = kind
         self.model: Optional[nn.Module] = None  # frozen_copy's
-        self.projection = Projection()  # (output_projection)
+        self.head = OutputHead()  # (setup: output_head, the policy's; frozen_copy's own output layer)
 
     def setup(self, run) -> None:
-        self.projection = output_projection(run)
+        self.head = output_head(run)
         if self.kind == "frozen_copy":
             self.model = frozen_copy(run)
+            self.head = self.head.of(self.model)
         elif self.kind == "precomputed":
             datasets = [run.dataset] + ([run.val_dataloader.dataset] if run.val_dataloader is not None else [])
             for dataset in datasets:
@@ -77,17 +78,17 @@ class Reference:
     def logits(self, model: nn.Module, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The reference's logits of `inputs` (rows, seq_len): frozen_copy's model's, or the
         policy `model`'s with its adapters off; given `targets`, at the ones that count alone
-        where the mesh allows (response_logits)."""
-        projection = self.projection if targets is not None else Projection()
+        where the mesh allows (output_head)."""
+        head = self.head if targets is not None else OutputHead()
         if self.kind == "frozen_copy":
             if self.model is None:
                 raise RuntimeError("objective.reference=frozen_copy: no reference model (the objective's setup builds "
                                    "it)")
-            logits = response_logits(self.model, inputs, targets, projection)
+            logits = head(self.model, inputs, targets, per_token=True)
             reshard(self.model)
             return logits
         with adapters_disabled(model):
-            return response_logits(model, inputs, targets, projection)
+            return head(model, inputs, targets, per_token=True)
 
     def held_bytes(self) -> int:
         """The reference's parameters (frozen_copy's; the others hold none)."""

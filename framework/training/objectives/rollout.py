@@ -17,7 +17,6 @@ from framework.data.batch import IGNORE
 from framework.models.decode import compiled_step, decoding_generators, generate_groups, stop_ids
 from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
-from framework.training.objectives.chunked_loss import response_logits
 from framework.training.objectives.logps import token_logps
 from framework.training.objectives.reference import reshard
 from framework.training.objectives.rewards import make_reward
@@ -118,7 +117,7 @@ class GroupRollout:
             reference = self._logps(lambda rows, counted: self.reference.logits(model, rows, counted), model, inputs,
                                     targets)
         if self.num_iterations > 1:
-            old = self._logps(lambda rows, counted: response_logits(model, rows, counted, self.projection), model,
+            old = self._logps(lambda rows, counted: self.head(model, rows, counted, per_token=True), model,
                               inputs, targets)
         self.rollout_s.append(time.perf_counter() - start)
         grouped = (len(prompts), n, width)
