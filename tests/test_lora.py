@@ -14,7 +14,9 @@ from framework.validate import validate
 from framework.export import export, load_model
 from framework.launch.local import launch_local
 from framework.models.hf import hf_name
-from framework.models.lora import add_adapters, adapter_state
+from framework.models.adapter_names import is_adapter
+from framework.models.lora import add_adapters
+from framework.parallel.dtensors import whole
 from tests.conftest import compose_config
 from tests.hf_models import reference
 from tests.errors import max_relative_error, relative_error
@@ -25,6 +27,11 @@ import peft  # make test installs the dev extra: a broken install fails here, ne
 TARGETS = ["wq", "wv", "w2"]
 HF_TARGETS = ["q_proj", "v_proj", "down_proj"]
 RANK, ALPHA = 4, 8
+
+
+def adapter_state(model: torch.nn.Module) -> dict:
+    """The adapters' parameters by name (full tensors)."""
+    return {name: whole(p).detach() for name, p in model.named_parameters() if is_adapter(name)}
 
 
 def lora_overrides(path: str, tokens: str) -> list:

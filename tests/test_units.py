@@ -18,7 +18,7 @@ from framework.parallel.tensor_parallel import to_placement
 from framework.parallel.plan import check_layout, matching_modules
 from framework.data.loader import DataPosition, batches
 from framework.training.schedule import lr_multiplier
-from framework.training.metrics import mfu
+from framework.training.metrics import mfu, peak_flops
 from framework.training.trainer import PendingLosses, garbage_frozen
 from tests.conftest import compose_config
 
@@ -100,6 +100,15 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_a_tenth():
 def test_mfu_is_achieved_over_peak_flops():
     # 1000 tokens/s x 6e9 FLOPs/token = 6e12 FLOP/s achieved, over 4 devices of 10 TFLOP/s.
     assert mfu(1000.0, 6_000_000_000, 4 * 10e12) == pytest.approx(0.15)
+
+
+@pytest.mark.parametrize("name, tflops", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA A100-SXM4-80GB", 312),
+                                          ("NVIDIA GeForce RTX 4090", None)])
+def test_the_peak_is_the_planner_s_published_profile_of_the_device(monkeypatch, name, tflops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: name)
+    cfg = compose_config(["mesh.device_type=cuda"])
+    assert peak_flops(cfg) == (None if tflops is None else tflops * 1e12)
+    assert peak_flops(compose_config(["mesh.device_type=cuda", "trainer.peak_tflops=100"])) == 100e12
 
 
 def test_mesh_roles_come_from_the_config_alone():

@@ -51,10 +51,8 @@ class StaticCache:
     the host. An eager step on the CPU, where that read costs nothing, attends over the positions
     written so far (`span`): over the whole buffer, a 64-token rollout's attention read 2-3x the
     keys it needed (bench/README.md). `pad` (rows,): each row's left padding.
-    Transformer.forward asks it for the layout (`layout`); its `length` is 0 because the rotation
-    table was made for the whole capacity before decoding (`prepare`)."""
-
-    length = 0
+    Transformer.forward asks it for the layout (`layout`), rotated by the table made for the whole
+    capacity before decoding (`prepare`)."""
 
     def __init__(self, capacity: int, position: torch.Tensor, pad: torch.Tensor, static_address: bool = False):
         self.capacity, self.position, self.pad = capacity, position, pad

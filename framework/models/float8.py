@@ -88,10 +88,6 @@ def say_converted(model: nn.Module, recipe: str, converted: List[str]) -> None:
     log.info("trainer.float8=%s: %d linear layers as Float8Linear: %s", recipe, len(converted), ", ".join(names))
 
 
-def is_float8(module: nn.Module) -> bool:
-    return type(module).__name__ == "Float8Linear"
-
-
 def check_float8(c: Checked) -> None:
     """Before launch (trainer.float8 set): a known recipe, torchao installed, and a device whose
     float8 matmuls exist (CUDA sm_89+: Ada, Hopper, Blackwell; the CPU's run, slowly)."""

@@ -5,7 +5,8 @@ OUT.partial-<pid> and renamed at the end: a failure leaves no half-written model
 import json
 import os
 import shutil
-from typing import Dict
+from contextlib import contextmanager
+from typing import Dict, Iterator
 
 import torch
 from torch import nn
@@ -98,6 +99,22 @@ def check_hf_out(out: str) -> None:
         raise ConfigError("OUT_DIR", out, "exists and is not an empty directory; name a new directory")
 
 
+@contextmanager
+def _published(out: str) -> Iterator[str]:
+    """`with _published(out) as partial:` the files written under `partial` (OUT.partial-<pid>)
+    appear at `out` (absent or empty: check_hf_out) together when the block ends; a block that
+    raises leaves no directory behind."""
+    partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
+    os.makedirs(partial)
+    try:
+        yield partial
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty, checked before
+        os.rename(partial, out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def save_peft(model: nn.Module, adapter, out: str) -> None:
     """The model's LoRA adapters as PEFT writes them (`PeftModel.from_pretrained(base, out)`):
     adapter_model.safetensors and adapter_config.json, under OUT.partial-<pid> renamed at the end."""
@@ -108,17 +125,10 @@ def save_peft(model: nn.Module, adapter, out: str) -> None:
                                               "has none: export it with --format pt or hf")
     check_hf_out(out)
     tensors, config = peft_adapter(model, adapter)
-    partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
-    os.makedirs(partial)
-    try:
+    with _published(out) as partial:
         save_file(tensors, os.path.join(partial, "adapter_model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(partial, "adapter_config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty, checked above
-        os.rename(partial, out)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
 
 
 def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
@@ -132,11 +142,9 @@ def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD
     state = model_state_dict(model, merged_state_dict(model))  # (adapters, if any, merged into their weights)
     numbers = _file_numbers(_sizes(state), max_shard_bytes)
     shards = [{k: t.contiguous() for k, t in state.items() if numbers[k] == n} for n in range(1, max(numbers.values()) + 1)]
-    partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
-    os.makedirs(partial)
-    try:
-        names = (["model.safetensors"] if len(shards) == 1 else
-                 [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    with _published(out) as partial:
         for name, shard in zip(names, shards):
             save_file(shard, os.path.join(partial, name), metadata={"format": "pt"})
         if len(shards) > 1:
@@ -146,8 +154,3 @@ def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD
             with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
         _carry_side_files(model, partial, next(iter(state.values())).dtype)
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty, checked above
-        os.rename(partial, out)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)

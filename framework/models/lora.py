@@ -27,7 +27,7 @@ from framework.models.adapter_names import CHILDREN, adapter_layers, is_adapter,
 from framework.models.hf import hf_name
 from framework.models.nf4 import dequantized
 from framework.models.protocol import from_hugging_face, offered
-from framework.parallel.dtensors import is_dtensor, whole
+from framework.parallel.dtensors import is_dtensor
 
 def _add_update(layer: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     if layer.lora_off:
@@ -85,12 +85,6 @@ def _copy_placed(param: torch.Tensor, full: torch.Tensor) -> None:
 
         full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
     param.copy_(full)
-
-
-def adapter_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The adapters' parameters by name (full tensors)."""
-    return {name: whole(p).detach()
-            for name, p in model.named_parameters() if is_adapter(name)}
 
 
 @contextmanager

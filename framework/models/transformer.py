@@ -96,8 +96,8 @@ class Rope:
 
 
 @torch.fx.wrap  # a call, not traced into: framework.parallel.plan's symbolic trace of the model has no shapes
-def _prepare_rotation(rope: Rope, head_dim: int, tokens: torch.Tensor, start: int) -> None:
-    rope.prepare(head_dim, start + tokens.shape[1], tokens.device)
+def _prepare_rotation(rope: Rope, head_dim: int, tokens: torch.Tensor) -> None:
+    rope.prepare(head_dim, tokens.shape[1], tokens.device)
 
 
 class Attention(nn.Module):
@@ -126,17 +126,13 @@ class Attention(nn.Module):
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        start = cache.length if cache is not None else 0
-        cos, sin = (layout.cos, layout.sin) if layout is not None else self.rope.cos_sin(self.head_dim, start, seq, x.device)
+        cos, sin = self.rope.cos_sin(self.head_dim, 0, seq, x.device) if layout is None else (layout.cos, layout.sin)
         q, k = (rotary(t, cos, sin, self.rope.halves) for t in (q, k))
-        mask = None
-        if cache is not None:
+        mask = None if layout is None else layout.mask
+        if cache is not None:  # decoding: the cache made the layout (framework.models.decode.StaticCache.layout)
             k, v = cache.extend(k, v)
-            # query i (position start + i) sees keys 0 .. start + i (left-padded rows: the layout's)
-            mask = layout.mask if layout is not None else \
-                torch.arange(k.shape[1], device=x.device)[None, :] <= start + torch.arange(seq, device=x.device)[:, None]
         elif layout is not None:
-            k, v, mask = gather_keys(self, k), gather_keys(self, v), layout.mask
+            k, v = gather_keys(self, k), gather_keys(self, v)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -299,9 +295,9 @@ class Transformer(ModelProtocol, nn.Module):
         return None if positions is None else attention_layout(self.rope.freqs(self.head_dim, positions.device),
                                                                positions, hidden, self.context_parallel)
 
-    def prepare_rotation(self, tokens: torch.Tensor, start: int = 0) -> None:
-        """The rotation table for these tokens' positions (from `start`), before the blocks run."""
-        _prepare_rotation(self.rope, self.head_dim, tokens, start)
+    def prepare_rotation(self, tokens: torch.Tensor) -> None:
+        """The rotation table for these tokens' positions, before the blocks run."""
+        _prepare_rotation(self.rope, self.head_dim, tokens)
 
     def forward(self, tokens: torch.Tensor, cache: Optional[list] = None,
                 positions: Optional[torch.Tensor] = None, skip_output: bool = False) -> torch.Tensor:
@@ -310,7 +306,7 @@ class Transformer(ModelProtocol, nn.Module):
         the final norm's hidden states, for the loss that owns the output layer (output_layer) to
         score (at the positions it counts, by chunks: framework.training.objectives.head) or the
         decoder to project at each row's last position."""
-        self.prepare_rotation(tokens, cache[0].length if cache else 0)
+        self.prepare_rotation(tokens)
         h = self.tok_embeddings(tokens)
         if cache is None:
             h = self.run_blocks(self.layers, h, self.attention_layout(positions, h))

@@ -6,7 +6,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-import yaml
 from omegaconf import OmegaConf
 
 from framework.config.errors import ConfigError
@@ -16,10 +15,10 @@ from framework.parallel.roles import MeshRoles
 from framework.planner.calibrate import cpu_profile, default_path
 from framework.planner.candidates import Candidate, candidates
 from framework.planner.cost import Prediction, predict
+from framework.training.metrics import DEVICE_PROFILES, device_profiles
 
 SEARCHABLE = ("pp", "dp", "cp", "tp")  # the mesh dims a layout factorizes (hsdp splits dp)
 STRATEGIES = ("replicate", "fsdp", "hsdp")
-PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles.yaml")
 
 
 @dataclass
@@ -32,13 +31,12 @@ class Plan:
 
 def device_profile(planner, recalibrate: bool = False) -> dict:
     """The device's figures: `cpu` measured on this host (planner.calibration), the others published."""
-    with open(PROFILES) as f:
-        published = yaml.safe_load(f)
+    published = device_profiles()
     if planner.device == "cpu":
         return cpu_profile(planner.calibration or default_path(), recalibrate)
     if planner.device not in published:
         raise ConfigError("planner.device", planner.device, f"is not a device profile; use cpu (measured here) or "
-                                                            f"one of {sorted(published)} ({PROFILES})")
+                                                            f"one of {sorted(published)} ({DEVICE_PROFILES})")
     return published[planner.device]
 
 

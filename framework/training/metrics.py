@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+import yaml
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
@@ -26,17 +27,26 @@ from framework.models.protocol import offered
 
 log = logging.getLogger("framework")
 
-# Dense bf16 peak of GPUs MFU is commonly quoted against; trainer.peak_tflops overrides.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+# The GPUs' published figures, the planner's (planner.device=NAME) and MFU's: a data file, so read by
+# path (the planner is a layer above).
+DEVICE_PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "planner", "profiles.yaml")
+
+
+def device_profiles() -> Dict[str, dict]:
+    """Each GPU's published figures by its profile name (h100, h200, a100): framework/planner/profiles.yaml."""
+    with open(DEVICE_PROFILES) as f:
+        return yaml.safe_load(f)
 
 
 def peak_flops(cfg) -> Optional[float]:
+    """The device's dense bf16 matmul peak (its profile's matmul_tflops, the figure MFU is commonly quoted
+    against), found by profile name in the CUDA device's name; trainer.peak_tflops overrides it."""
     if cfg.trainer.peak_tflops is not None:
         return cfg.trainer.peak_tflops * 1e12
     if cfg.mesh.device_type != "cuda":
         return None
-    name = torch.cuda.get_device_name()
-    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in name), None)
+    name = torch.cuda.get_device_name().lower()
+    return next((profile["matmul_tflops"] * 1e12 for key, profile in device_profiles().items() if key in name), None)
 
 
 def mfu(tokens_per_s: float, flops_per_token: int, peak_flops: float) -> float:

@@ -14,7 +14,7 @@ tokens the same way (a token count needs no communication), and keeps their valu
 """
 import inspect
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 from hydra.utils import get_class
@@ -24,6 +24,7 @@ from torch import nn
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.config.schema import did_you_mean
+from framework.data.dataset_config import kind_of
 from framework.models.protocol import offered
 from framework.training.objectives.head import check_loss_chunks
 
@@ -131,8 +132,6 @@ class Objective:
         return total
 
 
-
-
 def objective_kind(cfg) -> Optional[str]:
     """The configured objective's kind (its class's `kind`), read from objective._target_ without
     building it; None for a class that declares none."""
@@ -144,6 +143,28 @@ def objective_kind(cfg) -> Optional[str]:
     except (ImportError, ValueError) as error:
         raise ConfigError("objective._target_", target, f"is not a class Python can import ({error}); use one "
                                                         f"of conf/objective/") from None
+
+
+def check_data_pairing(cfg, data_kind: str, objectives: Sequence[str], data: str, group: str, prepare: str,
+                       plural: bool = True, also_under: Sequence[str] = ()) -> bool:
+    """Data of `data_kind` (`data` in words, config group data=`group`) trains under `objectives`
+    alone, or under `also_under` (whose own check names the data it needs), and `objectives`
+    need it, prepared with `framework.prepare {prepare}`: an objective never reads data of a kind
+    it cannot score. True when the objective is one of `objectives` (its own checks follow)."""
+    kind, dataset = objective_kind(cfg), cfg.data.dataset
+    matches = kind_of(dataset) == data_kind
+    if matches and kind not in (*objectives, *also_under):
+        under = " or ".join(f"objective={name}" for name in objectives)
+        raise ConfigError("objective", cfg.objective.get("_target_"),
+                          f"{data} (data={group}) {'train' if plural else 'trains'} under {under}")
+    if kind not in objectives:
+        return False
+    if not matches:
+        raise ConfigError("objective", kind, f"needs {data}, and data.dataset is "
+                                             f"{dataset.get('_target_') if dataset else None}; prepare "
+                                             f"{'them' if plural else 'it'} with framework.prepare {prepare} and "
+                                             f"use data={group}")
+    return True
 
 
 def check_options(objective_cfg) -> None:

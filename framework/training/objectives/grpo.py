@@ -35,8 +35,7 @@ from framework.config.checked import Checked
 from framework.config.errors import ConfigError, check_rules
 from framework.data.batch import Batch
 from framework.data.batch import IGNORE
-from framework.data.dataset_config import kind_of
-from framework.training.objectives.base import Objective, StepShare, objective_kind
+from framework.training.objectives.base import Objective, StepShare, check_data_pairing
 from framework.training.objectives.head import OutputHead, output_head
 from framework.training.objectives.logps import token_logps
 from framework.training.objectives.reference import Reference, check_reference
@@ -165,17 +164,9 @@ def check_grpo(c: Checked) -> None:
     make sense, a reward is named, and every prompt leaves room for max_new_tokens in seq_len."""
     cfg = c.cfg
     objective, dataset = cfg.objective, cfg.data.dataset
-    prompts = kind_of(dataset) == "prompts"
-    grpo = objective_kind(cfg) == GroupRelativePolicy.kind
-    if prompts and not grpo:
-        raise ConfigError("objective", objective.get("_target_"), "prompts (data=prompts) train under objective=grpo")
-    if not grpo:
+    if not check_data_pairing(cfg, "prompts", (GroupRelativePolicy.kind,), "prompts", "prompts",
+                              "FILE --prompt-field prompt [--answer-field answer]"):
         return
-    if not prompts:
-        raise ConfigError("objective", "grpo", f"needs prompts, and data.dataset is "
-                                               f"{dataset.get('_target_') if dataset else None}; prepare them with "
-                                               f"framework.prepare FILE --prompt-field prompt [--answer-field answer] "
-                                               f"and use data=prompts")
     rules = [("group_size", lambda v: v >= 2, "must be >= 2: advantages compare completions of one prompt"),
              ("max_new_tokens", lambda v: v >= 1, "must be >= 1"),
              ("temperature", lambda v: v >= 0, "must be >= 0 (0: greedy, every completion of a group the same)"),

@@ -61,10 +61,9 @@ from torch import nn
 from framework.config.errors import ConfigError, check_rules
 from framework.config.checked import Checked
 from framework.data.batch import Batch
-from framework.data.dataset_config import kind_of
 from framework.data.token_files import read_meta
 from framework.parallel.plan import final_output_layout
-from framework.training.objectives.base import Objective, StepShare, objective_kind
+from framework.training.objectives.base import Objective, StepShare, check_data_pairing, objective_kind
 from framework.training.objectives.head import OutputHead, output_head
 from framework.training.objectives.logps import response_lengths, sequence_logps
 from framework.training.objectives.reference import Reference, check_precomputed, check_reference, reshard
@@ -277,21 +276,12 @@ class KahnemanTversky(PreferenceObjective):
 def check_preference(c: Checked) -> None:
     """Before launch: pairs train under DPO or SimPO, whose data holds pairs, whose keys make
     sense, and whose reference (DPO's) exists."""
-    cfg, objective = c.cfg, c.cfg.objective
-    target, kind, dataset = objective.get("_target_"), objective_kind(cfg), cfg.data.dataset
-    dpo, simpo = DirectPreference.kind, SimplePreference.kind
-    pairs = kind_of(dataset) == "preference"
-    if pairs and kind not in (dpo, simpo, KahnemanTversky.kind):  # (KTO's check names the data it needs)
-        raise ConfigError("objective", target, "preference pairs (data=preferences) train under objective=dpo or "
-                                               "objective=simpo")
-    if kind not in (dpo, simpo):
+    cfg, objective, kind = c.cfg, c.cfg.objective, objective_kind(c.cfg)
+    if not check_data_pairing(cfg, "preference", (DirectPreference.kind, SimplePreference.kind), "preference pairs",
+                              "preferences", "--prompt-field --chosen-field --rejected-field",
+                              also_under=(KahnemanTversky.kind,)):
         return
-    if not pairs:
-        raise ConfigError("objective", kind, f"needs preference pairs, and data.dataset is "
-                                                      f"{dataset.get('_target_') if dataset else None}; prepare them "
-                                                      f"with framework.prepare --prompt-field --chosen-field "
-                                                      f"--rejected-field and use data=preferences")
-    if kind == dpo:
+    if kind == DirectPreference.kind:
         check_reference(c)
         loss_type = objective.get("loss_type")
         _check_rules(objective, [
@@ -313,25 +303,16 @@ def check_unpaired(c: Checked) -> None:
     """Before launch: unpaired preference data trains under KTO, whose data is unpaired, whose
     keys make sense, and whose reference exists; TRL's advice on the weights, as a warning."""
     cfg, objective = c.cfg, c.cfg.objective
-    target, dataset = objective.get("_target_"), cfg.data.dataset
-    kto = objective_kind(cfg) == KahnemanTversky.kind
-    unpaired = kind_of(dataset) == "unpaired"
-    if unpaired and not kto:
-        raise ConfigError("objective", target, "unpaired preference data (data=kto) trains under objective=kto")
-    if not kto:
+    if not check_data_pairing(cfg, "unpaired", (KahnemanTversky.kind,), "unpaired preference data", "kto",
+                              "--prompt-field --response-field --label-field", plural=False):
         return
-    if not unpaired:
-        raise ConfigError("objective", "kto", f"needs unpaired preference data, and data.dataset is "
-                                              f"{dataset.get('_target_') if dataset else None}; prepare it with "
-                                              f"framework.prepare --prompt-field --response-field --label-field "
-                                              f"and use data=kto")
     check_reference(c)
     _check_rules(objective, [("beta", lambda v: v > 0, "must be > 0"),
                              ("desirable_weight", lambda v: v > 0, "must be > 0"),
                              ("undesirable_weight", lambda v: v > 0, "must be > 0")])
     check_precomputed(cfg)
     _check_mesh(c, "kto")
-    _warn_unbalanced(objective, read_meta(dataset.path))
+    _warn_unbalanced(objective, read_meta(cfg.data.dataset.path))
 
 
 def _check_rules(objective, rules) -> None:
