@@ -337,8 +337,9 @@ def test_a_run_with_the_expert_bias_saved_with_experts_over_2_ranks_resumes_on_o
     step_4 = saved / "checkpoints" / "step_4"
     dcp_to_torch_save(step_4, tmp_path / "step_4.pt")
     model = torch.load(tmp_path / "step_4.pt", weights_only=False)["model"]
-    for i, bias in enumerate(reference["routing"].bias_history[3]):
-        assert bias.abs().sum() > 0
+    history = reference["routing"].bias_history[3]
+    assert any(bias.abs().sum() > 0 for bias in history)  # (a block's loads may swing it back to 0 by step 4)
+    for i, bias in enumerate(history):
         torch.testing.assert_close(model[f"layers.{i}.feed_forward.expert_bias"], bias, rtol=1e-5, atol=1e-6)
     resumed = launch_local(compose_config([*biased, "mesh=1x1", f"checkpoint.resume={step_4}"]), str(tmp_path / "1x1"))
     assert resumed["resumed_from"] and len(resumed["losses"]) == 8

@@ -437,3 +437,33 @@ def expert_biases(cfg_container: dict, out_dir: str) -> dict:
     biases = {name: buffer.clone() for name, buffer in run.module.named_buffers() if name.endswith("expert_bias")}
     dist.destroy_process_group()
     return {"biases": biases, "losses": run.summary["losses"]}
+
+
+def starting_weights(cfg_container: dict, out_dir: str) -> dict:
+    """Built through the weights stage: the whole value of each parameter this rank holds (a
+    pipeline stage: its own) and the buffers, by name."""
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="weights")
+    weights = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+               for name, p in run.module.named_parameters()}
+    weights.update({name: b.clone() for name, b in run.module.named_buffers()})
+    dist.destroy_process_group()
+    return weights
+
+
+def build_peak_bytes(cfg_container: dict, out_dir: str) -> dict:
+    """The rank's peak resident memory over building the run through its weights (the kernel's
+    VmHWM, reset first), its own parameters' bytes, and the whole model's."""
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+    with open("/proc/self/clear_refs", "w") as f:  # (5: the peak resident set size starts again)
+        f.write("5")
+    before = status("VmRSS")
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="weights")
+    peak = status("VmHWM") - before
+    held = sum(t.numel() * t.element_size() for t in (p.to_local() if isinstance(p, DTensor) else p
+                                                       for p in run.module.parameters()))
+    whole = sum(p.numel() * p.element_size() for p in run.module.parameters())
+    dist.destroy_process_group()
+    return {"peak": peak, "held": held, "whole": whole}

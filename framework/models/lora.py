@@ -13,7 +13,6 @@ at zero, so step 0's model is the base model.
 import json
 import math
 import os
-import zlib
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Dict, Iterator, List, Tuple
@@ -25,9 +24,10 @@ from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.models.adapter_names import CHILDREN, adapter_layers, is_adapter, targets_of
 from framework.models.hf import hf_name
+from framework.models.initialization import parameter_generator
 from framework.models.nf4 import dequantized
 from framework.models.protocol import from_hugging_face, offered
-from framework.parallel.dtensors import is_dtensor
+from framework.parallel.dtensors import is_dtensor, place_whole
 
 def _add_update(layer: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     if layer.lora_off:
@@ -69,22 +69,12 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     layer's name, then placed like the parameter: the same values on every mesh, and on a
     pipeline stage that holds only some of the layers), B zero."""
     for name, layer in adapter_layers(model):
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        generator = parameter_generator(seed, name, "cpu")
         full = torch.empty(layer.lora_A.weight.shape)
         bound = 1 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), times sqrt(3 / fan_in)
         full.uniform_(-bound, bound, generator=generator)
-        _copy_placed(layer.lora_A.weight, full)
-        _copy_placed(layer.lora_B.weight, torch.zeros(layer.lora_B.weight.shape))
-
-
-def _copy_placed(param: torch.Tensor, full: torch.Tensor) -> None:
-    if param.is_meta:
-        return
-    if is_dtensor(param):  # (FSDP): this rank's shard of the whole
-        from torch.distributed.tensor import distribute_tensor
-
-        full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
-    param.copy_(full)
+        place_whole(layer.lora_A.weight, full)
+        place_whole(layer.lora_B.weight, torch.zeros(layer.lora_B.weight.shape))
 
 
 @contextmanager
@@ -220,7 +210,7 @@ def load_peft_adapter(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters())
     for theirs, ours in peft_names(model).items():
         if ours in params:  # (a pipeline stage holds only its own layers)
-            _copy_placed(params[ours], tensors[theirs].float())
+            place_whole(params[ours], tensors[theirs].float())
 
 
 def check_adapter(cfg, model: nn.Module) -> None:

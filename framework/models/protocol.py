@@ -18,11 +18,18 @@ class ModelProtocol:
     model_type: str = "llama"        # its config.json's model_type: how its parameter names map to HF's
     tie_word_embeddings: bool = False  # the output projection is the embedding matrix
     supports_context_parallel: bool = False  # use_context_parallel splits its sequences over CP ranks
+    declares_init: bool = False  # init_weights draws its starting weights: it is built on meta
     # Auxiliary loss terms (a mixture of experts' load balancing): the last training forward's, by
     # name, each a sum over its micro-batch's tokens (None: the model reports none), and each
     # term's own weight (objective.aux_coefficients wins; a term without either is refused).
     auxiliary_losses: Optional[Dict[str, Any]] = None
     aux_coefficients: Mapping[str, float] = MappingProxyType({})
+
+    def init_weights(self, seed: int) -> None:
+        """The declared starting weights of the parameters (or shards) this rank holds, drawn once
+        the model, built on meta, was sharded and given storage (framework.models.lifecycle): a
+        model that declares it (declares_init) is never whole on a rank."""
+        raise NotImplementedError(f"{type(self).__name__} declares no starting weights of its own")
 
     def output_layer(self) -> Optional[nn.Module]:
         """The output projection (final hidden states -> logits), which the loss owns: it scores

@@ -241,7 +241,8 @@ class Transformer(ModelProtocol, nn.Module):
         self.context_parallel = None  # framework.parallel.context_parallel: the CP ranks sharing each sequence
         self.dim, self.n_layers = dim, n_layers
         self.matmul_params = self._count_matmul_params()
-        self.init_weights()
+        if not self.output.weight.is_meta:  # (on meta: drawn once sharded, framework.models.lifecycle.allocate)
+            self.init_weights(torch.initial_seed())
 
     def _count_matmul_params(self) -> int:
         """The parameters a token multiplies by (its FLOPs): the 2-D ones but the embedding's."""
@@ -253,11 +254,12 @@ class Transformer(ModelProtocol, nn.Module):
             count += block.top_k * sum(w[0].numel() for w in block.experts.local_weights())
         return count
 
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int) -> None:
         """The declared starting weights (framework.models.initialization), the same on every layout."""
-        init_transformer(self)
+        init_transformer(self, seed)
 
     supports_context_parallel = True
+    declares_init = True
 
     def output_layer(self) -> nn.Module:
         return self.output

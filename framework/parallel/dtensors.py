@@ -47,3 +47,19 @@ def by_mesh(tensors: Iterable[torch.Tensor]) -> List[List[torch.Tensor]]:
     for tensor in tensors:
         kinds.setdefault(tensor.device_mesh if is_dtensor(tensor) else None, []).append(tensor)
     return list(kinds.values())
+
+
+@torch.no_grad()
+def place_whole(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write `full`, a parameter's whole value (the same on every rank), into `param`: a DTensor
+    (FSDP2, TP, EP shards) keeps this rank's part of it, cut here without any communication."""
+    if param.is_meta:
+        return
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
+        part = distribute_tensor(full.to(local_tensor(param).device), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+        local_tensor(param).copy_(local_tensor(part))
+    else:
+        param.copy_(full)

@@ -22,7 +22,7 @@ from framework.config.schema import STAGES
 from framework.data.loader import StreamEpochs, build_dataloader, build_sampler
 from framework.checkpoint.weights import base_checkpoint, load_base, restart_count, starting_point
 from framework.models.float8 import apply_float8, float8_recipe
-from framework.models.lifecycle import adapt, allocate, new_model, on_meta
+from framework.models.lifecycle import adapt, allocate, born_on_meta, new_model, on_meta
 from framework.models.lora import load_peft_adapter
 from framework.models.nf4 import quantize_base
 from framework.parallel.mesh import build_mesh, coordinates_on, device_line, layout_table, resolve_device_type
@@ -90,10 +90,11 @@ def stage_mesh(run: Run) -> None:
 
 
 def stage_model(run: Run) -> None:
-    """Seeded, so every rank builds the same weights (DataParallel also broadcasts them). A
-    Hugging Face model comes on the meta device: its storage and weights come in the weights
-    stage, once the parallel stages sharded it. The dry run's model stays on meta."""
-    device = "meta" if run.meta_only else run.cfg.mesh.device_type
+    """On the meta device, a model that draws its own weights (the framework's Transformer) and
+    a Hugging Face one: their storage and weights come in the weights stage, once the parallel
+    stages sharded them, so no rank holds the model whole. Any other module is built whole and
+    seeded, the same on every rank (DataParallel also broadcasts it). The dry run's stays on meta."""
+    device = "meta" if run.meta_only or born_on_meta(run.cfg.model) else run.cfg.mesh.device_type
     run.model = new_model(run.cfg.model, device, run.cfg.trainer.seed)
 
 
