@@ -34,6 +34,7 @@ from framework.cli import checkpoint_source, parsed_status
 from framework.config.errors import ConfigError
 from framework.models.hf import HFTransformer
 from framework.models.nf4 import torchao_quietly
+from framework.parallel.device import resolve_device
 from framework.export import export
 from framework.training.logger import TensorBoardLogger
 
@@ -132,12 +133,12 @@ def check_options(args: argparse.Namespace, source: Source) -> None:
 
 def lm_eval_results(hf_dir: str, manager, specs: list, limit: Optional[int], batch_size: int) -> dict:
     """lm-eval's results for the Hugging Face model in `hf_dir` (its samples left out)."""
-    import torch
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    device = resolve_device("auto", local_ranks=1).type  # (as a one-rank run's mesh.device_type=auto)
     with torchao_quietly():  # (its model class imports transformers' modeling_utils, whose quantizers load torchao)
-        model = HFLM(pretrained=hf_dir, batch_size=batch_size, device="cuda" if torch.cuda.is_available() else "cpu")
+        model = HFLM(pretrained=hf_dir, batch_size=batch_size, device=device)
     return simple_evaluate(model=model, tasks=specs, limit=limit, task_manager=manager, log_samples=False)
 
 

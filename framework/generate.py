@@ -23,6 +23,7 @@ from torch import nn
 from framework.cli import checkpoint_source, parsed_status
 from framework.config.errors import ConfigError, check_rules
 from framework.data.tokenizer import load_tokenizer
+from framework.parallel.device import resolve_device
 from framework.checkpoint.weights import load_base
 from framework.models.hf import HFTransformer, check_length, check_vocab, check_weights
 from framework.models.lifecycle import allocate
@@ -60,10 +61,9 @@ def generate(model: nn.Module, prompt: List[int], max_new_tokens: int, temperatu
 
 
 def chosen_device(name: str) -> torch.device:
-    """--device's: auto is the GPU where torch sees one, else the CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    """--device's, as a run's mesh.device_type resolves for one rank: auto is the GPU where torch
+    sees one, else the CPU."""
+    return torch.device(resolve_device(name, local_ranks=1).type)
 
 
 def _tokenizer(model: nn.Module, path: Optional[str]):

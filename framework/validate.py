@@ -26,7 +26,7 @@ from framework.data.dataset_config import tokenizer_of
 from framework.models.hf import check_length, check_model_path, check_vocab, check_weights
 from framework.models.meta import SkipRandomInit
 from framework.models.hf_export import check_hf_out
-from framework.parallel.mesh import resolve_device_type
+from framework.parallel.device import settle_device
 from framework.parallel.roles import MeshRoles
 from framework.models.lifecycle import adapt
 from framework.models.lora import check_adapter, check_adapter_init_from
@@ -341,7 +341,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: 
     check_known_keys(cfg)
     mesh_size = math.prod(cfg.mesh.shape)
     per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or mesh_size
-    resolve_device_type(cfg.mesh, per_host)  # mesh.device_type=auto: cuda or cpu from here on
+    settle_device(cfg, per_host)  # mesh.device_type=auto: cuda or cpu from here on, for the ranks too
     check_pipeline(cfg)
     check_mesh(cfg)
     if world_size is not None and world_size != mesh_size:

@@ -2,10 +2,11 @@
 cpu with gloo, resolved once by the process that validates and said in the rank-layout header."""
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from framework.validate import validate
 from framework.launch.handoff import rank_config
-from framework.parallel.mesh import resolve_device
+from framework.parallel.device import Device, resolve_device, settle_device
+from framework.validate import validate
 from tests.conftest import QUIET, compose_config, run_cli
 
 
@@ -20,7 +21,7 @@ from tests.conftest import QUIET, compose_config, run_cli
     ("cuda", 0, 2, ("cuda", "nccl", "mesh.device_type=cuda")),  # (validation refuses it: see below)
 ])
 def test_the_resolver_picks_cuda_only_with_a_gpu_for_every_local_rank(requested, gpus, ranks, expected):
-    assert resolve_device(requested, gpus, ranks) == expected
+    assert resolve_device(requested, ranks, gpus) == Device(*expected)
 
 
 def test_auto_is_the_default_and_validation_makes_it_concrete_for_the_ranks(monkeypatch):
@@ -28,9 +29,12 @@ def test_auto_is_the_default_and_validation_makes_it_concrete_for_the_ranks(monk
     cfg = compose_config(["mesh=2x2", *QUIET])
     assert cfg.mesh.device_type == "auto"
     validate(cfg, deep=False)
-    assert (cfg.mesh.device_type, cfg.mesh.device_reason) == ("cpu", "auto: no GPU")
-    handed = rank_config(cfg)["mesh"]
-    assert (handed["device_type"], handed["device_reason"]) == ("cpu", "auto: no GPU")
+    assert (cfg.mesh.device_type, cfg.device.why) == ("cpu", "auto: no GPU")
+    handed = rank_config(cfg)
+    assert handed["mesh"]["device_type"] == "cpu"
+    assert handed["device"] == {"type": "cpu", "backend": "gloo", "why": "auto: no GPU"}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # a settled config is not resolved again
+    assert settle_device(OmegaConf.create(handed)) == Device("cpu", "gloo", "auto: no GPU")
 
 
 def test_a_host_with_a_gpu_for_each_rank_resolves_to_cuda(monkeypatch):
@@ -39,10 +43,10 @@ def test_a_host_with_a_gpu_for_each_rank_resolves_to_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = compose_config(["mesh=2x2", *QUIET])
     validate(cfg, deep=False)
-    assert (cfg.mesh.device_type, cfg.mesh.device_reason) == ("cuda", "auto: 4 GPUs for 4 local ranks")
+    assert (cfg.mesh.device_type, cfg.device.why) == ("cuda", "auto: 4 GPUs for 4 local ranks")
     cfg = compose_config(["mesh=2x2", "mesh.ranks_per_host=2", *QUIET])  # two hosts of 2 ranks
     validate(cfg, deep=False)
-    assert cfg.mesh.device_reason == "auto: 4 GPUs for 2 local ranks"
+    assert cfg.device.why == "auto: 4 GPUs for 2 local ranks"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -94,6 +98,6 @@ def test_the_builder_resolves_auto_for_this_host_s_ranks_and_the_header_says_it(
     cfg = compose_config(["mesh=1x1", *QUIET])
     with caplog.at_level("INFO", logger="framework"):
         builder.build_and_run(cfg, str(tmp_path), through="mesh")
-    assert (cfg.mesh.device_type, cfg.mesh.device_reason) == (device, reason)
+    assert (cfg.mesh.device_type, cfg.device.why) == (device, reason)
     assert meshes == [(device, [1, 1], ["dp", "tp"])]
     assert caplog.messages[0].splitlines()[0] == f"device: {device} ({reason})"

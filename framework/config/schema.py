@@ -84,7 +84,6 @@ class MeshConfig:
     dim_names: List[str] = field(default_factory=lambda: ["dp", "tp"])
     device_type: DeviceType = DeviceType.auto  # auto: cuda when each local rank has a GPU, else cpu
     backend: Backend = Backend.auto
-    device_reason: Optional[str] = None  # set by validation: why that device (the rank-layout header)
     # Ranks that share one host; null: all ranks of a self-launched run, LOCAL_WORLD_SIZE under torchrun.
     ranks_per_host: Optional[int] = None
     auto: bool = False  # mesh=auto: framework.train lets the planner choose (framework.planner.auto)
@@ -273,8 +272,9 @@ class Config:
     allowed_targets: List[str] = field(default_factory=lambda: ["framework", "torch.nn", "torch.optim"])
 
 
-# Keys the launcher adds to the config it hands the ranks (framework.launch.handoff).
-HANDED_TO_RANKS = ("overrides", "job")
+# Keys the launcher adds to the config it hands the ranks (framework.launch.handoff; `device`:
+# framework.parallel.device.settle_device's record).
+HANDED_TO_RANKS = ("overrides", "job", "device")
 
 
 def _unknown_in(node: Any, schema: type, path: str) -> Optional[Tuple[str, List[str]]]:

@@ -53,36 +53,6 @@ def layout_table(shape: Sequence[int], dim_names: Sequence[str], spans: Optional
     return f"DeviceMesh [{dims}] ranks {grid}\n" + "\n".join(lines)
 
 
-def resolve_device(requested: str, gpu_count: int, local_ranks: int) -> Tuple[str, str, str]:
-    """mesh.device_type's (device, default backend, why): `auto` is cuda with nccl when this host's
-    GPUs (`gpu_count`, torch's) give each of its `local_ranks` ranks one, else cpu with gloo, so
-    `make train` and every recipe use the GPUs where there are enough; cpu or cuda are taken as
-    named (a cuda without enough GPUs is refused by validation)."""
-    if requested != "auto":
-        return requested, "nccl" if requested == "cuda" else "gloo", f"mesh.device_type={requested}"
-    if gpu_count == 0:
-        return "cpu", "gloo", "auto: no GPU"
-    why = f"auto: {gpu_count} GPU{'s' * (gpu_count > 1)} for {local_ranks} local rank{'s' * (local_ranks > 1)}"
-    return ("cuda", "nccl", why) if gpu_count >= local_ranks else ("cpu", "gloo", why)
-
-
-def resolve_device_type(mesh_cfg: Any, local_ranks: int) -> None:
-    """The config's mesh.device_type made concrete, and why (mesh.device_reason, which the
-    rank-layout header shows): by the process that validates, so the ranks it starts, and every
-    reader of the config after it, see one device. A config already resolved keeps its device."""
-    if mesh_cfg.get("device_reason"):
-        return
-    requested = getattr(mesh_cfg.device_type, "value", mesh_cfg.device_type)
-    gpus = torch.cuda.device_count() if requested == "auto" else 0
-    mesh_cfg.device_type, _, mesh_cfg.device_reason = resolve_device(requested, gpus, local_ranks)
-
-
-def device_line(mesh_cfg: Any) -> str:
-    """The rank-layout header's device: 'device: cuda (auto: 8 GPUs for 8 local ranks)'."""
-    device = getattr(mesh_cfg.device_type, "value", mesh_cfg.device_type)
-    return f"device: {device} ({mesh_cfg.get('device_reason') or f'mesh.device_type={device}'})"
-
-
 def build_mesh(device_type: str, shape: Sequence[int], dim_names: Sequence[str]) -> DeviceMesh:
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(dim_names))
 

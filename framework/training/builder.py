@@ -25,7 +25,8 @@ from framework.models.float8 import apply_float8, float8_recipe
 from framework.models.lifecycle import adapt, allocate, born_on_meta, new_model, on_meta
 from framework.models.lora import load_peft_adapter
 from framework.models.nf4 import quantize_base
-from framework.parallel.mesh import build_mesh, coordinates_on, device_line, layout_table, resolve_device_type
+from framework.parallel.device import settle_device
+from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import last_stage_rank, split_model
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.dtensors import by_mesh
@@ -44,10 +45,11 @@ from framework.models.protocol import offered
 log = logging.getLogger("framework")
 
 
-def backend_for(mesh_cfg: DictConfig) -> str:
-    if mesh_cfg.backend != "auto":
-        return str(mesh_cfg.backend)
-    return "cpu:gloo,cuda:nccl" if mesh_cfg.device_type == "cuda" else "gloo"
+def backend_for(run: Run) -> str:
+    """mesh.backend as named, else the device's (a cuda run keeps gloo for CPU tensors)."""
+    if run.cfg.mesh.backend != "auto":
+        return str(run.cfg.mesh.backend)
+    return f"cpu:gloo,cuda:{run.device.backend}" if run.device.type == "cuda" else run.device.backend
 
 
 def _store_of_this_attempt(timeout: timedelta) -> Optional[dist.Store]:
@@ -69,24 +71,24 @@ def stage_distributed(run: Run) -> None:
         timeout = timedelta(seconds=run.cfg.trainer.collective_timeout_s)
         store = _store_of_this_attempt(timeout)
         if store is None:
-            dist.init_process_group(backend=backend_for(run.cfg.mesh), timeout=timeout)
+            dist.init_process_group(backend=backend_for(run), timeout=timeout)
         else:
-            dist.init_process_group(backend=backend_for(run.cfg.mesh), timeout=timeout, store=store,
+            dist.init_process_group(backend=backend_for(run), timeout=timeout, store=store,
                                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     run.rank = dist.get_rank()
-    if run.cfg.mesh.device_type == "cuda":
+    if run.device.type == "cuda":
         torch.cuda.set_device(dist.get_node_local_rank())
 
 
 def stage_mesh(run: Run) -> None:
     cfg = run.cfg
-    run.mesh = build_mesh(cfg.mesh.device_type, cfg.mesh.shape, cfg.mesh.dim_names)
+    run.mesh = build_mesh(run.device.type, cfg.mesh.shape, cfg.mesh.dim_names)
     run.dp_cp_mesh = run.roles.dp_cp_mesh(run.mesh)
     run.dp_cp = coordinates_on(run.dp_cp_mesh)
     run.samples = spread_over_groups(coordinates_on(run.roles.dp_mesh(run.mesh)))  # (and over replica groups)
     run.tp = coordinates_on(run.roles.tp_mesh(run.mesh))
     if run.rank == 0:
-        log.info("%s\n%s", device_line(cfg.mesh), layout_table(cfg.mesh.shape, cfg.mesh.dim_names, run.roles.spans()))
+        log.info("%s\n%s", run.device.line(), layout_table(cfg.mesh.shape, cfg.mesh.dim_names, run.roles.spans()))
 
 
 def stage_model(run: Run) -> None:
@@ -94,7 +96,7 @@ def stage_model(run: Run) -> None:
     a Hugging Face one: their storage and weights come in the weights stage, once the parallel
     stages sharded them, so no rank holds the model whole. Any other module is built whole and
     seeded, the same on every rank (DataParallel also broadcasts it). The dry run's stays on meta."""
-    device = "meta" if run.meta_only or born_on_meta(run.cfg.model) else run.cfg.mesh.device_type
+    device = "meta" if run.meta_only or born_on_meta(run.cfg.model) else run.device.type
     run.model = new_model(run.cfg.model, device, run.cfg.trainer.seed)
 
 
@@ -107,7 +109,7 @@ def stage_adapters(run: Run) -> None:
     adapt(run.module, a, cfg.trainer.seed)
     if a.kind == "qlora":
         if on_meta(run.module) and not run.meta_only:
-            allocate(run.module, cfg.mesh.device_type, cfg.trainer.seed)
+            allocate(run.module, run.device.type, cfg.trainer.seed)
             load_base(run.module, None, offered(run.module).hf_path)
         quantize_base(run.module, a.block_size, a.scaler_block_size)
 
@@ -191,7 +193,7 @@ def stage_weights(run: Run) -> None:
         return
     directory = checkpoint_dir(cfg, run.out_dir)
     run.start = starting_point(cfg, directory, run.rank)
-    allocate(run.module, cfg.mesh.device_type, cfg.trainer.seed)
+    allocate(run.module, run.device.type, cfg.trainer.seed)
     if run.start.replaces_base():
         return
     # (a resume that does not replace the base holds adapters alone: their base first)
@@ -308,9 +310,8 @@ def build_and_run(cfg: DictConfig, out_dir: str, through: Optional[str] = None, 
     inspect, dryrun), from `start` on. `run` may come with what the skipped stages would have
     set (verify's one-process reference has no process group or mesh; the dry run's model stays
     on meta)."""
-    # (a config no launcher validated, mesh.device_type=auto: as the launcher would, for this host's ranks)
-    resolve_device_type(cfg.mesh, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
     run = run or Run(cfg=cfg, out_dir=out_dir)
+    run.device = settle_device(cfg)  # (the launcher's, or, for a config none settled, this host's ranks')
     names = list(cfg.pipeline) if through is None else STAGES[: STAGES.index(through) + 1]
     for name in names[names.index(start) if start else 0:]:
         STAGE_FUNCTIONS[name](run)

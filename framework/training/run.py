@@ -8,6 +8,7 @@ from torch import nn
 
 from framework.checkpoint.weights import Start
 from framework.parallel.data_parallel import DataParallel, NoGradientSync
+from framework.parallel.device import Device
 from framework.parallel.fault_tolerance import NoFaultTolerance
 from framework.parallel.roles import MeshRoles
 
@@ -18,6 +19,7 @@ class Run:
     out_dir: str
     meta_only: bool = False  # the dry run: the model stays on meta (shapes, no storage, no weights read)
     rank: int = 0
+    device: Optional[Device] = None  # where it computes, settled once (framework.parallel.device)
     mesh: Any = None
     # the ranks that hold the same weights and other tokens, as one 1-D mesh: the DP dims (two
     # flattened) and a cp dim (MeshRoles.dp_cp_mesh); gradients average and losses count over it
