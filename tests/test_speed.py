@@ -63,8 +63,8 @@ def test_the_builder_compiles_each_block_in_place_keeping_the_models_names(tmp_p
 def test_compiling_a_model_without_blocks_is_refused_before_launch(tmp_path):
     result = run_cli(["trainer.compile=blocks", "trainer.progress_bar=false", f"hydra.run.dir={tmp_path}"], timeout=60)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("config error: trainer.compile='blocks': SeedMLP has no `layers` ModuleList of "
-                                     "repeated blocks to compile; use trainer.compile=none")
+    assert result.stderr.strip() == ("config error: trainer.compile='blocks': SeedMLP declares no repeated blocks to "
+                                     "compile (ModelProtocol.compile_units); use trainer.compile=none")
 
 
 @pytest.mark.integration  # (test_profile_steps_profiles_a_normal_run stays in make test)

@@ -22,12 +22,12 @@ from torch import nn
 
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
-from framework.models.adapter_names import CHILDREN, adapter_layers, is_adapter, targets_of
+from framework.models.adapter_names import adapter_layers, is_adapter, targets_of
 from framework.models.hf import hf_name
 from framework.models.initialization import parameter_generator
 from framework.models.nf4 import dequantized
 from framework.models.protocol import from_hugging_face, offered
-from framework.parallel.dtensors import is_dtensor, place_whole
+from framework.parallel.dtensors import place_whole
 
 def _add_update(layer: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     if layer.lora_off:
@@ -75,38 +75,6 @@ def init_adapters(model: nn.Module, seed: int) -> None:
         full.uniform_(-bound, bound, generator=generator)
         place_whole(layer.lora_A.weight, full)
         place_whole(layer.lora_B.weight, torch.zeros(layer.lora_B.weight.shape))
-
-
-@contextmanager
-def adapters_set_aside(model: nn.Module) -> Iterator[None]:
-    """The adapters out of their layers while parallelize_module shards the layers (a style
-    shards every parameter, and expects a weight, under its layer), then back, placed for their layer's layout
-    (torchtitan's rule): under a colwise layer A replicated and B colwise, under a rowwise one A
-    rowwise and B replicated, so the update has the layer's own output layout (sharded on the
-    features, or partial sums reduced with the layer's). The base is frozen again after: torch's
-    SequenceParallel registers its norms' weights anew, trainable."""
-    held = [(layer, {name: layer._modules.pop(name) for name in CHILDREN}) for _, layer in adapter_layers(model)]
-    try:
-        yield
-    finally:
-        if held:  # torch's SequenceParallel makes new Parameters that train: the base stays frozen
-            for param in model.parameters():
-                param.requires_grad_(False)
-        for layer, children in held:
-            for name, child in children.items():
-                setattr(layer, name, child)
-            if is_dtensor(layer.weight):
-                _place_for(layer)
-
-
-def _place_for(layer: nn.Linear) -> None:
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    placement = layer.weight.placements[0]
-    a, b = ((Replicate(), Shard(0)) if placement == Shard(0) else (Shard(1), Replicate()) if placement == Shard(1)
-            else (Replicate(), Replicate()))
-    for module, where in ((layer.lora_A, a), (layer.lora_B, b)):
-        module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), layer.weight.device_mesh, [where]))
 
 
 @torch.no_grad()

@@ -17,8 +17,9 @@ aux-loss-free expert bias (`bias_update_rate`): a per-expert bias added to the s
 choose the experts, moved after each optimizer step by bias_update_rate x the sign of the mean
 load minus each expert's load over the step's global batch (update_expert_biases).
 """
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,21 +54,11 @@ def grouped_gemm_runs(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
-def slots_per_expert(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """How many token slots chose each expert. On meta (framework.dryrun) the ids hold no
-    values: the balanced routing load balancing aims at is assumed (an even share, the
-    remainder to the first experts), counted on the CPU so that the sizes can be read."""
-    if expert_ids.is_meta:
-        slots = expert_ids.numel()
-        return torch.tensor([slots // n_experts + (e < slots % n_experts) for e in range(n_experts)])
-    return torch.bincount(expert_ids, minlength=n_experts)
-
-
 def dispatch_locally(experts: "Experts", tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     """Every expert on this rank: token slots (one per token and choice) sorted by expert, run,
     and returned in the order of `expert_ids` (flattened)."""
     order = expert_ids.argsort(stable=True)
-    counts = slots_per_expert(expert_ids, experts.n_experts).tolist()
+    counts = experts.slots_per_expert(expert_ids).tolist()
     return experts(tokens[order], counts)[order.argsort()]
 
 
@@ -85,6 +76,16 @@ class Experts(nn.Module):
         for weight in (self.w1, self.w2, self.w3):  # as nn.Linear initializes each expert's matrix
             for matrix in weight.data:
                 nn.init.kaiming_uniform_(matrix, a=5 ** 0.5)
+
+    def slots_per_expert(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """How many token slots chose each expert. On meta (framework.dryrun) the ids hold no
+        values: the balanced routing load balancing aims at is assumed (an even share, the
+        remainder to the first experts), counted on the CPU so that the sizes can be read."""
+        n_experts = self.n_experts
+        if expert_ids.is_meta:
+            slots = expert_ids.numel()
+            return torch.tensor([slots // n_experts + (e < slots % n_experts) for e in range(n_experts)])
+        return torch.bincount(expert_ids, minlength=n_experts)
 
     def local_weights(self):
         return tuple(local_part(w) for w in (self.w1, self.w2, self.w3))
@@ -152,7 +153,7 @@ class MoE(nn.Module):
             weights = probabilities.gather(1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        self.stats = RoutingStats(slots_per_expert(expert_ids.flatten(), self.experts.n_experts).to(x.device),
+        self.stats = RoutingStats(self.experts.slots_per_expert(expert_ids.flatten()).to(x.device),
                                   probabilities.sum(dim=0))
         slots = tokens.repeat_interleave(self.top_k, dim=0)  # token t's k-th choice at t * top_k + k
         routed = self.dispatch(self.experts, slots, expert_ids.flatten())
@@ -186,6 +187,19 @@ def load_balance_loss(blocks: List[MoE], group: Optional[dist.ProcessGroup] = No
 def moe_blocks(model: nn.Module) -> List[MoE]:
     """The model's mixture-of-experts blocks, in order (none for a dense model)."""
     return [module for module in model.modules() if isinstance(module, MoE)]
+
+
+@contextmanager
+def loads_uncounted(blocks: List[MoE]) -> Iterator[None]:
+    """Forwards inside count no routing load: they train nothing (a pipeline's shape inference),
+    and the expert biases move by the load of the step's micro-batches alone."""
+    for block in blocks:
+        block.counts_load = False
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.counts_load = True
 
 
 def count_step_load(blocks: List[MoE]) -> None:

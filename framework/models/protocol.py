@@ -2,17 +2,23 @@
 class): the framework's models subclass ModelProtocol and override what they offer; any other
 torch.nn module (a config may name torch.nn.Linear, or a user's model) trains with the defaults,
 which `offered` stands in for. The framework asks `offered(model)`, never whether an attribute
-happens to exist."""
+happens to exist: framework.parallel and framework.training.compile import nothing else of the
+models, so a model the framework did not write declares what they use the same way."""
+from contextlib import nullcontext
 from types import MappingProxyType
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
+from framework.models.adapter_names import adapters_set_aside
+from framework.models.nf4 import is_nf4
+
 
 class ModelProtocol:
     """The defaults: built from the config (no Hugging Face source), no tied weights, nothing a
-    TP plan must cover, no FLOPs count (no MFU), nothing more to log, no context parallelism."""
+    TP plan must cover, no FLOPs count (no MFU), nothing more to log, no context parallelism, no
+    blocks to compile, no experts. They read the model as a module (self.children(), ...)."""
 
     hf_path: Optional[str] = None    # the Hugging Face directory the weights come from (framework.models.hf)
     model_type: str = "llama"        # its config.json's model_type: how its parameter names map to HF's
@@ -62,13 +68,69 @@ class ModelProtocol:
         only a model whose supports_context_parallel says so is asked."""
         raise NotImplementedError(f"{type(self).__name__} has no attention to split sequences for")
 
+    def fsdp_units(self) -> List[nn.Module]:
+        """What FSDP2 all-gathers and reshards as one piece each, before the root, which holds the
+        rest (framework.parallel.fully_shard): by default each top-level child with parameters."""
+        return [child for child in self.children() if any(True for _ in child.parameters())]
 
-_DEFAULTS = ModelProtocol()
+    def compile_units(self) -> List[Tuple[nn.Module, bool]]:
+        """The repeated blocks trainer.compile=blocks compiles one by one (one graph, compiled once
+        and reused: framework.training.compile), each with whether it traces whole (fullgraph).
+        None listed: compiling is refused before launch."""
+        return []
+
+    def expert_modules(self) -> List[nn.Module]:
+        """Each mixture-of-experts layer's experts, which expert parallelism shards over its ranks
+        and FSDP2 over their replicas (framework.parallel.expert_parallel): a module whose
+        parameters stack its `n_experts` experts on dim 0, whose `slots_per_expert(expert_ids)`
+        counts the token slots routed to each, and whose call `experts(slots, counts)` runs its
+        own experts on slots sorted by expert. None listed: a dense model."""
+        return []
+
+    def use_expert_parallel(self, token_group: Any, dispatch: Optional[Callable]) -> None:
+        """Pool the routing statistics over `token_group` (the ranks holding other tokens) and,
+        with `dispatch`, send each layer's token slots through it to their experts' ranks:
+        dispatch(experts, slots, expert_ids) -> the slots' outputs in their order. Only a model
+        with expert_modules is asked."""
+        raise NotImplementedError(f"{type(self).__name__} has no experts to spread")
+
+    def optimizer_step_hook(self) -> Optional[Callable[[], None]]:
+        """What the model moves after each optimizer step, outside the gradient (DeepSeek-V3's
+        expert biases, by the step's global load); None: nothing."""
+        return None
+
+    def uncounted_forwards(self) -> ContextManager[None]:
+        """Around forwards that train nothing (a pipeline's shape inference): nothing they do
+        counts toward what the training steps keep (a mixture of experts' routing load)."""
+        return nullcontext()
+
+    def tp_set_aside(self) -> ContextManager[None]:
+        """Around parallelize_module: what the model holds that a TP plan must not shard, out of
+        it, then back, placed for its layers' layouts; by default the LoRA adapters, wherever the
+        adapters stage put them (framework.models.adapter_names.adapters_set_aside)."""
+        return adapters_set_aside(self)
+
+    def alike_on_every_rank(self) -> List[torch.Tensor]:
+        """Tensors each rank makes alike itself, which replicate's DataParallel does not broadcast
+        from the first replica: by default QLoRA's NF4 weights (quantized from the same weights on
+        every rank; no flat tensor a bucket holds)."""
+        return [t for t in [*self.parameters(), *self.buffers()] if is_nf4(t)]
+
+
+class _Undeclared(ModelProtocol):
+    """The defaults for a module that declares no protocol: what they read of the model (its
+    children, parameters, modules) they read of `module`."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __getattr__(self, name: str) -> Any:  # (asked only for names the protocol does not define)
+        return getattr(self.module, name)
 
 
 def offered(model: nn.Module) -> ModelProtocol:
-    """The model's protocol: its own when it declares one, else the defaults."""
-    return model if isinstance(model, ModelProtocol) else _DEFAULTS
+    """The model's protocol: its own when it declares one, else the defaults, over the model."""
+    return model if isinstance(model, ModelProtocol) else _Undeclared(model)
 
 
 def from_hugging_face(model: nn.Module) -> bool:

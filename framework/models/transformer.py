@@ -11,7 +11,7 @@ reshapes below infer the head count (-1) from the local tensor instead of readin
 """
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,8 @@ from framework.models.protocol import ModelProtocol
 from framework.config.errors import ConfigError
 from framework.models.documents import AttentionLayout, attend, attention_layout, gather_keys
 from framework.models.initialization import init_transformer
-from framework.models.moe import MoE, count_step_load, load_balance_loss, moe_blocks, routing_metrics
+from framework.models.moe import (MoE, count_step_load, load_balance_loss, loads_uncounted, moe_blocks,
+                                  routing_metrics, update_expert_biases)
 
 
 def rotary_frequencies(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None,
@@ -330,6 +331,36 @@ class Transformer(ModelProtocol, nn.Module):
         held = {int(index): layer.feed_forward for index, layer in self.layers.named_children()
                 if isinstance(layer.feed_forward, MoE)}
         return routing_metrics(held, self.token_group)
+
+    def held_blocks(self) -> List[nn.Module]:
+        """The blocks this rank holds: all, or on a pipeline rank its stages' (a ModuleDict)."""
+        return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
+
+    def fsdp_units(self) -> List[nn.Module]:
+        """Each block (as torchtitan shards them); the root holds the embedding, norm and output."""
+        return self.held_blocks()
+
+    def compile_units(self) -> List[Tuple[nn.Module, bool]]:
+        """Each block; a mixture of experts routes a data-dependent number of tokens to each expert,
+        so its block compiles in pieces around that (graph breaks), a dense block as one graph."""
+        return [(block, not moe_blocks(block)) for block in self.held_blocks()]
+
+    def expert_modules(self) -> List[nn.Module]:
+        return [block.experts for block in moe_blocks(self)]
+
+    def use_expert_parallel(self, token_group: Any, dispatch: Optional[Callable]) -> None:
+        self.token_group = token_group
+        if dispatch is not None:
+            for block in moe_blocks(self):
+                block.dispatch = dispatch
+
+    def optimizer_step_hook(self) -> Optional[Callable[[], None]]:
+        """The expert biases moved by the step's global load; none without biased experts."""
+        biased = [block for block in moe_blocks(self) if block.bias_update_rate is not None]
+        return (lambda: update_expert_biases(biased, self.token_group)) if biased else None
+
+    def uncounted_forwards(self) -> ContextManager[None]:
+        return loads_uncounted(moe_blocks(self))
 
     def tp_sharded_counts(self) -> Dict[str, int]:
         """Counts a TP plan splits whole across ranks (checked by framework.validate)."""

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from framework.models.nf4 import is_nf4
+from framework.models.protocol import offered
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket cap
 
@@ -161,8 +161,8 @@ class DataParallel(nn.Module):
         if self.dp_size == 1 or any(p.is_meta for p in self.module.parameters()):
             return
         src = dist.get_global_rank(self.dp_group, 0)
-        # (QLoRA's NF4 weights, made the same on every rank from the same weights, are no flat tensors)
-        tensors = [t.data for t in [*self.module.parameters(), *self.module.buffers()] if not is_nf4(t)]
+        alike = {id(t) for t in offered(self.module).alike_on_every_rank()}  # (QLoRA's NF4 weights)
+        tensors = [t.data for t in [*self.module.parameters(), *self.module.buffers()] if id(t) not in alike]
         in_flat_buckets(tensors, lambda flat: dist.broadcast(flat, src=src, group=self.dp_group))
 
     def _bind(self) -> None:

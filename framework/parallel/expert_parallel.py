@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
-from framework.models.moe import Experts, moe_blocks, slots_per_expert, update_expert_biases
+from framework.models.protocol import offered
 
 
 def spread_over_dp(param: torch.Tensor, dp_group: Optional[dist.ProcessGroup]) -> bool:
@@ -115,8 +115,9 @@ class _GatherShares(torch.autograd.Function):
 
 
 def dispatch_over(group: dist.ProcessGroup, tp_group: Optional[dist.ProcessGroup] = None
-                  ) -> Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """MoE.dispatch over the EP ranks of `group`: rank r holds experts r*L .. r*L + L - 1 (L =
+                  ) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A dispatch (ModelProtocol.use_expert_parallel) over the EP ranks of `group`, for experts
+    as ModelProtocol.expert_modules describes them: rank r holds experts r*L .. r*L + L - 1 (L =
     n_experts / EP). Slots sorted by expert go to their experts' ranks in one all-to-all, are
     regrouped there by local expert, run, put back in arrival order, and return in another.
     With `tp_group` (the experts span the tp dim) this rank sends only its TP share of the slots."""
@@ -125,10 +126,10 @@ def dispatch_over(group: dist.ProcessGroup, tp_group: Optional[dist.ProcessGroup
 
     size = dist.get_world_size(group)
 
-    def exchange(experts: Experts, slots: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def exchange(experts: nn.Module, slots: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         local = experts.n_experts // size
         order = expert_ids.argsort(stable=True)
-        counts = slots_per_expert(expert_ids, experts.n_experts)
+        counts = experts.slots_per_expert(expert_ids)
         arriving = torch.empty_like(counts)  # [source rank, local expert]: what each rank sends to mine
         dist.all_to_all_single(arriving, counts, group=group)
         if slots.is_meta:  # framework.dryrun's fake exchange moves nothing: every rank routes as this one
@@ -144,7 +145,7 @@ def dispatch_over(group: dist.ProcessGroup, tp_group: Optional[dist.ProcessGroup
         returned = all_to_all_single_autograd(back, sent, received, group)
         return returned[order.argsort()]
 
-    def dispatch(experts: Experts, slots: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def dispatch(experts: nn.Module, slots: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         if tp_group is None:
             return exchange(experts, slots, expert_ids)
         tp_size = dist.get_world_size(tp_group)
@@ -165,38 +166,39 @@ def apply_ep(model: nn.Module, ep_mesh: Optional[DeviceMesh], token_group: Optio
     the experts span the tp dim, whose ranks split their replicated tokens."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    if not moe_blocks(model):
+    experts = offered(model).expert_modules()
+    if not experts:
         return
-    model.token_group = token_group
     if ep_mesh is None or ep_mesh.size() == 1:
+        offered(model).use_expert_parallel(token_group, None)
         return
-    for block in moe_blocks(model):
-        experts = block.experts
-        for name in ("w1", "w2", "w3"):
-            setattr(experts, name, nn.Parameter(distribute_tensor(getattr(experts, name).data, ep_mesh, [Shard(0)])))
-        block.dispatch = dispatch_over(ep_mesh.get_group(), tp_mesh.get_group() if tp_mesh is not None else None)
+    for module in experts:
+        for name, stack in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(distribute_tensor(stack.data, ep_mesh, [Shard(0)])))
+    tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+    offered(model).use_expert_parallel(token_group, dispatch_over(ep_mesh.get_group(), tp_group))
 
 
 def update_biases_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """DeepSeek-V3's expert bias moves after every optimizer step, from the step's global load
-    (as torchtitan hooks its optimizers); nothing for models without biased experts."""
-    blocks = [block for block in moe_blocks(model) if block.bias_update_rate is not None]
-    if blocks:
-        optimizer.register_step_post_hook(lambda *_: update_expert_biases(blocks, model.token_group))
+    """What the model moves after each optimizer step (ModelProtocol.optimizer_step_hook:
+    DeepSeek-V3's expert biases, from the step's global load), as torchtitan hooks its optimizers."""
+    hook = offered(model).optimizer_step_hook()
+    if hook is not None:
+        optimizer.register_step_post_hook(lambda *_: hook())
 
 
 def check_expert_parallel(c: Checked) -> None:
     """What the experts and their parallelism need of the model, the plan and the mesh."""
     model, plan, roles = c.model, c.plan, c.roles
-    blocks, ep_dims, ep_size = moe_blocks(model), list(roles.ep_dims), roles.ep_size
-    if ep_dims and not blocks:
+    experts, ep_dims, ep_size = offered(model).expert_modules(), list(roles.ep_dims), roles.ep_size
+    if ep_dims and not experts:
         raise ConfigError("parallel.ep_dims", ep_dims, f"spreads experts, and {type(model).__name__} has no "
                                                        f"mixture-of-experts blocks; set it to null")
-    if not blocks:
+    if not experts:
         return
-    if blocks[0].experts.n_experts % ep_size:
+    if experts[0].n_experts % ep_size:
         raise ConfigError("parallel.ep_dims", ep_dims, f"the EP size {ep_size} must divide the "
-                                                       f"{blocks[0].experts.n_experts} experts of each block")
+                                                       f"{experts[0].n_experts} experts of each block")
     for key, entry in plan.items():
         if entry.get("style") == "sequence_parallel" and key.split(".")[-1] == "ffn_norm":
             raise ConfigError(f"plan.{key}.style", "sequence_parallel", "would hand the mixture-of-experts blocks "

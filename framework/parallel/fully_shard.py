@@ -10,7 +10,7 @@ parameters (FSDP2 also sums the partial gradients TP leaves on replicated parame
 """
 import warnings
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,23 +18,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from framework.models.protocol import offered
 from framework.parallel.data_parallel import NoGradientSync
-from framework.models.moe import Experts
 from framework.parallel.expert_parallel import spread_over_dp
 
 # FSDP2 warns that an in-place op on a unit's output (a view) would skip its gradient hook; the
 # loss reads the model's output out of place, and the blocks' residual adds are out of place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
-
-
-def fsdp_units(model: nn.Module) -> List[nn.Module]:
-    """What is all-gathered and resharded as one piece, before the root: each transformer block
-    (a model's `layers`, as in torchtitan; a ModuleDict in a pipeline stage), else each top-level
-    child with parameters."""
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
-        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
-    return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
 def mixed_precision_policy(mixed_precision: Optional[str], root: bool) -> MixedPrecisionPolicy:
@@ -48,8 +38,8 @@ def mixed_precision_policy(mixed_precision: Optional[str], root: bool) -> MixedP
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[str],
                dp_group: Optional[dist.ProcessGroup] = None, expert_replicas: Optional[DeviceMesh] = None) -> nn.Module:
-    """fully_shard each unit, then the root (which holds what no unit does), over `dp_mesh`:
-    1-D for fsdp, (dp_replicate, dp) for hsdp.
+    """fully_shard each unit (ModelProtocol.fsdp_units), then the root (which holds what no unit
+    does), over `dp_mesh`: 1-D for fsdp, (dp_replicate, dp) for hsdp.
 
     Experts spread over DP ranks (expert parallelism, `dp_group` the DP ranks flattened) already
     sum, in their gradient, the tokens of every rank they served. Spread over every DP dim they
@@ -60,13 +50,13 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[
     and its reduce-scatter's sum is divided by the DP size alike."""
     if expert_replicas is not None:
         dp_size = dist.get_world_size(dp_group)
-        for experts_module in [m for m in model.modules() if isinstance(m, Experts)]:
+        for experts_module in offered(model).expert_modules():
             fully_shard(experts_module, mesh=expert_replicas, mp_policy=mixed_precision_policy(mixed_precision, False))
             # a sum, divided after it (gloo has no pre-multiplied sum for a divide factor of its own)
             experts_module.set_force_sum_reduction_for_comms(True)
             experts_module.set_gradient_divide_factor(float(dp_size))
     experts = {p for p in model.parameters() if spread_over_dp(p, dp_group)} if expert_replicas is None else set()
-    for unit in fsdp_units(model):
+    for unit in offered(model).fsdp_units():
         fully_shard(unit, mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision, root=False),
                     ignored_params=experts or None)
     sharded = fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision, root=True),

@@ -10,7 +10,7 @@ parallel.pp_microbatches micro-batches of each replica's batch: the loss is comp
 stage, gradients are scaled to the batch mean by the schedule, and DataParallel's gradients are
 synced once after the schedule.
 """
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -18,8 +18,7 @@ from torch import nn
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.data.batch import Batch
-from framework.models.moe import moe_blocks
-from framework.models.protocol import offered
+from framework.models.protocol import ModelProtocol, offered
 
 # schedule name -> (torch class name, stages per rank it takes: 1, ">1", or 2 in a V)
 SCHEDULES: Dict[str, Tuple[str, str]] = {
@@ -120,10 +119,11 @@ def check_pipeline_parallel(c: Checked) -> None:
                           "set parallel.pp_microbatches instead and data.micro_batch_size=null")
 
 
-class StageModule(nn.Module):
+class StageModule(ModelProtocol, nn.Module):
     """One pipeline stage: the embedding (first stage), a run of the model's blocks, the final
     norm and output (last stage). It holds the model's own modules, so parameters keep their
-    names in the model (checkpoints); a stage's own FQNs are for the schedule alone."""
+    names in the model (checkpoints); a stage's own FQNs are for the schedule alone. FSDP2 takes
+    it as a root: its protocol offers its own blocks and experts."""
 
     def __init__(self, model: nn.Module, layer_keys: List[str], first: bool, last: bool):
         super().__init__()
@@ -133,6 +133,8 @@ class StageModule(nn.Module):
         self.output = model.output if last else None
         self.run_blocks, self.prepare_rotation = model.run_blocks, model.prepare_rotation
         self.attention_layout = model.attention_layout
+        declared = offered(model)
+        self.model_experts, self.model_uncounted_forwards = declared.expert_modules, declared.uncounted_forwards
 
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: tokens (first stage) or the previous stage's hidden states; `positions`: the
@@ -140,6 +142,17 @@ class StageModule(nn.Module):
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         h = self.run_blocks(self.layers.values(), h, self.attention_layout(positions, h))
         return self.output(self.norm(h)) if self.output is not None else h
+
+    def fsdp_units(self) -> List[nn.Module]:
+        return list(self.layers.values())
+
+    def expert_modules(self) -> List[nn.Module]:
+        """The model's experts in this stage's blocks."""
+        held = set(self.modules())
+        return [experts for experts in self.model_experts() if experts in held]
+
+    def uncounted_forwards(self) -> ContextManager[None]:
+        return self.model_uncounted_forwards()
 
 
 def gathered_over_stages(values: Dict[str, float], pp_group) -> Dict[str, float]:
@@ -177,8 +190,8 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, per_rank: int, sch
 
 def routing_stage_class():
     """torch's PipelineStage, but its first step's shape inference (one forward of each stage,
-    on the first micro-batch or on uninitialized tensors, that trains nothing) does not count as
-    mixture-of-experts routing: the expert biases move by the load of the step's micro-batches."""
+    on the first micro-batch or on uninitialized tensors, that trains nothing) is among the
+    model's uncounted_forwards: the expert biases move by the load of the step's micro-batches."""
     from torch.distributed.pipelining import PipelineStage
 
     if not hasattr(PipelineStage, "_forward_metadata_inference"):  # (torch 2.13's; fail loudly if it moves)
@@ -187,14 +200,8 @@ def routing_stage_class():
 
     class RoutingStage(PipelineStage):
         def _forward_metadata_inference(self, *args, **kwargs):
-            blocks = moe_blocks(self.submod)
-            for block in blocks:
-                block.counts_load = False
-            try:
+            with offered(self.submod).uncounted_forwards():
                 return super()._forward_metadata_inference(*args, **kwargs)
-            finally:
-                for block in blocks:
-                    block.counts_load = True
 
     return RoutingStage
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from framework.models.lora import adapters_set_aside
+from framework.models.protocol import offered
 from framework.parallel.plan import LAYOUT, LAYOUT_OPTIONS, ROOT, STYLE_OPTIONS
 
 STYLE_CLASSES = {
@@ -71,5 +71,5 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, Mapping[
     plan = entries_present(module, plan) if plan else plan
     if not plan or tp_mesh.size() == 1:
         return module
-    with adapters_set_aside(module):  # LoRA's, placed for their layers' layouts after
+    with offered(module).tp_set_aside():  # LoRA's adapters, placed for their layers' layouts after
         return parallelize_module(module, tp_mesh, build_plan(plan))

@@ -1,5 +1,6 @@
-"""`trainer.compile: blocks`: torch.compile of each of the model's repeated blocks (its `layers`,
-as torchtitan compiles them), after TP and before FSDP2 wraps them.
+"""`trainer.compile: blocks`: torch.compile of each of the model's repeated blocks
+(ModelProtocol.compile_units: the Transformer's `layers`, as torchtitan compiles them), after TP
+and before FSDP2 wraps them.
 
 Per block, not the whole model: the blocks are one graph compiled once and reused, and DTensor's
 per-op dispatch, most of a small TP step on CPU, is traced away inside each. Only each block's
@@ -7,23 +8,23 @@ per-op dispatch, most of a small TP step on CPU, is traced away inside each. Onl
 (checkpoints, exports, plans) keep no `_orig_mod.` prefix: a checkpoint saved compiled resumes
 eager and back.
 """
-from typing import List
+from typing import List, Tuple
 
 import torch
 from torch import nn
 
 from framework.config.errors import ConfigError
-from framework.models.moe import moe_blocks
+from framework.models.protocol import offered
 
 
-def compiled_blocks(model: nn.Module) -> List[nn.Module]:
-    """The model's repeated blocks (a ModuleDict of this rank's ones under pipeline parallelism),
-    or a config error naming what compile needs."""
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)) or len(layers) == 0:
-        raise ConfigError("trainer.compile", "blocks", f"{type(model).__name__} has no `layers` ModuleList of "
-                          "repeated blocks to compile; use trainer.compile=none")
-    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+def compiled_blocks(model: nn.Module) -> List[Tuple[nn.Module, bool]]:
+    """The model's repeated blocks (this rank's under pipeline parallelism), each with whether it
+    traces whole, or a config error naming what compile needs."""
+    blocks = offered(model).compile_units()
+    if not blocks:
+        raise ConfigError("trainer.compile", "blocks", f"{type(model).__name__} declares no repeated blocks to compile "
+                          "(ModelProtocol.compile_units); use trainer.compile=none")
+    return blocks
 
 
 def _wait_for_inputs(module: nn.Module, args: tuple) -> tuple:
@@ -47,10 +48,8 @@ def apply_compile(model: nn.Module, mode: str) -> None:
     if mode == "none":
         return
     blocks = compiled_blocks(model)
-    for block in blocks:
+    for block, whole in blocks:
         block.register_forward_pre_hook(_wait_for_inputs)
-        # A mixture of experts routes a data-dependent number of tokens to each expert: its
-        # block compiles in pieces around that (graph breaks), a dense block as one graph.
-        block.forward = torch.compile(block.forward, fullgraph=not moe_blocks(block))
+        block.forward = torch.compile(block.forward, fullgraph=whole)
     # one graph for all blocks, recompiled at most for a changed shape (evaluation's batch, say)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(blocks))
