@@ -41,7 +41,7 @@ def main() -> None:
 def compare(args: argparse.Namespace, out_dir: str) -> None:
     cfg = compose_config([*FRAMEWORK_SETTINGS, f"mesh={args.mesh}", f"trainer.log_every={args.steps}",
                           f"trainer.compile={'blocks' if args.compile else 'none'}"])
-    run = build_and_run(cfg, out_dir, through="checkpoint")
+    run = build_and_run(cfg, out_dir, through="objective")
 
     def framework_steps(n: int) -> list:
         with open_dict(cfg):

@@ -21,7 +21,9 @@ from framework.launch.local import spawn_ranks
 from framework.models import Transformer
 from framework.training.objectives.chunked_loss import fused
 from framework.training.objectives.grpo import GroupRelativePolicy
-from framework.training.objectives.head import OutputHead
+from framework.parallel.device import resolve_device
+from framework.training.objectives.context import ObjectiveContext
+from framework.training.objectives.head import OutputHead, output_head
 from framework.training.objectives.lm import NextTokenCrossEntropy
 from framework.training.objectives.preference import DirectPreference
 from tests.conftest import QUIET, TINY_LM, compose_config
@@ -200,8 +202,7 @@ def one_step(cfg_container: dict, out_dir: str) -> dict:
     from framework.training.builder import build_and_run
     from framework.training.trainer import Trainer, local_value, mean_over_dp
 
-    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="optimizer")
-    run.objective.setup(run)
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="objective")
     batch = Batch.of(next(iter(run.dataloader)), "cpu")
     vocab = cfg_container["model"]["vocab_size"]
     kept = HeldVocabularyTensors(vocab, (1, 1))  # (its __enter__ returns None)
@@ -261,9 +262,9 @@ def test_chunks_no_forward_can_score_are_refused_before_launch(overrides, messag
 def test_the_default_chunks_on_a_gpu_at_a_large_vocabulary_alone(device, vocab, setting, chunk):
     """trainer.loss_chunk_tokens as the LM objective's setup reads it for the run's device and vocabulary."""
     torch.manual_seed(0)
-    run = SimpleNamespace(tp={"size": 1}, pp={}, module=Transformer(vocab_size=vocab, dim=4, n_layers=1, n_heads=1),
-                          cfg=OmegaConf.create({"trainer": {"loss_chunk_tokens": setting},
-                                                "mesh": {"device_type": device}}))
+    model = Transformer(vocab_size=vocab, dim=4, n_layers=1, n_heads=1)
+    cfg = OmegaConf.create({"trainer": {"loss_chunk_tokens": setting}})
     objective = NextTokenCrossEntropy()
-    objective.setup(run)
-    assert objective.head == OutputHead(run.module.output, select=False, chunk=chunk)
+    objective.setup(ObjectiveContext(cfg=cfg, device=resolve_device(device, 1, gpu_count=1), module=model, model=model,
+                                     head=output_head(model, setting, device, tp_size=1, pp_size=1)))
+    assert objective.head == OutputHead(model.output, select=False, chunk=chunk)

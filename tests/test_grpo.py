@@ -65,8 +65,7 @@ def set_up_on_rank(cfg_container: dict, out_dir: str) -> GroupRelativePolicy:
 
     from framework.training.builder import build_and_run
 
-    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="optimizer")  # (it makes the objective)
-    run.objective.setup(run)
+    run = build_and_run(OmegaConf.create(cfg_container), out_dir, through="objective")  # (its own stage sets it up)
     return run.objective
 
 
@@ -184,15 +183,18 @@ def test_with_several_updates_per_rollout_the_clipped_ratio_to_the_old_policy_is
 
 def set_up_in_one_process(objective: GroupRelativePolicy) -> None:
     """objective.setup_rollout of a one-process grpo_lm run (one replica, no process group)."""
-    from types import SimpleNamespace
-
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
+    from framework.parallel.device import resolve_device
+    from framework.training.objectives.context import ObjectiveContext
+    from framework.training.objectives.head import OutputHead
+
     cfg = OmegaConf.create(grpo_config("mesh=1x1"))
     dataset = instantiate(cfg.data.dataset, split="train")
-    objective.setup_rollout(SimpleNamespace(cfg=cfg, module=tiny_lm(), dataset=dataset, dp_cp={"size": 1},
-                                            dp_cp_group=None, tp={"size": 1}))
+    model = tiny_lm()
+    objective.setup_rollout(ObjectiveContext(cfg=cfg, device=resolve_device("cpu", 1), module=model, model=model,
+                                             head=OutputHead(), dataset=dataset))
 
 
 def tiny_lm(vocab: int = 32) -> Transformer:
@@ -368,8 +370,9 @@ def test_the_reward_rises_and_every_mesh_follows_one_process(mesh, one_process, 
     from tests.conftest import compose_config
 
     ours = one_process["scalars"]
-    # measured 0.084 -> 0.68 since the declared init (0.10 -> 0.97 with N(0, 1) embeddings and default Linear init)
-    assert ours["reward"][0] < 0.3 and ours["reward"][-1] > 0.5, ours["reward"]
+    # measured 0.076 -> 0.405, rising steadily, since each parameter's own draw (0.084 -> 0.68 with the model's
+    # one sequence of draws; 0.10 -> 0.97 with N(0, 1) embeddings and default Linear init)
+    assert ours["reward"][0] < 0.2 and ours["reward"][-1] > 0.3, " ".join(f"{r:.3f}" for r in ours["reward"])
     assert ours["completions/mean_length"][0] > 7  # 8 tokens, a stop drawn now and then
     summary = launch_local(compose_config([*grpo_overrides(prepared["prompts"], reward_file, 20), *mesh]),
                            str(tmp_path))

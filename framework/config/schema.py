@@ -35,6 +35,7 @@ STAGES = [
     "dataloader",
     "optimizer",
     "checkpoint",
+    "objective",
     "trainer",
 ]
 

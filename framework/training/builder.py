@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from torch.utils.data import Dataset
 
 from framework.checkpoint.base_model import base_model
@@ -40,6 +41,8 @@ from framework.training.state import TrainState
 from framework.training.trainer import Trainer
 from framework.training.compile import apply_compile
 from framework.training.run import Run
+from framework.training.objectives.context import Group, ObjectiveContext
+from framework.training.objectives.head import output_head
 from framework.models.protocol import offered
 
 log = logging.getLogger("framework")
@@ -262,7 +265,43 @@ def stage_checkpoint(run: Run) -> None:
     if run.start.kind == "resume":
         run.resumed = run.checkpointer.load(run.start.path)
         say(run, f"resumed from {run.start.path} (step {run.resumed.step})")
-    run.objective.setup(run)  # the weights are final: what it derives from them (DPO's reference)
+
+
+def stage_objective(run: Run) -> None:
+    """The objective's own stage, the weights final: what it derives from them (DPO's reference
+    log-probabilities, GRPO's decoder), from an ObjectiveContext, never the run; the frozen
+    reference model objective.reference=frozen_copy asks for is built here, by the model's stages."""
+    reference = frozen_copy(run) if run.objective.wants_frozen_copy else None
+    run.objective.setup(objective_context(run, reference))
+
+
+def objective_context(run: Run, reference_model: Optional[nn.Module] = None) -> ObjectiveContext:
+    """What the objective may know of the built run (framework.training.objectives.context)."""
+    cfg, tp = run.cfg, run.tp.get("size", 1)
+    return ObjectiveContext(
+        cfg=cfg, device=run.device, module=run.module, model=run.model,
+        head=output_head(run.module, cfg.trainer.get("loss_chunk_tokens"), run.device.type, tp, run.pp.get("size", 1)),
+        dataset=run.dataset, val_dataset=run.val_dataloader.dataset if run.val_dataloader is not None else None,
+        replicas=Group(run.dp_cp.get("size", 1), run.dp_cp.get("rank", 0), run.dp_cp_group),
+        samples=Group(run.samples.get("size", 1), run.samples.get("rank", 0)),
+        tp=Group(tp, run.tp.get("rank", 0), run.roles.tp_mesh(run.mesh).get_group() if tp > 1 else None),
+        reference_model=reference_model, out_dir=run.out_dir, rank=run.rank, resumed=run.resumed is not None)
+
+
+def frozen_copy(run: Run) -> nn.Module:
+    """A second model from the policy's base (the seed, the Hugging Face files or
+    checkpoint.init_from's weights, never a resumed policy's), through the same model and
+    parallel stages (its TP plan, fsdp / hsdp), without adapters, frozen in eval mode: the module
+    the loop would call."""
+    cfg = OmegaConf.merge(run.cfg, {"adapter": {"kind": "none", "init_from": None}})
+    copy = Run(cfg=cfg, out_dir=run.out_dir, rank=run.rank, mesh=run.mesh, dp_cp_mesh=run.dp_cp_mesh, dp_cp=run.dp_cp,
+               samples=run.samples, tp=run.tp)
+    build_and_run(cfg, run.out_dir, start="model", through="fully_shard", run=copy)
+    allocate(copy.module, copy.device.type, cfg.trainer.seed)
+    load_base(copy.module, base_checkpoint(cfg, checkpoint_dir(cfg, run.out_dir)), offered(copy.module).hf_path)
+    for param in copy.module.parameters():
+        param.requires_grad_(False)
+    return copy.module.eval()
 
 
 def say(run: Run, message: str) -> None:
@@ -298,6 +337,7 @@ STAGE_FUNCTIONS: Dict[str, Callable[[Run], None]] = {
     "dataloader": stage_dataloader,
     "optimizer": stage_optimizer,
     "checkpoint": stage_checkpoint,
+    "objective": stage_objective,
     "trainer": stage_trainer,
 }
 assert list(STAGE_FUNCTIONS) == STAGES

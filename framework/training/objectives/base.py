@@ -60,8 +60,16 @@ class Objective:
     def __init__(self, aux_coefficients: Optional[Mapping[str, float]] = None):
         self.aux_coefficients = dict(aux_coefficients or {})
 
-    def setup(self, run) -> None:
-        """What the objective needs of the built run, its weights loaded (the checkpoint stage's end)."""
+    reference = None  # the preference objectives' and GRPO's Reference (framework.training.objectives.reference)
+
+    @property
+    def wants_frozen_copy(self) -> bool:
+        """Whether the builder builds the frozen reference model for it (objective.reference=frozen_copy)."""
+        return self.reference is not None and self.reference.kind == "frozen_copy"
+
+    def setup(self, context) -> None:
+        """What the objective needs of the built run, its weights final (the builder's objective
+        stage): an ObjectiveContext (framework.training.objectives.context)."""
 
     def rollout(self, model: nn.Module, batch, step: int):
         """The batch the step learns from, made from the loader's before the step's units are

@@ -36,7 +36,7 @@ from framework.config.errors import ConfigError, check_rules
 from framework.data.batch import Batch
 from framework.data.batch import IGNORE
 from framework.training.objectives.base import Objective, StepShare, check_data_pairing
-from framework.training.objectives.head import OutputHead, output_head
+from framework.training.objectives.head import OutputHead
 from framework.training.objectives.logps import token_logps
 from framework.training.objectives.reference import Reference, check_reference
 from framework.training.objectives.rollout import ROLLOUT_METRICS, GroupRollout
@@ -64,7 +64,7 @@ class GroupRelativePolicy(GroupRollout, Objective):
         self.step = None  # (setup: the compiled one-token decode step, where compile_decode)
         self.tp_group = None  # (setup: under TP, the group whose rank 0 scores the completions for all)
         self.reference = Reference(reference) if beta > 0 else None  # DPO's (beta 0: no KL term)
-        self.select, self.head = False, OutputHead()  # (setup: output_head)
+        self.select, self.head = False, OutputHead()  # (setup: the run's)
         self._rollout_terms: Dict[str, torch.Tensor] = {}
         self._kl: Optional[torch.Tensor] = None
         self._clipped: Optional[torch.Tensor] = None
@@ -72,13 +72,13 @@ class GroupRelativePolicy(GroupRollout, Objective):
         self._cycle: Optional[tuple] = None  # num_iterations > 1: (the step it generated at, its batch, its terms)
         self.rollout_s: List[float] = []  # each step's seconds spent generating and scoring (this attempt)
 
-    def setup(self, run) -> None:
-        """The generation phase's (setup_rollout), the policy's OutputHead and frozen_copy's reference."""
-        self.setup_rollout(run)
-        self.head = output_head(run)  # the policy's logits at the completions' tokens alone, by chunks
+    def setup(self, context) -> None:
+        """The generation phase's (setup_rollout), the policy's OutputHead and the reference's."""
+        self.setup_rollout(context)
+        self.head = context.head  # the policy's logits at the completions' tokens alone, by chunks
         self.select = self.head.select
         if self.reference is not None:
-            self.reference.setup(run)
+            self.reference.setup(context)
 
     # -- the learning phase -------------------------------------------------------------
 

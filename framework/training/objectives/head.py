@@ -36,6 +36,10 @@ class OutputHead:
     def __repr__(self) -> str:
         return f"OutputHead(select={self.select}, chunk={self.chunk})"
 
+    def every_position(self) -> "OutputHead":
+        """The same, at every position (a loss that counts each one: the LM objective's)."""
+        return OutputHead(self.output, False, self.chunk)
+
     def of(self, model: nn.Module) -> "OutputHead":
         """The same scoring of another model's output layer (a frozen reference's)."""
         return OutputHead(offered(model).output_layer(), self.select, self.chunk)
@@ -55,18 +59,20 @@ class OutputHead:
         return project(self.output, hidden)
 
 
-def output_head(run, select: bool = True) -> OutputHead:
-    """The run's OutputHead: positions selected (where `select` asks) if no TP plan splits the
-    output layer; chunks as trainer.loss_chunk_tokens says (null: AUTO_CHUNK on a GPU with a
-    vocabulary of AUTO_VOCAB or more); neither under a pipeline (its last stage projects)."""
-    output = offered(run.module).output_layer()
-    if output is None or run.pp.get("size", 1) > 1:
+def output_head(module: nn.Module, loss_chunk_tokens: Optional[int], device_type: str, tp_size: int,
+                pp_size: int) -> OutputHead:
+    """The policy `module`'s OutputHead (the builder's, for the objective's context): positions
+    selected if no TP plan splits the output layer; chunks as trainer.loss_chunk_tokens says
+    (null: AUTO_CHUNK on a GPU with a vocabulary of AUTO_VOCAB or more); neither under a
+    pipeline (its last stage projects)."""
+    output = offered(module).output_layer()
+    if output is None or pp_size > 1:
         return OutputHead()
-    chunk = run.cfg.trainer.get("loss_chunk_tokens")
+    chunk = loss_chunk_tokens
     if chunk is None:
         big = output.weight.shape[0] >= AUTO_VOCAB
-        chunk = AUTO_CHUNK if run.cfg.mesh.device_type == "cuda" and big else 0
-    return OutputHead(output, select=select and run.tp.get("size", 1) == 1, chunk=chunk)
+        chunk = AUTO_CHUNK if device_type == "cuda" and big else 0
+    return OutputHead(output, select=tp_size == 1, chunk=chunk)
 
 
 def check_loss_chunks(c) -> None:

@@ -7,7 +7,7 @@ from torch import nn
 
 from framework.data.batch import IGNORE
 from framework.training.objectives.base import Objective
-from framework.training.objectives.head import OutputHead, output_head
+from framework.training.objectives.head import OutputHead
 from framework.training.objectives.logps import LossSum, cross_entropy_sum
 
 
@@ -24,8 +24,8 @@ class NextTokenCrossEntropy(Objective):
         super().__init__(aux_coefficients)
         self.head = OutputHead()  # (setup: every position, by trainer.loss_chunk_tokens' chunks)
 
-    def setup(self, run) -> None:
-        self.head = output_head(run, select=False)
+    def setup(self, context) -> None:
+        self.head = context.head.every_position()
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
         return self.head(model, batch.inputs, batch.targets, per_token=False, **batch.model_inputs())

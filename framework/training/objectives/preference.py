@@ -64,7 +64,7 @@ from framework.data.batch import Batch
 from framework.data.token_files import read_meta
 from framework.parallel.plan import final_output_layout
 from framework.training.objectives.base import Objective, StepShare, check_data_pairing, objective_kind
-from framework.training.objectives.head import OutputHead, output_head
+from framework.training.objectives.head import OutputHead
 from framework.training.objectives.logps import response_lengths, sequence_logps
 from framework.training.objectives.reference import Reference, check_precomputed, check_reference, reshard
 
@@ -107,12 +107,12 @@ class PreferenceObjective(Objective):
     def __init__(self, aux_coefficients: Optional[Dict[str, float]] = None):
         super().__init__(aux_coefficients)
         self._sums: Dict[str, torch.Tensor] = {}
-        self.head = OutputHead()  # the responses' logits alone, by chunks (output_head, per run)
+        self.head = OutputHead()  # the responses' logits alone, by chunks (setup: the run's)
 
-    def setup(self, run) -> None:
-        self.head = output_head(run)
+    def setup(self, context) -> None:
+        self.head = context.head
         if self.reference is not None:
-            self.reference.setup(run)
+            self.reference.setup(context)
 
     def __call__(self, outputs, targets, model, step: StepShare):
         """The share of the step's loss (as every objective's), and the metrics over the same
@@ -204,13 +204,13 @@ class KahnemanTversky(PreferenceObjective):
         self.replicas, self.replica_group, self.micro_batch = 1, None, None
         self._step: Optional[torch.Tensor] = None  # the step's KL estimate and counts (rollout)
 
-    def setup(self, run) -> None:
+    def setup(self, context) -> None:
         """The reference, the examples' labels (the samples carry their index), the DP group."""
-        super().setup(run)
-        labels = np.asarray(run.dataset.labels, dtype=np.bool_)
-        self.labels = torch.from_numpy(labels).to(run.cfg.mesh.device_type)
-        self.replicas, self.replica_group = run.dp_cp["size"], run.dp_cp_group
-        self.micro_batch = run.cfg.data.micro_batch_size
+        super().setup(context)
+        labels = np.asarray(context.dataset.labels, dtype=np.bool_)
+        self.labels = torch.from_numpy(labels).to(context.device.type)
+        self.replicas, self.replica_group = context.replicas.size, context.replicas.group
+        self.micro_batch = context.cfg.data.micro_batch_size
 
     def rollout(self, model: nn.Module, batch: Batch, step: int) -> Batch:
         """The loader's batch; the step's KL estimate, from the whole of it before the micro-batches."""

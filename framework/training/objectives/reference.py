@@ -18,15 +18,13 @@ from torch.utils.data import default_collate
 from framework.atomic import atomic_file
 from framework.checkpoint.base_model import base_model
 from framework.checkpoint.compat import checkpoint_dir
-from framework.checkpoint.weights import base_checkpoint, load_base
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.data.batch import Batch
-from framework.models.lifecycle import allocate
 from framework.models.lora import adapters_disabled
 from framework.models.protocol import offered
 from framework.parallel.dtensors import local_bytes
-from framework.training.objectives.head import OutputHead, output_head
+from framework.training.objectives.head import OutputHead
 from framework.training.objectives.logps import sequence_logps
 
 log = logging.getLogger("framework")
@@ -48,17 +46,18 @@ class Reference:
     def __init__(self, kind: str):
         self.kind = kind
         self.model: Optional[nn.Module] = None  # frozen_copy's
-        self.head = OutputHead()  # (setup: output_head, the policy's; frozen_copy's own output layer)
+        self.head = OutputHead()  # (setup: the policy's; frozen_copy's own output layer)
 
-    def setup(self, run) -> None:
-        self.head = output_head(run)
+    def setup(self, context) -> None:
+        """frozen_copy's model (the builder's: context.reference_model) and how its forwards meet
+        its output layer; precomputed's log-probabilities attached to each split."""
+        self.head = context.head
         if self.kind == "frozen_copy":
-            self.model = frozen_copy(run)
+            self.model = context.reference_model
             self.head = self.head.of(self.model)
         elif self.kind == "precomputed":
-            datasets = [run.dataset] + ([run.val_dataloader.dataset] if run.val_dataloader is not None else [])
-            for dataset in datasets:
-                dataset.reference = precomputed_reference(run, dataset)
+            for dataset in filter(None, (context.dataset, context.val_dataset)):
+                dataset.reference = precomputed_reference(context, dataset)
 
     @torch.no_grad()
     def logps(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
@@ -95,26 +94,6 @@ class Reference:
         return sum(local_bytes(p) for p in self.model.parameters()) if self.model is not None else 0
 
 
-def frozen_copy(run) -> nn.Module:
-    """A second model from the policy's base (the seed, the Hugging Face files or
-    checkpoint.init_from's weights, never a resumed policy's), through the same parallel stages
-    (its TP plan, fsdp / hsdp), without adapters, frozen in eval mode: the module the loop would call."""
-    # (the builder and Run load DTensor's machinery: validation imports this module in the
-    # launcher, which must not pay for them; a rank building a reference already has)
-    from framework.training.builder import build_and_run
-    from framework.training.run import Run
-
-    cfg = OmegaConf.merge(run.cfg, {"adapter": {"kind": "none", "init_from": None}})
-    copy = Run(cfg=cfg, out_dir=run.out_dir, rank=run.rank, mesh=run.mesh, dp_cp_mesh=run.dp_cp_mesh, dp_cp=run.dp_cp,
-               samples=run.samples, tp=run.tp)
-    build_and_run(cfg, run.out_dir, start="model", through="fully_shard", run=copy)
-    allocate(copy.module, cfg.mesh.device_type, cfg.trainer.seed)
-    load_base(copy.module, base_checkpoint(cfg, checkpoint_dir(cfg, run.out_dir)), offered(copy.module).hf_path)
-    for param in copy.module.parameters():
-        param.requires_grad_(False)
-    return copy.module.eval()
-
-
 def reference_gone(path: str) -> ConfigError:
     return ConfigError("objective.reference", "precomputed", f"{path} is gone, and a resumed full-training run's "
                                                              f"model is no longer its reference; restore it, or use "
@@ -147,17 +126,18 @@ def reference_path(cfg, dataset, base: dict) -> str:
     return os.path.join(dataset.path, "reference_logps", f"{digest}-{dataset.split}.npy")
 
 
-def precomputed_reference(run, dataset) -> np.ndarray:
+def precomputed_reference(context, dataset) -> np.ndarray:
     """The split's (samples, 2) reference log-probabilities (a pair's two responses, or an unpaired
     example and its mismatched row): read if a run stored them, else made now by every rank (each
     DP replica its share of the samples, gathered) and stored by rank 0."""
-    base = base_model(run.cfg, checkpoint_dir(run.cfg, run.out_dir), offered(run.module).hf_path)
-    path = reference_path(run.cfg, dataset, base)
+    cfg = context.cfg
+    base = base_model(cfg, checkpoint_dir(cfg, context.out_dir), offered(context.module).hf_path)
+    path = reference_path(cfg, dataset, base)
     if not os.path.isfile(path):
-        if run.resumed is not None and run.cfg.adapter.kind == "none":  # (an elastic restart's resume)
+        if context.resumed and cfg.adapter.kind == "none":  # (an elastic restart's resume)
             raise reference_gone(path)
-        values = _reference_logps(run, dataset)
-        if run.rank == 0:
+        values = _reference_logps(context, dataset)
+        if context.rank == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with atomic_file(path, "wb") as f:
                 np.save(f, values)
@@ -168,27 +148,28 @@ def precomputed_reference(run, dataset) -> np.ndarray:
 
 
 @torch.no_grad()
-def _reference_logps(run, dataset) -> np.ndarray:
+def _reference_logps(context, dataset) -> np.ndarray:
     """Sample i's log-probabilities under the model as training starts, adapters off, on replica
     i mod DP (its TP ranks together), in micro-batches; gathered over DP."""
-    replicas, replica = run.samples["size"], run.samples["rank"]
+    cfg, model = context.cfg, context.model
+    replicas, replica = context.samples.size, context.samples.rank
     per_replica = -(-len(dataset) // replicas)
     mine = [min(replica + k * replicas, len(dataset) - 1) for k in range(per_replica)]  # (the last repeated)
-    size = run.cfg.data.micro_batch_size or run.cfg.data.global_batch_size // replicas
-    device = torch.device(run.cfg.mesh.device_type)
-    bf16 = run.cfg.trainer.mixed_precision == "bf16" and run.cfg.parallel.dp_strategy == "replicate"
+    size = cfg.data.micro_batch_size or cfg.data.global_batch_size // replicas
+    device = torch.device(context.device.type)
+    bf16 = cfg.trainer.mixed_precision == "bf16" and cfg.parallel.dp_strategy == "replicate"
     values = []
-    run.model.eval()
-    with adapters_disabled(run.module), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+    model.eval()
+    with adapters_disabled(context.module), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
         for start in range(0, len(mine), size):
             samples = Batch.of(default_collate([dataset[i] for i in mine[start:start + size]]), device)
             inputs, targets = samples.inputs.flatten(0, 1), samples.targets.flatten(0, 1)
-            values.append(sequence_logps(run.model(inputs), targets).view(-1, 2))
-    run.model.train()
+            values.append(sequence_logps(model(inputs), targets).view(-1, 2))
+    model.train()
     local = torch.cat(values).double()
     gathered = [torch.empty_like(local) for _ in range(replicas)]
     if replicas > 1:
-        dist.all_gather(gathered, local, group=run.dp_cp_group)
+        dist.all_gather(gathered, local, group=context.replicas.group)
     else:
         gathered = [local]
     gathered = torch.stack(gathered)

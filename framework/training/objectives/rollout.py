@@ -48,22 +48,24 @@ class GroupRollout:
     """GroupRelativePolicy's generation phase: its settings are the objective's (objective.*,
     set by GroupRelativePolicy), what it reads of the run is set up here."""
 
-    def setup_rollout(self, run) -> None:
+    def setup_rollout(self, context) -> None:
         """The reward, the tokenizer that turns ids into the texts it scores, the stop ids, the
-        groups it talks to, and the compiled decode step (compile_decode)."""
-        self.reward = make_reward(run.cfg.reward)
-        self.tokenizer = load_tokenizer(run.cfg.data.get("tokenizer") or run.dataset.documents.tokenizer["path"])
-        self.stop = stop_ids(offered(run.module).hf_path, self.tokenizer)
-        self.pad_id = run.dataset.pad_id
-        self.seed, self.device = run.cfg.trainer.seed, torch.device(run.cfg.mesh.device_type)
-        self.replicas, self.replica_group = run.dp_cp["size"], run.dp_cp_group
-        if run.tp.get("size", 1) > 1:
-            self.tp_group = run.roles.tp_mesh(run.mesh).get_group()
-        self.sharded = run.cfg.parallel.dp_strategy != "replicate"
-        self.micro_batch = run.cfg.data.micro_batch_size
-        plan = OmegaConf.to_container(run.cfg.plan, resolve=True) if run.cfg.plan else {}
-        self.block = run.tp.get("size", 1) if shards_sequence(plan) else 1  # (generate_groups' `block`)
-        plain = not self.sharded and run.tp.get("size", 1) == 1
+        groups it talks to, and the compiled decode step (compile_decode), from the objective's
+        context (framework.training.objectives.context)."""
+        cfg, tp = context.cfg, context.tp
+        self.reward = make_reward(cfg.reward)
+        self.tokenizer = load_tokenizer(cfg.data.get("tokenizer") or context.dataset.documents.tokenizer["path"])
+        self.stop = stop_ids(offered(context.module).hf_path, self.tokenizer)
+        self.pad_id = context.dataset.pad_id
+        self.seed, self.device = cfg.trainer.seed, torch.device(context.device.type)
+        self.replicas, self.replica_group = context.replicas.size, context.replicas.group
+        if tp.size > 1:
+            self.tp_group = tp.group
+        self.sharded = cfg.parallel.dp_strategy != "replicate"
+        self.micro_batch = cfg.data.micro_batch_size
+        plan = OmegaConf.to_container(cfg.plan, resolve=True) if cfg.plan else {}
+        self.block = tp.size if shards_sequence(plan) else 1  # (generate_groups' `block`)
+        plain = not self.sharded and tp.size == 1
         if self.compile_decode if self.compile_decode is not None else self.device.type == "cuda" and plain:
             self.step = compiled_step(self.device)
 
