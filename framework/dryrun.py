@@ -45,7 +45,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -276,6 +276,8 @@ def dry_run(cfg: DictConfig) -> List[RankReport]:
     # the optimizer unfused: fused kernels refuse meta tensors, and hold the same state as the loop
     unfused = {"optim": {"fused": False}} if cfg.optim.get("fused") else {}
     simulated = OmegaConf.merge(cfg, {"mesh": {"device_type": "cpu"}, "trainer": {"compile": "none"}}, unfused)
+    with open_dict(simulated):
+        simulated.device = None  # (validation settled the run's device; the simulation settles its own: cpu)
     return [simulate_rank(simulated, rank) for rank in cfg.dryrun.ranks]
 
 
