@@ -145,7 +145,7 @@ def stage_data_parallel(run: Run) -> None:
         run.fault_tolerance = build_fault_tolerance(run.cfg)
         experts = ExpertGradients(run.dp_cp_group, run.dp_cp["size"], run.roles.expert_replica_mesh(run.mesh))
         run.model = run.gradient_sync = apply_dp(run.model, run.dp_cp_mesh, run.cfg.parallel.overlap_dp_sync, experts,
-                                                 run.fault_tolerance.gradients_across(), run.cfg.mesh.device_type)
+                                                 run.fault_tolerance.gradients_across(), run.device.type)
 
 
 def stage_tensor_parallel(run: Run) -> None:
