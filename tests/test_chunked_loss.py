@@ -4,7 +4,6 @@ whole model, after a step), for the LM, DPO and GRPO objectives, under TP's loss
 that no [tokens, vocab] tensor is ever made."""
 import math
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch

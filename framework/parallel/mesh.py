@@ -5,7 +5,7 @@ its coordinates and the ranks of each named submesh it belongs to. It is compute
 shape alone, so the launcher and tests can use it without a process group.
 """
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
