@@ -77,7 +77,8 @@ def load_on_rank(cfg_container: dict, out_dir: str) -> dict:
 
 ONE_PROCESS = {
     "framework, 1 process": """
-from framework.models.hf import HFTransformer, load_hf_weights
+from framework.checkpoint.weights import load_hf_weights
+from framework.models.hf import HFTransformer
 m = HFTransformer(PATH); m.to_empty(device="cpu"); m.tie_weights(); load_hf_weights(m, PATH)""",
     "transformers from_pretrained": """
 import torch, transformers

@@ -56,7 +56,7 @@ from framework.validate import validate
 from framework.parallel.roles import MeshRoles
 from framework.parallel.collectives import CollectiveRecorder, counted
 from framework.parallel.mesh import coordinates
-from framework.parallel.pipeline import layers_per_stage
+from framework.parallel.pipeline_layout import layers_per_stage
 from framework.parallel.tensor_parallel import apply_tp
 from framework.cli import command_status, compose_config
 from framework.training.builder import build_and_run

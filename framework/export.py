@@ -34,7 +34,8 @@ from framework.config.checked import instantiate_checked
 from framework.checkpoint.base_model import base_model, describe, same_base
 from framework.checkpoint.weights import load_base
 from framework.models.lifecycle import adapt, allocate, new_model
-from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, check_hf_out, save_hf, save_peft
+from framework.models.hf import check_hf_out
+from framework.models.hf_export import DEFAULT_MAX_SHARD_BYTES, save_hf, save_peft
 from framework.models.adapter_names import is_adapter
 from framework.models.nf4 import dequantized, quantize_base
 from framework.models.protocol import offered

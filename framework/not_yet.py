@@ -7,8 +7,9 @@ from typing import Callable, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from framework.config.checked import Checked
 from framework.config.errors import ConfigError
-from framework.parallel.fault_tolerance import replica_dim
+from framework.parallel.fault_tolerance_config import replica_dim
 from framework.parallel.roles import MeshRoles
 from framework.training.objectives.base import objective_kind
 from framework.training.objectives.grpo import GroupRelativePolicy
@@ -110,7 +111,7 @@ NOT_YET = [
 ]
 
 
-def check_not_yet(cfg: DictConfig, roles: MeshRoles) -> None:
+def check_not_yet(c: Checked) -> None:
     """The first pair of the table this config holds, refused in one line."""
     for pair in NOT_YET:
-        pair.check(cfg, roles)
+        pair.check(c.cfg, c.roles)

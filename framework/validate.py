@@ -2,7 +2,6 @@
 in every rank). Each failure is one ConfigError naming the key, the value and the fix."""
 import inspect
 import math
-import os
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -13,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.checkpoint.compat import (check_checkpoint_keys, check_checkpoint_sources, check_checkpoint_writable,
                                          checkpoint_dir)
 from framework.config.schema import STAGES, did_you_mean, unknown_key
-from framework.config.checked import Checked, instantiate_checked
+from framework.config.checked import Checked, instantiate_checked, reads_config
 from framework.config.errors import ConfigError
 from framework.not_yet import check_not_yet
 from framework.config.trust import check_targets
@@ -23,10 +22,10 @@ from framework.data.mixture import source_nodes
 from framework.training.logger import check_loggers
 from framework.data.checks import check_document_masking, check_responses, check_token_data
 from framework.data.dataset_config import tokenizer_of
-from framework.models.hf import check_length, check_model_path, check_vocab, check_weights
+from framework.models.hf import check_final_hf, check_length, check_model_path, check_vocab, check_weights
 from framework.models.meta import SkipRandomInit
-from framework.models.hf_export import check_hf_out
-from framework.parallel.device import settle_device
+
+from framework.parallel.device import check_devices, settle_device
 from framework.parallel.roles import MeshRoles
 from framework.models.lifecycle import adapt
 from framework.models.lora import check_adapter, check_adapter_init_from
@@ -36,11 +35,11 @@ from framework.training.objectives.grpo import check_grpo
 from framework.training.objectives.preference import check_preference, check_unpaired
 from framework.training.objectives.reference import check_reference_on_resume
 from framework.training.objectives.rewards import check_reward
-from framework.parallel.context_parallel import check_context_parallel
-from framework.parallel.expert_parallel import check_expert_parallel
-from framework.parallel.fault_tolerance import check_fault_tolerance
+from framework.parallel.context_parallel_checks import check_context_parallel
+from framework.parallel.expert_parallel_checks import check_expert_parallel
+from framework.parallel.fault_tolerance_config import check_fault_tolerance
 from framework.training.objectives.base import check_objective, check_objective_options
-from framework.parallel.pipeline import check_pipeline_parallel
+from framework.parallel.pipeline_layout import check_pipeline_parallel
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules, shards_sequence
 from framework.training.compile import compiled_blocks
 from framework.models.protocol import from_hugging_face, offered
@@ -208,17 +207,6 @@ def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
         check_length(model, "data.dataset.seq_len", dataset.seq_len, opt_out=True)
 
 
-def check_final_hf(c: Checked) -> None:
-    model, out_dir = c.model, c.out_dir
-    if not c.cfg.checkpoint.final_hf:
-        return
-    if not from_hugging_face(model):
-        raise ConfigError("checkpoint.final_hf", True, f"writes a Hugging Face directory, which needs a model loaded "
-                                                       f"from one (model=hf); this one is a {type(model).__name__}")
-    if out_dir is not None:
-        check_hf_out(os.path.join(out_dir, "hf"))
-
-
 def _accepts(callable_: Any, **options: Any) -> bool:
     try:
         inspect.signature(callable_).bind_partial(**options)
@@ -285,29 +273,61 @@ def check_dataset(c: Checked) -> None:
                               f"more data")
 
 
-def check_devices(cfg: DictConfig, ranks_per_host: int) -> None:
-    """One device per rank on each host, before any rank starts (NCCL would fail in every rank)."""
-    if cfg.mesh.device_type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        raise ConfigError("mesh.device_type", "cuda", "torch sees no CUDA device here (a CPU-only build, no GPU "
-                                                      "or no driver); use mesh.device_type=cpu")
-    if torch.cuda.device_count() < ranks_per_host:
-        raise ConfigError("mesh.shape", list(cfg.mesh.shape),
-                          f"{ranks_per_host} ranks per host need as many GPUs and this host has "
-                          f"{torch.cuda.device_count()}; pick a smaller mesh or set mesh.ranks_per_host")
+def check_world_size(c: Checked) -> None:
+    mesh_size = math.prod(c.cfg.mesh.shape)
+    if c.world_size is not None and c.world_size != mesh_size:
+        raise ConfigError("mesh.shape", list(c.cfg.mesh.shape),
+                          f"its {mesh_size} positions differ from the launched world size {c.world_size}; "
+                          f"launch {mesh_size} processes or pick a mesh of {c.world_size}")
 
 
-# Each capability's checks that build something (validation's meta model with the run's adapters,
-# the dataset, the optimizer), each its own module's, with one signature: check(Checked). They
-# read the model and change nothing, so their order only decides which of two refusals shows.
-MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
-    check_pipeline_parallel,     # framework.parallel.pipeline: the split, the schedule
-    check_expert_parallel,       # framework.parallel.expert_parallel: experts, EP dims, the plan
+def check_tp_placement(c: Checked) -> None:
+    c.roles.check_tp_placement(c.ranks_per_host, c.cfg.parallel.enforce_tp_innermost,
+                               c.cfg.parallel.allow_tp_across_hosts)
+
+
+def check_loader_workers(c: Checked) -> None:
+    check_loader(c.cfg, available_cores())
+
+
+def build_meta_model(c: Checked) -> None:
+    """The model on meta with the run's adapters, as the adapters stage adds them (the checks
+    after it read it): the launcher's deep pass, which the ranks skip."""
+    model = check_model_and_plan(c.cfg)
+    check_adapter(c.cfg, model)  # on the base model, before its adapters
+    adapt(model, c.cfg.adapter, seed=0)
+    c.model = model
+
+
+# Every check, in order, each `check(c: Checked)` raising one ConfigError. Each capability's
+# checks live in a light module beside its code (none imports DTensor, FSDP, pipelining or DCP).
+# Those before build_meta_model read the config alone and run in every rank too; from it on the
+# launcher's deep pass builds the meta model (and the dataset, the optimizer). Checks read and
+# change nothing, so their order only decides which of two refusals shows.
+CHECKS: Tuple[Callable[[Checked], None], ...] = (
+    reads_config(check_pipeline),          # (here) the stages' order
+    reads_config(check_mesh),              # (here) dims, roles, backend
+    check_world_size,                      # (here) the mesh against a launched world
+    check_not_yet,                         # framework.not_yet: the pairs that do not compose yet
+    reads_config(check_ranks_per_node),    # (here) a submitted job's nodes
+    reads_config(check_threads),           # (here) threads per rank
+    reads_config(check_fault_tolerance),   # framework.parallel.fault_tolerance_config: torchft, the lighthouse
+    check_tp_placement,                    # framework.parallel.roles: TP innermost, inside a host
+    check_devices,                         # framework.parallel.device: a GPU per rank on this host
+    reads_config(check_targets),           # framework.config.trust: every _target_ allowed
+    reads_config(check_trainer_and_data),  # (here) steps, seeds, batch sizes
+    reads_config(check_model_path),        # framework.models.hf: model.path (before data.tokenizer reads it)
+    reads_config(check_token_data),        # framework.data.checks: tokens, tokenizer, vocabulary
+    check_loader_workers,                  # framework.data.loader: worker processes for this host's cores
+    reads_config(check_checkpoint_keys),   # framework.checkpoint.compat: every, keep_last, ...
+    reads_config(check_loggers),           # framework.training.logger: packages, W&B's mode, MLflow's server
+    build_meta_model,                      # (here) the deep pass: the model on meta, its plan, its adapters
+    check_pipeline_parallel,     # framework.parallel.pipeline_layout: the split, the schedule
+    check_expert_parallel,       # framework.parallel.expert_parallel_checks: experts, EP dims, the plan
     check_adapter_init_from,     # framework.models.lora: a PEFT adapter to start from
     check_qlora,                 # framework.models.nf4: NF4 blocks, torchao
     check_float8,                # framework.models.float8: the recipe, torchao, an sm_89+ GPU
-    check_context_parallel,      # framework.parallel.context_parallel: the chunks, the model's attention
+    check_context_parallel,      # framework.parallel.context_parallel_checks: the chunks, the model's attention
     check_document_masking,      # framework.data.checks: packed data, positions
     check_objective,             # framework.training.objectives: auxiliary terms
     check_preference,            # framework.training.objectives.preference: pairs, DPO's reference
@@ -321,52 +341,30 @@ MODEL_CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_checkpoint_sources,    # framework.checkpoint.compat: the checkpoint the run starts from
     check_checkpoint_writable,   # framework.checkpoint.compat: where the run saves
     check_reference_on_resume,   # framework.training.objectives.reference: DPO's stored reference on resume
-    check_final_hf,              # (here) checkpoint.final_hf's model and directory
+    check_final_hf,              # framework.models.hf: checkpoint.final_hf's model and directory
 )
 
 
-def checked_config(cfg: DictConfig, model: Optional[torch.nn.Module] = None, out_dir: Optional[str] = None) -> Checked:
-    """What the capabilities' checks read: the config, its mesh roles, validation's meta model and
-    (with the job's dir) where its checkpoints go."""
+def checked_config(cfg: DictConfig, model: Optional[torch.nn.Module] = None, out_dir: Optional[str] = None,
+                   **launch: Any) -> Checked:
+    """What the checks read: the config, its mesh roles, validation's meta model, (with the
+    job's dir) where its checkpoints go, and what the launcher knows (world size, ranks per host)."""
     return Checked(cfg, MeshRoles.from_config(cfg), model, out_dir,
-                   checkpoint_dir(cfg, out_dir) if out_dir is not None else None)
+                   checkpoint_dir(cfg, out_dir) if out_dir is not None else None, **launch)
 
 
 def validate(cfg: DictConfig, world_size: Optional[int] = None, ranks_per_host: Optional[int] = None,
              deep: bool = True, out_dir: Optional[str] = None, devices_here: bool = True) -> None:
-    """All checks. `world_size` is the world a launcher joined (torchrun); `deep` also builds the
-    model on meta and the dataset, which the launcher does once and the ranks skip; with the
-    job's `out_dir`, also the checkpoint the run would start from; without `devices_here` (the
-    dry run, which simulates the ranks on this CPU) not this host's GPUs."""
-    check_known_keys(cfg)
-    mesh_size = math.prod(cfg.mesh.shape)
-    per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or mesh_size
+    """Every check of CHECKS. `world_size` is the world a launcher joined (torchrun); `deep` also
+    builds the model on meta and the dataset, which the launcher does once and the ranks skip;
+    with the job's `out_dir`, also the checkpoint the run would start from; without
+    `devices_here` (the dry run, which simulates the ranks on this CPU) not this host's GPUs."""
+    check_known_keys(cfg)  # before anything reads a key
+    per_host = cfg.mesh.ranks_per_host or cfg.launcher.ranks_per_node or ranks_per_host or math.prod(cfg.mesh.shape)
     settle_device(cfg, per_host)  # mesh.device_type=auto: cuda or cpu from here on, for the ranks too
-    check_pipeline(cfg)
-    check_mesh(cfg)
-    if world_size is not None and world_size != mesh_size:
-        raise ConfigError("mesh.shape", list(cfg.mesh.shape),
-                          f"its {mesh_size} positions differ from the launched world size {world_size}; "
-                          f"launch {mesh_size} processes or pick a mesh of {world_size}")
-    check_not_yet(cfg, MeshRoles.from_config(cfg))
-    check_ranks_per_node(cfg)
-    check_threads(cfg)
-    check_fault_tolerance(cfg)
-    MeshRoles.from_config(cfg).check_tp_placement(per_host, cfg.parallel.enforce_tp_innermost,
-                                                  cfg.parallel.allow_tp_across_hosts)
-    if devices_here:
-        check_devices(cfg, per_host)
-    check_targets(cfg)
-    check_trainer_and_data(cfg)
-    check_model_path(cfg)  # before check_token_data reads data.tokenizer, often ${model.path}
-    check_token_data(cfg)
-    check_loader(cfg, available_cores())
-    check_checkpoint_keys(cfg)
-    check_loggers(cfg)
-    if deep:
-        model = check_model_and_plan(cfg)
-        check_adapter(cfg, model)  # on the base model; then the run's adapters, as the adapters stage adds them
-        adapt(model, cfg.adapter, seed=0)
-        checked = checked_config(cfg, model, out_dir)
-        for check in MODEL_CHECKS:
-            check(checked)
+    checked = checked_config(cfg, out_dir=out_dir, world_size=world_size, ranks_per_host=per_host,
+                             devices_here=devices_here)
+    for check in CHECKS:
+        if check is build_meta_model and not deep:
+            return
+        check(checked)

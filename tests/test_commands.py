@@ -125,12 +125,15 @@ def test_train_exits_2_on_what_hydra_cannot_compose(argv, line, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_the_launcher_validates_without_loading_dtensor():
-    # Importing DTensor and the ranks' machinery costs seconds; the launcher only composes,
-    # validates and starts ranks (and reads their stall reports).
+    # Importing DTensor, FSDP2, pipelining or DCP and the ranks' machinery costs seconds; the
+    # launcher only composes, validates (every capability's checks: PP, EP, CP, compile, GRPO)
+    # and starts ranks (and reads their stall reports).
+    recipes = [["recipe=lm_2d", "trainer.compile=blocks"], ["recipe=lm_3d"], ["recipe=lm_moe"], ["recipe=grpo_lm"],
+               ["recipe=lm_2d", "mesh.shape=[1,2,1]", "mesh.dim_names=[dp,cp,tp]", "parallel.cp_dim=cp"]]
     probe = ("import sys, framework.train; from framework.cli import compose_config; "
-             "from framework.validate import validate; validate(compose_config(['recipe=lm_2d'])); "
-             "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.tensor', "
-             "'framework.parallel.data_parallel'))))")
+             f"from framework.validate import validate; [validate(compose_config(r)) for r in {recipes}]; "
+             "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.tensor', 'torch.distributed.fsdp', "
+             "'torch.distributed.pipelining', 'torch.distributed.checkpoint', 'framework.parallel.data_parallel'))))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -16,7 +16,8 @@ from framework.launch.handoff import rank_config
 from framework.export import load_model
 from framework.generate import generate, main as generate_main
 from framework.launch.local import launch_local, spawn_ranks
-from framework.models.hf import HFTransformer, hf_name, load_hf_weights
+from framework.checkpoint.weights import load_hf_weights
+from framework.models.hf import HFTransformer, hf_name
 from framework.models.hf_export import save_hf
 from framework.prepare import main as prepare
 from tests.conftest import ROOT, compose_config, run_cli

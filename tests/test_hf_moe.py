@@ -15,7 +15,8 @@ from framework.config.errors import ConfigError
 from framework.validate import validate
 from framework.launch.handoff import rank_config
 from framework.launch.local import launch_local, spawn_ranks
-from framework.models.hf import HFTransformer, hf_state_dict, load_hf_weights, materialize, model_state_dict
+from framework.checkpoint.weights import load_hf_weights
+from framework.models.hf import HFTransformer, hf_state_dict, materialize, model_state_dict
 from framework.models.hf_export import save_hf, save_hf_sharded
 from framework.models.moe import moe_blocks
 from framework.parallel.expert_parallel import apply_ep

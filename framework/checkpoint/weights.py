@@ -9,12 +9,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from framework.checkpoint.layout import newest_checkpoint, read_meta, resolve
-from framework.models.hf import load_hf_weights
+from framework.checkpoint.safe_load import load_checkpoint
 from framework.models.adapter_names import is_adapter
+from framework.models.hf import model_state_dict
 
 
 def restart_count() -> int:
@@ -62,10 +66,6 @@ def load_base(module: nn.Module, init_from: Optional[str], hf_path: Optional[str
     """The base weights into `module`'s parameters in place (each rank its own shards; LoRA
     adapters untouched): `init_from`'s checkpoint, else the Hugging Face files in `hf_path`,
     else none (the seed's stay). What to say of them."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
-    from framework.checkpoint.safe_load import load_checkpoint  # (DCP: only where weights load, not the launcher)
-
     with warnings.catch_warnings():  # DCP's note when it reads in one process (export, generate)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         if init_from:
@@ -78,3 +78,11 @@ def load_base(module: nn.Module, init_from: Optional[str], hf_path: Optional[str
             load_hf_weights(module, hf_path)
             return f"model weights from the Hugging Face model in {hf_path}"
     return "fresh start"
+
+
+def load_hf_weights(module: nn.Module, path: str) -> None:
+    """Each rank reads its own slices of the safetensors into its (DTensor) parameters. The
+    state dict's tensors are the parameters' own storage (shards under TP / FSDP), so DCP's load
+    writes them in place: no second copy of the model."""
+    hf_state = model_state_dict(module, get_model_state_dict(module))  # an expert's entry: its slice of the stack
+    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(path))

@@ -1,8 +1,8 @@
-"""What a capability's checks read before launch: one object, so every capability's check has
-the same signature, `check(c: Checked)`, and framework.validate lists them in a table
-instead of calling each with its own arguments in an order that matters."""
+"""What a capability's checks read before launch: one object, so every check has the same
+signature, `check(c: Checked)`, and framework.validate runs them all from one table instead
+of calling each with its own arguments in an order that matters."""
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -26,9 +26,21 @@ class Checked:
     out_dir: Optional[str] = None  # the job's directory, when the launcher knows it
     # and where its checkpoints go: the checkpoint the run starts from is checked too
     checkpoint_dir: Optional[str] = None
+    world_size: Optional[int] = None  # the world a launcher joined (torchrun), else None
+    ranks_per_host: Optional[int] = None  # how many of the ranks share this host
+    devices_here: bool = True  # this host's GPUs are the run's (not the dry run's simulated ranks)
+
     @property
     def plan(self) -> dict:
         return OmegaConf.to_container(self.cfg.plan, resolve=True) if self.cfg.plan else {}
+
+
+def reads_config(check: Callable[[DictConfig], None]) -> Callable[[Checked], None]:
+    """A check of the config alone (called elsewhere with the config too) as a table entry."""
+    def entry(c: Checked) -> None:
+        check(c.cfg)
+    entry.__name__ = entry.__qualname__ = check.__name__
+    return entry
 
 
 def instantiate_checked(node: Any, **kwargs: Any) -> Any:

@@ -23,7 +23,7 @@ from framework.checkpoint.compat import checkpoint_dir
 from framework.launch.handoff import write_resolved_config
 from framework.launch.local import Interrupted, RankFailed, spawn_ranks
 from framework.launch.threads import available_cores, binds_cores
-from framework.parallel.fault_tolerance import GROUP_ENV, replica_dim
+from framework.parallel.fault_tolerance_config import GROUP_ENV, replica_dim
 
 # How long the lighthouse waits for a heartbeating group that has not asked for this step's quorum
 # yet, before forming the quorum without it: short, since a group asks only once it is built.

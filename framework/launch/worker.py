@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from framework.launch.local import headline, lost_peer
 from framework.launch.threads import apply_in_rank, binds_cores
 from framework.launch.zygote import restart_note
-from framework.parallel.fault_tolerance import replica_group
+from framework.parallel.fault_tolerance_config import replica_group
 from framework.training.builder import build_and_run
 from framework.training.watchdog import EXIT_LOCK
 from framework.validate import validate

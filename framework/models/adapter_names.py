@@ -8,7 +8,7 @@ from typing import Iterator, List, Tuple
 from torch import nn
 
 from framework.config.errors import ConfigError
-from framework.parallel.dtensors import is_dtensor
+from framework.parallel.dtensors import dtensor_api, is_dtensor
 
 ADAPTER_PARAMETERS = (".lora_A.", ".lora_B.")
 CHILDREN = ("lora_A", "lora_B", "lora_dropout")  # what add_adapters puts under a layer
@@ -58,8 +58,8 @@ def adapters_set_aside(model: nn.Module) -> Iterator[None]:
 
 
 def _place_for(layer: nn.Linear) -> None:
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
+    Replicate, Shard, distribute_tensor = (getattr(dtensor_api(), name) for name in ("Replicate", "Shard",
+                                                                                     "distribute_tensor"))
     placement = layer.weight.placements[0]
     a, b = ((Replicate(), Shard(0)) if placement == Shard(0) else (Shard(1), Replicate()) if placement == Shard(1)
             else (Replicate(), Replicate()))

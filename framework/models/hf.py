@@ -4,7 +4,7 @@ Mixtral): the architecture from config.json, the weights from *.safetensors, bot
 
 `model=hf model.path=DIR` builds framework.models.Transformer (HFTransformer) on the meta device with what
 config.json says; the parallel stages shard it, and the checkpoint stage loads each rank's own
-slices through DCP's HuggingFaceStorageReader (`load_hf_weights`), so no rank holds the whole
+slices through DCP's HuggingFaceStorageReader (framework.checkpoint.weights.load_hf_weights), so no rank holds the whole
 model. Parameter names map one to one (`hf_name`), except a block's stacked experts, which the
 files hold one tensor per expert (`hf_state_dict`); export writes them back (framework.export).
 Anything in config.json that changes the math and is not implemented is refused, never ignored.
@@ -19,12 +19,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.models.meta import SkipRandomInit
 from framework.models.adapter_names import is_adapter
 from framework.models.transformer import Transformer
-from framework.models.protocol import offered
-from framework.parallel.dtensors import is_dtensor
+from framework.models.protocol import from_hugging_face, offered
+from framework.parallel.dtensors import dtensor_api, global_offset, is_dtensor
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 # Files a Hugging Face model directory carries besides its weights (export copies them).
@@ -78,14 +79,11 @@ def expert_slices(stack: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
     its own experts."""
     if not is_dtensor(stack):
         return ((e, stack[e]) for e in range(len(stack)))
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # (what DCP uses)
-
-    if not all(p == Shard(0) or isinstance(p, Replicate) for p in stack.placements):
+    api = dtensor_api()
+    if not all(p == api.Shard(0) or isinstance(p, api.Replicate) for p in stack.placements):
         raise NotImplementedError(f"expert weights laid out as {stack.placements}: only sharded on the expert dim "
                                   f"(Shard(0)) or replicated")
-    local = stack.to_local()
-    _, offset = compute_local_shape_and_global_offset(stack.shape, stack.device_mesh, stack.placements)
+    local, offset = stack.to_local(), global_offset(stack)
     return ((offset[0] + e, local[e]) for e in range(len(local)))
 
 
@@ -343,13 +341,17 @@ def materialize(model: nn.Module, device) -> None:
     model.tie_weights()  # to_empty gives each module its own new tensor
 
 
-def load_hf_weights(module: nn.Module, path: str) -> None:
-    """Each rank reads its own slices of the safetensors into its (DTensor) parameters. The
-    state dict's tensors are the parameters' own storage (shards under TP / FSDP), so DCP's load
-    writes them in place: no second copy of the model."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+def check_hf_out(out: str) -> None:
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError("OUT_DIR", out, "exists and is not an empty directory; name a new directory")
 
-    hf_state = model_state_dict(module, get_model_state_dict(module))  # an expert's entry: its slice of the stack
-    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(path))
+
+def check_final_hf(c: Checked) -> None:
+    model, out_dir = c.model, c.out_dir
+    if not c.cfg.checkpoint.final_hf:
+        return
+    if not from_hugging_face(model):
+        raise ConfigError("checkpoint.final_hf", True, f"writes a Hugging Face directory, which needs a model loaded "
+                                                       f"from one (model=hf); this one is a {type(model).__name__}")
+    if out_dir is not None:
+        check_hf_out(os.path.join(out_dir, "hf"))

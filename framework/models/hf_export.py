@@ -9,10 +9,14 @@ from contextlib import contextmanager
 from typing import Dict, Iterator
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from framework.config.errors import ConfigError
-from framework.models.hf import SIDE_FILES, model_state_dict
+from framework.models.hf import SIDE_FILES, check_hf_out, model_state_dict
 from framework.models.adapter_names import adapter_layers
 from framework.models.lora import merged_state_dict, peft_adapter
 from framework.models.protocol import from_hugging_face
@@ -36,8 +40,6 @@ def _model_order(name: str) -> tuple:
 def _whole_model_sizes(state: Dict[str, torch.Tensor]) -> Dict[str, int]:
     """Every tensor's bytes, whichever rank holds it (each pipeline stage holds its own), in the
     model's order: the same on every rank."""
-    import torch.distributed as dist
-
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, _sizes(state))
     merged = {name: size for sizes in gathered for name, size in sizes.items()}
@@ -74,11 +76,6 @@ def save_hf_sharded(module: nn.Module, out: str, rank: int, max_shard_bytes: int
     gathering the model: each rank writes its own slices (DCP's HuggingFaceStorageWriter), then
     rank 0 joins them tensor by tensor into Hugging Face's files (DCP's consolidation) and
     publishes the directory."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     state = model_state_dict(module, get_model_state_dict(module))
     file_of = _file_numbers(_whole_model_sizes(state), max_shard_bytes)  # the same on every rank
     partial = f"{out.rstrip(os.sep)}.partial"
@@ -92,11 +89,6 @@ def save_hf_sharded(module: nn.Module, out: str, rank: int, max_shard_bytes: int
         _carry_side_files(module, partial, next(iter(state.values())).dtype)
         os.rename(partial, out)
     dist.barrier()
-
-
-def check_hf_out(out: str) -> None:
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError("OUT_DIR", out, "exists and is not an empty directory; name a new directory")
 
 
 @contextmanager

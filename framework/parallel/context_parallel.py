@@ -20,10 +20,9 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import all_gather_single, all_gather_single_autograd
 from torch.utils.data import Dataset
 
-from framework.config.errors import ConfigError
-from framework.config.checked import Checked
 from framework.models.protocol import offered
 
 
@@ -79,15 +78,11 @@ class ContextParallel:
 
     def gather_starts(self, starts: torch.Tensor) -> torch.Tensor:
         """Every CP rank's tokens' document starts (batch, seq), for the keys' side of the mask."""
-        from torch.distributed._functional_collectives import all_gather_single
-
         return all_gather_single(starts, gather_dim=1, group=self.group)
 
     def gather_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys or values (batch, local seq, heads, head_dim) of every CP rank along the sequence;
         their gradients go back to their owners, summed (a reduce-scatter)."""
-        from torch.distributed._functional_collectives import all_gather_single_autograd
-
         return all_gather_single_autograd(keys.contiguous(), gather_dim=1, group=self.group)
 
 
@@ -98,23 +93,3 @@ def apply_cp(model: nn.Module, cp_mesh) -> None:
     offered(model).use_context_parallel(ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()))
 
 
-def check_context_parallel(c: Checked) -> None:
-    """Before launch: the sequence splits into 2 x cp chunks (with TP, each rank's share a
-    multiple of the TP size, for sequence parallelism), and the model has attention to split it for."""
-    cfg, model, cp_size, tp_size = c.cfg, c.model, c.roles.cp_size, c.roles.tp_size
-    if cp_size == 1:
-        return
-    cp_dim = cfg.parallel.cp_dim
-    if not offered(model).supports_context_parallel:
-        raise ConfigError("parallel.cp_dim", cp_dim, f"context parallelism splits the sequences of a model with "
-                                                     f"attention (framework.models.Transformer); "
-                                                     f"{type(model).__name__} has none")
-    seq_len = (cfg.data.get("dataset") or {}).get("seq_len")
-    if seq_len is None:
-        raise ConfigError("parallel.cp_dim", cp_dim, "context parallelism splits token sequences; this data has no "
-                                                     "data.dataset.seq_len")
-    if seq_len % (2 * cp_size * tp_size):
-        per_tp = f", each rank's two a multiple of the TP size {tp_size}" if tp_size > 1 else ""
-        raise ConfigError("data.dataset.seq_len", seq_len, f"must divide into 2 x cp = {2 * cp_size} equal chunks "
-                                                           f"(context parallelism's head-tail layout{per_tp}); use a "
-                                                           f"multiple of {2 * cp_size * tp_size}")

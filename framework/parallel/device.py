@@ -14,6 +14,9 @@ from typing import Any, Optional
 import torch
 from omegaconf import open_dict
 
+from framework.config.checked import Checked
+from framework.config.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Device:
@@ -57,3 +60,18 @@ def settle_device(cfg: Any, local_ranks: Optional[int] = None) -> Device:
         cfg.mesh.device_type = device.type
         cfg.device = asdict(device)
     return device
+
+
+def check_devices(c: Checked) -> None:
+    """One device per rank on each host, before any rank starts (NCCL would fail in every rank);
+    not for the dry run's simulated ranks (c.devices_here false)."""
+    cfg, ranks_per_host = c.cfg, c.ranks_per_host
+    if cfg.mesh.device_type != "cuda" or not c.devices_here:
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("mesh.device_type", "cuda", "torch sees no CUDA device here (a CPU-only build, no GPU "
+                                                      "or no driver); use mesh.device_type=cpu")
+    if torch.cuda.device_count() < ranks_per_host:
+        raise ConfigError("mesh.shape", list(cfg.mesh.shape),
+                          f"{ranks_per_host} ranks per host need as many GPUs and this host has "
+                          f"{torch.cuda.device_count()}; pick a smaller mesh or set mesh.ranks_per_host")

@@ -1,6 +1,8 @@
-"""Whether a tensor is a DTensor, asked without importing torch.distributed.tensor: the launcher
-imports the models' and adapters' modules to validate a config and must not pay for DTensor's
-import (seconds); a DTensor exists only once that module is loaded, so until then none is one."""
+"""DTensors and FSDP2's modules, handled without importing torch.distributed.tensor or
+torch.distributed.fsdp: the launcher imports the models' and adapters' modules to validate a
+config and must not pay for those imports (seconds). A DTensor (an FSDP2 module) exists only once
+its module is loaded, so until then none is one, and where one is, its module is read from
+sys.modules: no import is deferred for their sake."""
 import sys
 from typing import Dict, Iterable, List
 
@@ -8,9 +10,36 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
+def _is(value: object, module_name: str, class_name: str) -> bool:
+    module = sys.modules.get(module_name)
+    return module is not None and isinstance(value, getattr(module, class_name))
+
+
 def is_dtensor(tensor: torch.Tensor) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
+    return _is(tensor, "torch.distributed.tensor", "DTensor")
+
+
+def is_async_collective(tensor: torch.Tensor) -> bool:
+    """A functional collective's result still in flight (TP's async redistribute)."""
+    return _is(tensor, "torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+
+
+def dtensor_api():
+    """torch.distributed.tensor, for code that holds a DTensor (so the module is loaded)."""
+    return sys.modules["torch.distributed.tensor"]
+
+
+def global_offset(tensor: torch.Tensor) -> List[int]:
+    """Where a DTensor's local shard starts in the whole tensor, per dim (what DCP computes)."""
+    utils = sys.modules["torch.distributed.tensor._utils"]
+    return list(utils.compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)[1])
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """FSDP2 keeps a root unsharded after a forward with no backward (a reference's, KTO's KL
+    estimate's, GRPO's generation): free its gathered parameters."""
+    if _is(module, "torch.distributed.fsdp", "FSDPModule"):
+        module.reshard()
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,9 +85,7 @@ def place_whole(param: torch.Tensor, full: torch.Tensor) -> None:
     if param.is_meta:
         return
     if is_dtensor(param):
-        from torch.distributed.tensor import distribute_tensor
-
-        part = distribute_tensor(full.to(local_tensor(param).device), param.device_mesh, param.placements,
+        part = dtensor_api().distribute_tensor(full.to(local_tensor(param).device), param.device_mesh, param.placements,
                                  src_data_rank=None)
         local_tensor(param).copy_(local_tensor(part))
     else:

@@ -21,11 +21,12 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from framework.config.errors import ConfigError
-from framework.config.checked import Checked
 from framework.models.protocol import offered
+from framework.parallel.data_parallel import in_flat_buckets
 
 
 def spread_over_dp(param: torch.Tensor, dp_group: Optional[dist.ProcessGroup]) -> bool:
@@ -36,8 +37,6 @@ def spread_over_dp(param: torch.Tensor, dp_group: Optional[dist.ProcessGroup]) -
     DP dim) and divides it by the DP size, instead of averaging it over DP; the replica check skips
     it. Told from its placement, which survives what replaces Parameters (to_empty), not from a
     mark on the Parameter."""
-    from torch.distributed.tensor import DTensor
-
     return isinstance(param, DTensor) and dp_group is not None and param.device_mesh.ndim == 1 \
         and param.placements[0].is_shard() \
         and len(set(dist.get_process_group_ranks(dp_group)) & set(param.device_mesh.mesh.flatten().tolist())) > 1
@@ -59,10 +58,6 @@ class ExpertGradients:
 
     @torch.no_grad()
     def finish(self, params: List[nn.Parameter]) -> None:
-        from torch.distributed.tensor import DTensor
-
-        from framework.parallel.data_parallel import in_flat_buckets
-
         if self.replica_group is not None:
             for p in params:
                 if p.grad is None:  # (not used by this rank's tokens: nothing to add)
@@ -121,9 +116,6 @@ def dispatch_over(group: dist.ProcessGroup, tp_group: Optional[dist.ProcessGroup
     n_experts / EP). Slots sorted by expert go to their experts' ranks in one all-to-all, are
     regrouped there by local expert, run, put back in arrival order, and return in another.
     With `tp_group` (the experts span the tp dim) this rank sends only its TP share of the slots."""
-    # imported here, as in apply_ep: validation imports this module, and the launcher must not load DTensor
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
     size = dist.get_world_size(group)
 
     def exchange(experts: nn.Module, slots: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -164,8 +156,6 @@ def apply_ep(model: nn.Module, ep_mesh: Optional[DeviceMesh], token_group: Optio
     """Experts sharded over `ep_mesh` (None: every rank keeps them all), and the routing
     statistics pooled over `token_group` (the DP ranks, which hold other tokens). `tp_mesh`:
     the experts span the tp dim, whose ranks split their replicated tokens."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     experts = offered(model).expert_modules()
     if not experts:
         return
@@ -187,20 +177,3 @@ def update_biases_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Mo
         optimizer.register_step_post_hook(lambda *_: hook())
 
 
-def check_expert_parallel(c: Checked) -> None:
-    """What the experts and their parallelism need of the model, the plan and the mesh."""
-    model, plan, roles = c.model, c.plan, c.roles
-    experts, ep_dims, ep_size = offered(model).expert_modules(), list(roles.ep_dims), roles.ep_size
-    if ep_dims and not experts:
-        raise ConfigError("parallel.ep_dims", ep_dims, f"spreads experts, and {type(model).__name__} has no "
-                                                       f"mixture-of-experts blocks; set it to null")
-    if not experts:
-        return
-    if experts[0].n_experts % ep_size:
-        raise ConfigError("parallel.ep_dims", ep_dims, f"the EP size {ep_size} must divide the "
-                                                       f"{experts[0].n_experts} experts of each block")
-    for key, entry in plan.items():
-        if entry.get("style") == "sequence_parallel" and key.split(".")[-1] == "ffn_norm":
-            raise ConfigError(f"plan.{key}.style", "sequence_parallel", "would hand the mixture-of-experts blocks "
-                                                                        "sequence shards, which they do not take yet; "
-                                                                        "use a plan without SP (plan=lm_moe_tp)")

@@ -16,7 +16,6 @@ Its global batch is what the live groups trained (their samples; the learning ra
 import logging
 import os
 import signal
-import socket
 import time
 import warnings
 from datetime import timedelta
@@ -25,43 +24,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
-from urllib.parse import urlparse
 
-from framework.config.errors import ConfigError
 from framework.parallel.dtensors import whole
-from framework.parallel.roles import MeshRoles
-
-# (DTensor and the replica check are imported where they are used: validate imports this module
-# in the launcher, which never loads the ranks' machinery.)
+from framework.parallel.fault_tolerance_config import replica_group
+from framework.parallel.replica_check import checksum
 
 log = logging.getLogger("framework")
-
-GROUP_ENV = "FRAMEWORK_REPLICA_GROUP"  # "g/G": this process is in replica group g of G (set by the launcher)
-
-
-def replica_dim(cfg: DictConfig) -> str:
-    """The mesh dim whose positions become replica groups: dp_replicate when the mesh has one, else dp."""
-    p = cfg.parallel
-    return p.dp_replicate_dim if p.dp_replicate_dim in cfg.mesh.dim_names else p.dp_dim
-
-
-def replica_group() -> Optional[Tuple[int, int]]:
-    """(g, G) in a rank of a replica group, else None."""
-    value = os.environ.get(GROUP_ENV)
-    if not value:
-        return None
-    group, groups = value.split("/")
-    return int(group), int(groups)
-
-
-def spread_over_groups(samples: Dict[str, int]) -> Dict[str, int]:
-    """The sampler's replicas and this rank's among them, over every group's DP replicas."""
-    position = replica_group()
-    if position is None:
-        return samples
-    group, groups = position
-    return {"size": samples["size"] * groups, "rank": group * samples["size"] + samples["rank"]}
 
 
 class NoFaultTolerance:
@@ -109,15 +79,11 @@ class NoFaultTolerance:
 
 def _local(tree: Any) -> Any:
     """DTensors as their local shards: what the checkpoint transport sends (same layout on both ends)."""
-    from torch.distributed.tensor import DTensor
-
     return tree_map_only(DTensor, lambda t: t.to_local(), tree)
 
 
 def _like(received: Any, live: Any) -> Any:
     """`received` (local shards) placed as the `live` state's DTensors are."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(live, DTensor):
         return DTensor.from_local(received, live.device_mesh, live.placements, run_check=False,
                                   shape=live.shape, stride=live.stride())
@@ -283,10 +249,6 @@ class ReplicaGroups:
     def check(self, module: torch.nn.Module, step: int) -> None:
         """The replica check across groups (trainer.check_replicas_every): each parameter's local
         shard the same in every live group (one all-reduce of checksums under MAX)."""
-        from torch.distributed.tensor import DTensor
-
-        from framework.parallel.replica_check import checksum
-
         names, sums = zip(*[(name, checksum(p.to_local() if isinstance(p, DTensor) else p))
                             for name, p in module.named_parameters()])
         local = torch.stack(sums)
@@ -317,38 +279,3 @@ def build_fault_tolerance(cfg: DictConfig):
     return ReplicaGroups(cfg, *position)
 
 
-def check_fault_tolerance(cfg: DictConfig) -> None:
-    """launcher.fault_tolerance's refusals, in the launcher (the ranks of a group see its own mesh)."""
-    kind = cfg.launcher.get("fault_tolerance")
-    if kind is None or replica_group() is not None:
-        return
-    if kind != "torchft":
-        raise ConfigError("launcher.fault_tolerance", kind, "null (one world) or torchft (per-step fault tolerance)")
-    if "RANK" in os.environ:
-        raise ConfigError("launcher.fault_tolerance", kind, "each replica group needs an elastic agent of its own: "
-                          "launch with python -m framework.train, not under torchrun")
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
-    try:
-        import torchft  # noqa: F401
-    except ImportError:
-        raise ConfigError("launcher.fault_tolerance", kind, "torchft is not installed: pip install 'framework[ft]'") \
-            from None
-    roles, dim = MeshRoles.from_config(cfg), replica_dim(cfg)
-    sizes = dict(zip(roles.dim_names, roles.shape))
-    if sizes.get(dim, 1) < 2:
-        raise ConfigError("mesh.shape", list(cfg.mesh.shape), f"fault_tolerance=torchft needs at least 2 DP "
-                          f"replicas to make replica groups of (dim {dim!r} has {sizes.get(dim, 1)})")
-    if cfg.launcher.lighthouse:
-        check_lighthouse(cfg.launcher.lighthouse)
-
-
-def check_lighthouse(address: str, timeout_s: float = 5.0) -> None:
-    """A lighthouse address must answer (a TCP connection within timeout_s)."""
-    parsed = urlparse(address if "://" in address else f"http://{address}")
-    try:
-        with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=timeout_s):
-            return
-    except (OSError, ValueError) as error:
-        raise ConfigError("launcher.lighthouse", address, f"no lighthouse answers there within {timeout_s:g} s "
-                          f"({error}); start one (torchft_lighthouse --min_replicas 1) or use null to have "
-                          f"the launcher start one") from None

@@ -28,13 +28,15 @@ from framework.models.lora import load_peft_adapter
 from framework.models.nf4 import quantize_base
 from framework.parallel.device import settle_device
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
-from framework.parallel.pipeline import last_stage_rank, split_model
+from framework.parallel.pipeline import split_model
+from framework.parallel.pipeline_layout import last_stage_rank
 from framework.parallel.data_parallel import apply_dp
 from framework.parallel.dtensors import by_mesh
 from framework.parallel.fully_shard import FullyShardedSync, apply_fsdp
 from framework.parallel.context_parallel import SequenceChunks, apply_cp
 from framework.parallel.expert_parallel import ExpertGradients, apply_ep, update_biases_after_each_step
-from framework.parallel.fault_tolerance import build_fault_tolerance, spread_over_groups
+from framework.parallel.fault_tolerance import build_fault_tolerance
+from framework.parallel.fault_tolerance_config import spread_over_groups
 from framework.parallel.tensor_parallel import apply_tp
 from framework.training.schedule import build_scheduler
 from framework.training.state import TrainState

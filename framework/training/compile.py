@@ -15,6 +15,7 @@ from torch import nn
 
 from framework.config.errors import ConfigError
 from framework.models.protocol import offered
+from framework.parallel.dtensors import is_async_collective, local_tensor
 
 
 def compiled_blocks(model: nn.Module) -> List[Tuple[nn.Module, bool]]:
@@ -30,14 +31,9 @@ def compiled_blocks(model: nn.Module) -> List[Tuple[nn.Module, bool]]:
 def _wait_for_inputs(module: nn.Module, args: tuple) -> tuple:
     """Inputs whose collective is still in flight (TP's async redistribute of the embedding's
     output) as plain results: torch 2.13's compiled backward otherwise hands the redistribute a
-    plain gradient where it expects a DTensor. A copy, only for such inputs. (Imported here:
-    validation imports this module, and the launcher must not load DTensor.)"""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-
+    plain gradient where it expects a DTensor. A copy, only for such inputs."""
     def waited(value):
-        local = value._local_tensor if isinstance(value, DTensor) else value
-        return value.clone() if isinstance(local, AsyncCollectiveTensor) else value
+        return value.clone() if is_async_collective(local_tensor(value)) else value
 
     return tuple(waited(a) if isinstance(a, torch.Tensor) else a for a in args)
 

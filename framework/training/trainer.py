@@ -33,7 +33,8 @@ from framework.data.batch import Batch
 from framework.data.loader import batches
 from framework.models.hf_export import save_hf_sharded
 from framework.parallel.grad_norm import clip_grad_norm, global_grad_norm
-from framework.parallel.pipeline import Pipeline, gathered_over_stages, microbatches
+from framework.parallel.pipeline import Pipeline, gathered_over_stages
+from framework.parallel.pipeline_layout import microbatches
 from framework.parallel.plan import vocabulary_sharded
 from framework.parallel.replica_check import check_replicas
 from framework.training.interrupt import Interrupt

@@ -62,11 +62,12 @@ from framework.config.errors import ConfigError, check_rules
 from framework.config.checked import Checked
 from framework.data.batch import Batch
 from framework.data.token_files import read_meta
+from framework.parallel.dtensors import reshard
 from framework.parallel.plan import final_output_layout
 from framework.training.objectives.base import Objective, StepShare, check_data_pairing, objective_kind
 from framework.training.objectives.head import OutputHead
 from framework.training.objectives.logps import response_lengths, sequence_logps
-from framework.training.objectives.reference import Reference, check_precomputed, check_reference, reshard
+from framework.training.objectives.reference import Reference, check_precomputed, check_reference
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")  # DPO's
 SMOOTHED = ("sigmoid", "robust")  # the loss types that read label_smoothing

@@ -23,21 +23,12 @@ from framework.config.checked import Checked
 from framework.data.batch import Batch
 from framework.models.lora import adapters_disabled
 from framework.models.protocol import offered
-from framework.parallel.dtensors import local_bytes
+from framework.parallel.dtensors import local_bytes, reshard
 from framework.training.objectives.head import OutputHead
 from framework.training.objectives.logps import sequence_logps
 
 log = logging.getLogger("framework")
 REFERENCES = ("adapters_off", "frozen_copy", "precomputed")
-
-
-def reshard(model: nn.Module) -> None:
-    """FSDP2 keeps a root unsharded after a forward with no backward (a reference's, KTO's KL
-    estimate's, GRPO's generation)."""
-    from torch.distributed.fsdp import FSDPModule  # (the launcher imports this module: not at its top)
-
-    if isinstance(model, FSDPModule):
-        model.reshard()
 
 
 class Reference:

@@ -18,7 +18,7 @@ from framework.models.decode import compiled_step, decoding_generators, generate
 from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
 from framework.training.objectives.logps import token_logps
-from framework.training.objectives.reference import reshard
+from framework.parallel.dtensors import reshard
 from framework.training.objectives.rewards import make_reward
 
 ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
