@@ -283,12 +283,36 @@ def check_length(model: HFTransformer, key: str, value: int, before: int = 0, op
             raise ConfigError(key, value, f"{prompt}exceeds {what}; {fix}{allow}")
 
 
-def _safetensors_header(file: str) -> Dict[str, Any]:
+def _safetensors_header(file: str) -> Tuple[Dict[str, Any], int]:
+    """A safetensors file's entries by tensor name, and where its data starts."""
     with open(file, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
-    return header
+    return header, 8 + length
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class StoredTensors:
+    """A model directory's tensors by their Hugging Face names, each read alone with plain file
+    reads: safetensors' safe_open maps the whole file, whose pages then count in the process's
+    resident memory as they are read (a streamed load must hold one tensor at a time)."""
+
+    def __init__(self, path: str):
+        self.entries = {name: (file, start, entry) for file in weight_files(path)
+                        for header, start in [_safetensors_header(file)] for name, entry in header.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, start, entry = self.entries[name]
+        begin, end = entry["data_offsets"]
+        with open(file, "rb") as f:
+            f.seek(start + begin)
+            data = bytearray(f.read(end - begin))
+        return torch.frombuffer(data, dtype=_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def weight_files(path: str) -> List[str]:
@@ -310,7 +334,7 @@ def weight_files(path: str) -> List[str]:
 def _stored_shapes(path: str) -> Iterator[Tuple[str, List[int]]]:
     for file in weight_files(path):
         try:
-            header = _safetensors_header(file)
+            header, _ = _safetensors_header(file)
         except (OSError, ValueError, struct.error) as error:
             raise ConfigError("model.path", path, f"{os.path.basename(file)} is not a safetensors file: {error}") from None
         for name, entry in header.items():

@@ -45,13 +45,23 @@ def _nf4() -> Callable:
     return to_nf4
 
 
+def nf4_of_adapted(model: nn.Module, block_size: int, scaler_block_size: int
+                   ) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """(parameter name, value) -> what to store: an adapted layer's weight as NF4, quantized from
+    its bf16 rounding; any other value as it is."""
+    to_nf4, adapted = _nf4(), {f"{name}.weight" for name, _ in adapter_layers(model)}
+
+    def convert(name: str, value: torch.Tensor) -> torch.Tensor:
+        return to_nf4(value.detach().to(torch.bfloat16), block_size, scaler_block_size) if name in adapted else value
+    return convert
+
+
 @torch.no_grad()
 def quantize_base(model: nn.Module, block_size: int, scaler_block_size: int) -> None:
     """Every adapted layer's weight as NF4 (frozen, as it was)."""
-    to_nf4 = _nf4()
-    for _, layer in adapter_layers(model):
-        layer.weight = nn.Parameter(to_nf4(layer.weight.detach().to(torch.bfloat16), block_size, scaler_block_size),
-                                    requires_grad=False)
+    convert = nf4_of_adapted(model, block_size, scaler_block_size)
+    for name, layer in adapter_layers(model):
+        layer.weight = nn.Parameter(convert(f"{name}.weight", layer.weight), requires_grad=False)
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:

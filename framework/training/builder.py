@@ -21,11 +21,11 @@ from framework.checkpoint.compat import checkpoint_dir
 from framework.checkpoint.manager import Checkpointer
 from framework.config.schema import STAGES
 from framework.data.loader import StreamEpochs, build_dataloader, build_sampler
-from framework.checkpoint.weights import base_checkpoint, load_base, restart_count, starting_point
+from framework.checkpoint.weights import base_checkpoint, load_base, restart_count, starting_point, stream_hf_weights
 from framework.models.float8 import apply_float8, float8_recipe
 from framework.models.lifecycle import adapt, allocate, born_on_meta, new_model, on_meta
-from framework.models.lora import load_peft_adapter
-from framework.models.nf4 import quantize_base
+from framework.models.lora import init_adapters, load_peft_adapter
+from framework.models.nf4 import nf4_of_adapted, quantize_base
 from framework.parallel.device import settle_device
 from framework.parallel.mesh import build_mesh, coordinates_on, layout_table
 from framework.parallel.pipeline import split_model
@@ -109,14 +109,21 @@ def stage_adapters(run: Run) -> None:
     """adapter=lora: LoRA adapters on the targeted layers, every base parameter frozen, before
     any parallel stage (they shard and sync the adapters as any parameter). adapter=qlora: the
     adapted layers' weights then quantized to NF4 (framework.models.nf4), which is made from
-    the weights: a Hugging Face model's are read whole here."""
+    the weights: a Hugging Face model's are read here one parameter at a time, each adapted
+    weight quantized before the next is read (never the whole base in the files' precision)."""
     a, cfg = run.cfg.adapter, run.cfg
     adapt(run.module, a, cfg.trainer.seed)
-    if a.kind == "qlora":
-        if on_meta(run.module) and not run.meta_only:
-            allocate(run.module, run.device.type, cfg.trainer.seed)
-            load_base(run.module, None, offered(run.module).hf_path)
-        quantize_base(run.module, a.block_size, a.scaler_block_size)
+    if a.kind != "qlora":
+        return
+    hf_path = offered(run.module).hf_path
+    if hf_path and on_meta(run.module) and not run.meta_only:
+        stream_hf_weights(run.module, hf_path, run.device.type, nf4_of_adapted(run.module, a.block_size,
+                                                                                 a.scaler_block_size))
+        init_adapters(run.module, cfg.trainer.seed)
+        return
+    if on_meta(run.module) and not run.meta_only:  # the framework's own model: the seed's weights drawn whole
+        allocate(run.module, run.device.type, cfg.trainer.seed)
+    quantize_base(run.module, a.block_size, a.scaler_block_size)
 
 
 def stage_float8(run: Run) -> None:
