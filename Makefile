@@ -12,7 +12,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,slurm,data,hf,qlora,float8,ft,hfdata,tracking,rl,eval,hpo]'
+	$(PY) -m pip install --quiet -e '.[dev,slurm,data,hf,transformers,qlora,float8,ft,hfdata,tracking,rl,eval,hpo]'
 	$(PY) -m pip install --quiet --no-deps 'hydra-optuna-sweeper>=1.3'   # (pyproject.toml's hpo extra says why)
 	touch $(STAMP)
 

@@ -32,7 +32,7 @@ from framework.atomic import atomic_file
 from framework.checkpoint.layout import CheckpointError, read_meta
 from framework.cli import checkpoint_source, parsed_status
 from framework.config.errors import ConfigError
-from framework.models.hf import HFTransformer
+from framework.models.hf import HF_TARGETS
 from framework.models.nf4 import torchao_quietly
 from framework.parallel.device import resolve_device
 from framework.export import export
@@ -40,7 +40,6 @@ from framework.training.logger import TensorBoardLogger
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval_tasks")
 SOURCES = "a Hugging Face model directory (config.json), a step_N checkpoint or a checkpoints dir (its newest)"
-HF_MODEL = f"{HFTransformer.__module__}.{HFTransformer.__name__}"  # model=hf's _target_: what export --format hf writes
 INSTALL = "pip install '.[eval]'"
 
 
@@ -82,7 +81,7 @@ def checked_source(source: str) -> Source:
         return Source(path)
     meta = read_meta(checkpoint)
     target = (meta["config"].get("model") or {}).get("_target_")
-    if target != HF_MODEL:
+    if target not in HF_TARGETS:
         raise ConfigError("SOURCE", source, f"its model is {target}, which has no Hugging Face format for lm-eval's "
                                             f"Hugging Face backend to load; evaluate a model=hf run's checkpoint or a "
                                             f"Hugging Face directory")

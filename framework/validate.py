@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch.utils.data import IterableDataset
-from hydra.utils import get_class
+from hydra.utils import get_class, get_object
 from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint.compat import (check_checkpoint_keys, check_checkpoint_sources, check_checkpoint_writable,
@@ -43,6 +43,7 @@ from framework.parallel.pipeline_layout import check_pipeline_parallel
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules, shards_sequence
 from framework.training.compile import compiled_blocks
 from framework.models.protocol import from_hugging_face, offered
+from framework.models.transformers_model import check_transformers_model
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -147,8 +148,13 @@ def check_trainer_and_data(cfg: DictConfig) -> None:
 def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
     """Build the model on the meta device (no memory) to check the plan against its modules,
     and the counts the plan splits whole (attention heads; the sequence, under SP); return it."""
+    return check_model_plan(cfg, meta_model(cfg))
+
+
+def meta_model(cfg: DictConfig) -> torch.nn.Module:
+    """The configured model on the meta device (no memory); a Hugging Face model's files checked."""
     recompute = cfg.model.get("activation_checkpointing")
-    if recompute is not None and not _accepts(get_class(cfg.model._target_), activation_checkpointing=recompute):
+    if recompute is not None and not _accepts(get_object(cfg.model._target_), activation_checkpointing=recompute):
         raise ConfigError("model.activation_checkpointing", recompute,
                           f"{cfg.model._target_} has no blocks to recompute (it takes no activation_checkpointing); "
                           f"remove the key, or use a model that does, such as framework.models.Transformer")
@@ -156,6 +162,11 @@ def check_model_and_plan(cfg: DictConfig) -> torch.nn.Module:
         model = instantiate_checked(cfg.model)
     if from_hugging_face(model):
         check_hf_model(model, cfg)
+    return model
+
+
+def check_model_plan(cfg: DictConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """The plan against the model's modules, and the counts it splits whole; the model returned."""
     if cfg.trainer.compile != "none":
         compiled_blocks(model)
     plan = OmegaConf.to_container(cfg.plan, resolve=True)
@@ -293,10 +304,11 @@ def check_loader_workers(c: Checked) -> None:
 def build_meta_model(c: Checked) -> None:
     """The model on meta with the run's adapters, as the adapters stage adds them (the checks
     after it read it): the launcher's deep pass, which the ranks skip."""
-    model = check_model_and_plan(c.cfg)
+    c.model = model = meta_model(c.cfg)
+    check_transformers_model(c)  # (before the plan's checks, which name the native model's modules)
+    check_model_plan(c.cfg, model)
     check_adapter(c.cfg, model)  # on the base model, before its adapters
     adapt(model, c.cfg.adapter, seed=0)
-    c.model = model
 
 
 # Every check, in order, each `check(c: Checked)` raising one ConfigError. Each capability's

@@ -31,6 +31,29 @@ MOE_ARCHITECTURES = {
     "mixtral": dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                     sliding_window=None),
 }
+# Model types the native path does not implement, trained through transformers' own classes
+# (framework.models.transformers_model); each with what sets it apart.
+TRANSFORMERS_ARCHITECTURES = {
+    # local / global sliding windows, q/k norms, scaled embeddings, tied output
+    "gemma3_text": dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"], pad_token_id=0),
+    # attention sinks, alternating sliding windows, a mixture of experts with biases (eager attention)
+    "gpt_oss": dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"]),
+    # chunked attention, layers without rotary positions, a mixture of experts with a shared expert
+    "llama4_text": dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                        intermediate_size_mlp=96, interleave_moe_layer_step=1, no_rope_layers=[1, 0],
+                        attention_chunk_size=8),
+    # Gated DeltaNet linear attention beside gated full attention
+    "qwen3_5_text": dict(num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16),
+    "olmo2": dict(num_key_value_heads=2),  # norms after attention and MLP, q/k norms over all heads
+    "phi3": dict(num_key_value_heads=2, pad_token_id=0),  # fused qkv and gate_up projections
+}
+_TRANSFORMERS_CONFIGS = {"gemma3_text": "Gemma3TextConfig", "gpt_oss": "GptOssConfig",
+                         "llama4_text": "Llama4TextConfig", "qwen3_5_text": "Qwen3_5TextConfig",
+                         "olmo2": "Olmo2Config", "phi3": "Phi3Config"}
 
 
 def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
@@ -38,6 +61,9 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
     return out_dir."""
     import transformers
 
+    if kind in TRANSFORMERS_ARCHITECTURES:
+        return _save(getattr(transformers, _TRANSFORMERS_CONFIGS[kind]), transformers.AutoModelForCausalLM.from_config,
+                     {**TRANSFORMERS_ARCHITECTURES[kind], **overrides}, out_dir, seed)
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "llama_bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -48,11 +74,15 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[kind]
+    return _save(config_class, model_class, {**{**ARCHITECTURES, **MOE_ARCHITECTURES}[kind], **overrides}, out_dir, seed)
+
+
+def _save(config_class, build, choices: dict, out_dir: str, seed: int) -> str:
     options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=0)
-    options.update({**ARCHITECTURES, **MOE_ARCHITECTURES}[kind], **overrides)
+    options.update(choices)
     torch.manual_seed(seed)
-    model = model_class(config_class(**options))
+    model = build(config_class(**options))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:  # transformers zero-initializes biases; random ones test them

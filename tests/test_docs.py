@@ -115,7 +115,10 @@ def placeholders(hf_dirs, prepared, tmp_path_factory) -> Dict[str, str]:
     assert prepare([unpaired, "--prompt-field", "prompt", "--response-field", "completion", "--label-field", "label",
                     "--tokenizer", model, "--out", str(root / "kto")]) == 0
     (root / "my_rewards.py").write_text("def score(prompt, completion, answer):\n    return float(answer in completion)\n")
-    return {"/models/Qwen2.5-0.5B": model, "data/qwen_tokens": str(root / "qwen_tokens"),
+    gemma = make_hf_model("gemma3_text", str(root / "gemma"), max_position_embeddings=32768)  # (transformers' classes)
+    assert prepare([str(root / "text.txt"), "--tokenizer", gemma, "--out", str(root / "gemma_tokens")]) == 0
+    return {"/models/gemma-3-1b-pt": gemma, "data/gemma_tokens": str(root / "gemma_tokens"),
+            "/models/Qwen2.5-0.5B": model, "data/qwen_tokens": str(root / "qwen_tokens"),
             "my_docs/": str(root / "my_docs"), "chats.jsonl": str(root / "chats.jsonl"),
             "data/my_tokens": prepared["packed"], "data/my_sft": prepared["instruction"],
             "data/prefs": str(root / "prefs"), "$HOME/my_texts": str(root / "my_texts"),

@@ -232,4 +232,4 @@ def test_what_a_mixture_of_experts_does_not_implement_is_refused_naming_it(kind,
     else:
         _drop_tensor(path, changes)
     with pytest.raises(ConfigError, match=match):
-        validate(hf_config(path, "mesh=1x1", "plan=none"))
+        validate(hf_config(path, "mesh=1x1", "plan=none", "model.backend=native"))

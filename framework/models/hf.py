@@ -104,8 +104,15 @@ def hf_state_dict(state: Dict[str, Any], tied: bool, kind: str = "llama") -> Dic
 
 
 def model_state_dict(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
-    """`state` (model's state dict, or its shards') under Hugging Face's names for `model`'s type."""
-    return hf_state_dict(state, offered(model).tie_word_embeddings, offered(model).model_type)
+    """`state` (model's state dict, or its shards') under Hugging Face's names for `model`'s type:
+    a model whose names are Hugging Face's already (hf_names) as it is, less its adapters and a
+    tied output (which the files store once, as the embedding)."""
+    declared = offered(model)
+    if declared.hf_names:
+        tied = {f"{name}.weight" for name, module in model.named_modules() if module is declared.output_layer()}
+        return {key: value for key, value in state.items()
+                if not is_adapter(key) and not (declared.tie_word_embeddings and key in tied)}
+    return hf_state_dict(state, declared.tie_word_embeddings, declared.model_type)
 
 
 def read_config(path: str) -> Dict[str, Any]:
@@ -136,7 +143,7 @@ def _rope(config: Dict[str, Any], path: str) -> Tuple[float, Any]:
                                           f"(supported: default, llama3)")
 
 
-def _refuse_unimplemented(config: Dict[str, Any], path: str) -> None:
+def refuse_unimplemented(config: Dict[str, Any], path: str) -> None:
     kind = config.get("model_type")
     if kind not in SUPPORTED:
         raise ConfigError("model.path", path, f"config.json's model_type {kind!r} is not supported; supported: "
@@ -152,6 +159,7 @@ def _refuse_unimplemented(config: Dict[str, Any], path: str) -> None:
     for ok, what in checks:
         if not ok:
             raise ConfigError("model.path", path, f"config.json sets {what}, which this framework does not implement")
+    _rope(config, path)
 
 
 def _n_experts(config: Dict[str, Any]) -> int:
@@ -204,7 +212,7 @@ def _attention_bias(config: Dict[str, Any]) -> Tuple[bool, bool]:
 
 def transformer_args(config: Dict[str, Any], path: str) -> Dict[str, Any]:
     """framework.models.Transformer's arguments for a supported config.json."""
-    _refuse_unimplemented(config, path)
+    refuse_unimplemented(config, path)
     theta, scaling = _rope(config, path)
     qkv_bias, o_bias = _attention_bias(config)
     return dict(
@@ -239,12 +247,17 @@ class HFTransformer(Transformer):
         self.max_positions_key = "model.max_positions" if max_positions else "config.json's max_position_embeddings"
 
 
+# model=hf's _target_ (framework.models.hf_backend), and before it this module's HFTransformer
+# (which checkpoints of older runs name): what reads a Hugging Face directory
+HF_TARGETS = ("framework.models.hf_backend.hugging_face_model", f"{__name__}.{HFTransformer.__name__}")
+
+
 def check_model_path(cfg: DictConfig) -> None:
     """model=hf's model.path, before anything reads it (recipes/finetune_hf.yaml's data.tokenizer
     is ${model.path}): given, holding a config.json, and made absolute in the config the ranks
     run and checkpoints save, so export and generate find the model from any directory."""
     model = cfg.model
-    if model.get("_target_") != f"{__name__}.{HFTransformer.__name__}":
+    if model.get("_target_") not in HF_TARGETS:
         return
     if OmegaConf.is_missing(model, "path"):
         raise ConfigError("model.path", "???", "not given; name the Hugging Face model directory on the command "
@@ -256,7 +269,7 @@ def check_model_path(cfg: DictConfig) -> None:
 def check_vocab(model: HFTransformer, vocab: int, tokenizer: str) -> None:
     """Every id of the tokenizer has a row of the embedding (else the first one past it fails
     every rank mid-run: an IndexError in the embedding or the loss)."""
-    rows = model.tok_embeddings.num_embeddings
+    rows = offered(model).input_embeddings().num_embeddings
     if vocab > rows:
         raise ConfigError("model.path", model.hf_path, f"config.json's vocab_size={rows} is smaller than the "
                                                        f"vocabulary ({vocab}) of {tokenizer}: its ids from {rows} "
@@ -363,6 +376,7 @@ def materialize(model: nn.Module, device) -> None:
     """Storage for a model built on meta (garbage until its weights are loaded)."""
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own new tensor
+    offered(model).init_buffers()
 
 
 def check_hf_out(out: str) -> None:

@@ -112,7 +112,7 @@ def peft_names(model: nn.Module) -> Dict[str, str]:
 
 
 def _hf_naming(model: nn.Module):
-    if not from_hugging_face(model):
+    if not from_hugging_face(model) or offered(model).hf_names:  # (transformers' classes: the names are theirs)
         return None
     return lambda name: hf_name(name, offered(model).model_type)
 

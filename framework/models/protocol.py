@@ -25,6 +25,7 @@ class ModelProtocol:
     tie_word_embeddings: bool = False  # the output projection is the embedding matrix
     supports_context_parallel: bool = False  # use_context_parallel splits its sequences over CP ranks
     declares_init: bool = False  # init_weights draws its starting weights: it is built on meta
+    hf_names: bool = False  # its parameter names are Hugging Face's (transformers' own modules)
     # Auxiliary loss terms (a mixture of experts' load balancing): the last training forward's, by
     # name, each a sum over its micro-batch's tokens (None: the model reports none), and each
     # term's own weight (objective.aux_coefficients wins; a term without either is refused).
@@ -46,6 +47,14 @@ class ModelProtocol:
 
     def tie_weights(self) -> None:
         """Tie what tie_word_embeddings ties again (after TP replaced the parameters)."""
+
+    def init_buffers(self) -> None:
+        """The buffers no weight file holds, computed again once the model built on meta has
+        storage (garbage until then); by default none."""
+
+    def input_embeddings(self) -> Optional[nn.Module]:
+        """The token embedding (its rows are the vocabulary the model reads); None: none."""
+        return None
 
     def tp_sharded_counts(self) -> Dict[str, int]:
         """Counts a TP plan splits whole across ranks, by config key (checked before launch)."""

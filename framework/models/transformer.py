@@ -265,6 +265,9 @@ class Transformer(ModelProtocol, nn.Module):
     def output_layer(self) -> nn.Module:
         return self.output
 
+    def input_embeddings(self) -> nn.Module:
+        return self.tok_embeddings
+
     def use_context_parallel(self, cp: Any) -> None:
         """The model (which makes the attention masks) and every attention take `cp`'s chunks."""
         for module in [self, *(m for m in self.modules() if isinstance(m, Attention))]:

@@ -1,0 +1,135 @@
+"""Any Hugging Face causal LM through transformers' own modeling code (`model=hf
+model.backend=transformers`, and `auto` for a model type the native path does not implement).
+
+The model is transformers' `AutoModelForCausalLM` for the directory's config.json, built on the
+meta device; its children are this module's, under their own names, so parameter names are
+Hugging Face's (the checkpoint stage reads each rank's slices of the safetensors by those names,
+export writes them back unchanged). What the framework's stages need is declared through
+ModelProtocol: FSDP2 / compile units are the classes transformers itself keeps whole
+(`_no_split_modules`: the decoder layers), the output projection is the model's `lm_head` when
+its logits are that projection alone (else the loss reads the logits the model computes), and
+the buffers transformers computes at init (rotary frequencies, Gemma's embedding scale) are
+computed again by transformers' own `_init_weights` once the model has storage.
+"""
+import os
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from framework.config.checked import Checked
+from framework.config.errors import ConfigError
+from framework.models.protocol import ModelProtocol
+
+# config.json keys by which a causal LM's logits are more than lm_head(hidden): the loss then
+# reads the logits transformers computes (no chunked head)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model.backend", "transformers", "needs transformers: pip install "
+                                                           "'framework[transformers]'") from None
+    return transformers
+
+
+class TransformersModel(ModelProtocol, nn.Module):
+    """transformers' causal LM for config.json in `path`, on the meta device until the framework
+    gives it storage and loads its weights (framework.checkpoint.weights.load_hf_weights)."""
+
+    hf_names = True
+
+    def __init__(self, path: str, activation_checkpointing: str = "none", max_positions: Optional[int] = None):
+        super().__init__()
+        transformers = _transformers()
+        path = os.path.abspath(os.path.expanduser(str(path)))
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            # (attention: transformers' default for the class, SDPA where it has it, else eager)
+            causal = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        object.__setattr__(self, "causal", causal)  # (not a child: its children are this module's)
+        for name, child in causal.named_children():
+            self.add_module(name, child)
+        text = config.get_text_config()
+        self.hf_path, self.model_type = path, config.model_type
+        self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False))
+        self.attention_window = None  # (transformers runs the model's own sliding windows)
+        self.max_positions = max_positions or getattr(text, "max_position_embeddings", None)
+        self.max_positions_key = "model.max_positions" if max_positions else "config.json's max_position_embeddings"
+        self.plain_head = not any(getattr(text, key, None) not in (None, 1, 1.0) for key in LOGIT_TRANSFORMS)
+        if activation_checkpointing == "full":
+            causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif activation_checkpointing != "none":
+            raise ConfigError("model.activation_checkpointing", activation_checkpointing, "use none or full")
+
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                skip_output: bool = False) -> torch.Tensor:
+        """Logits (batch, seq, vocab), or with `skip_output` the final hidden states the output
+        layer projects (only asked of a model whose output_layer is its lm_head)."""
+        if skip_output:
+            return self.causal.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
+        return self.causal(input_ids=tokens, position_ids=positions, use_cache=False).logits
+
+    def output_layer(self) -> Optional[nn.Module]:
+        return self.causal.get_output_embeddings() if self.plain_head else None
+
+    def input_embeddings(self) -> nn.Module:
+        return self.causal.get_input_embeddings()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.causal.get_output_embeddings().weight = self.causal.get_input_embeddings().weight
+
+    def init_buffers(self) -> None:
+        """The buffers transformers computes at init and no file holds (rotary frequencies, an
+        embedding's scale), computed again by its own _init_weights on the modules that own
+        them: given storage by to_empty, they hold garbage. (Their parameters, drawn again
+        there too, are loaded next.)"""
+        for module in self.modules():
+            if module._non_persistent_buffers_set:
+                self.causal._init_weights(module)
+
+    def fsdp_units(self) -> List[nn.Module]:
+        return self.decoder_layers()
+
+    def compile_units(self) -> List[Tuple[nn.Module, bool]]:
+        return [(layer, False) for layer in self.decoder_layers()]
+
+    def decoder_layers(self) -> List[nn.Module]:
+        """The modules transformers keeps whole when it splits a model (_no_split_modules)."""
+        kept = set(getattr(self.causal, "_no_split_modules", None) or ())
+        return [module for module in self.modules() if type(module).__name__ in kept]
+
+    def extra_repr(self) -> str:
+        return f"transformers {type(self.causal).__name__} from {self.hf_path}"
+
+
+def check_transformers_model(c: Checked) -> None:
+    """What transformers' classes do not do here yet, refused in one line naming the model type
+    and that the native path lacks it (framework.models.hf_backend)."""
+    model, cfg, roles = c.model, c.cfg, c.roles
+    if not isinstance(model, TransformersModel):
+        return
+    why = (f"{model.model_type} runs on transformers' own classes (model.backend=transformers; the native path does "
+           f"not implement it)")
+    refusals = [
+        (roles.pp_size > 1, "parallel.pp_dim", cfg.parallel.get("pp_dim"),
+         "pipeline parallelism does not split them yet; give the ranks to dp / fsdp"),
+        (roles.cp_size > 1, "parallel.cp_dim", cfg.parallel.get("cp_dim"),
+         "context parallelism does not split their attention yet; give the ranks to dp / fsdp"),
+        (bool(roles.ep_dims), "parallel.ep_dims", list(roles.ep_dims),
+         "expert parallelism does not spread their experts yet; set it to null (FSDP2 shards them)"),
+        (roles.tp_size > 1, "mesh.shape", list(cfg.mesh.shape),
+         "tensor parallelism does not map their base_model_tp_plan yet; give the tp ranks to dp / fsdp"),
+        (bool(c.plan), "plan", sorted(c.plan), "a TP plan names the native model's modules; use plan=none"),
+        (bool(cfg.data.get("document_masking")) or bool((cfg.data.get("dataset") or {}).get("document_masking")),
+         "data.document_masking", True, "their attention is not proven to keep packed documents apart (per-document "
+                                        "positions alone leak in some); set data.document_masking=false"),
+        (cfg.objective.get("_target_", "").endswith("GroupRelativePolicy"), "objective", "grpo",
+         "GRPO's decoder runs the native model's cache; use objective=lm, dpo, simpo or kto"),
+    ]
+    for refused, key, value, fix in refusals:
+        if refused:
+            raise ConfigError(key, value, f"{why}: {fix}")

@@ -1,0 +1,199 @@
+"""Hugging Face causal LMs the native path does not implement, through transformers' own classes
+(framework.models.transformers_model), against transformers itself: tiny random models made
+with transformers' config classes (tests/hf_models.py's TRANSFORMERS_ARCHITECTURES), fp32."""
+import pytest
+import torch
+
+from framework.checkpoint.weights import load_hf_weights
+from framework.config.errors import ConfigError
+from framework.export import export, load_model
+from framework.launch.local import launch_local
+from framework.models.hf import HF_TARGETS, HFTransformer, materialize
+from framework.models.hf_backend import hugging_face_model
+from framework.models.transformers_model import TransformersModel
+from framework.validate import validate
+from tests.conftest import compose_config
+from tests.errors import max_relative_error, relative_error
+from tests.hf_models import TRANSFORMERS_ARCHITECTURES, make_hf_model, reference
+from tests.test_dpo import pairs  # noqa: F401  (a fixture)
+from tests.test_hf import TOKENS, cross_entropy, hf_config, reference_step, sharded_step_errors
+
+import transformers  # noqa: F401  (the dev extra: a broken install fails, never skips)
+
+IN_MAKE_TEST = "gemma3_text"  # one model per property in make test, the others behind `integration`
+
+
+def kinds():
+    return [kind if kind == IN_MAKE_TEST else pytest.param(kind, marks=pytest.mark.integration)
+            for kind in TRANSFORMERS_ARCHITECTURES]
+
+
+class ModelDirs(dict):
+    """Each kind's model directory, made the first time a test asks for it."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, kind: str) -> str:
+        self[kind] = make_hf_model(kind, str(self.root / kind))
+        return self[kind]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return ModelDirs(tmp_path_factory.mktemp("transformers_models"))
+
+
+def loaded(path: str, **options) -> torch.nn.Module:
+    """One process: model=hf's model on meta, given storage, its weights read by DCP's HF reader."""
+    model = hugging_face_model(path, **options)
+    materialize(model, "cpu")
+    load_hf_weights(model, path)
+    return model
+
+
+def test_auto_takes_the_native_path_where_it_implements_the_model_and_transformers_elsewhere(model_dirs, hf_dirs):
+    assert type(hugging_face_model(hf_dirs["llama"])) is HFTransformer
+    assert type(hugging_face_model(model_dirs["gemma3_text"])) is TransformersModel
+    assert type(hugging_face_model(hf_dirs["llama"], backend="transformers")) is TransformersModel
+    with pytest.raises(ConfigError, match=r"^config error: model.backend='native': config.json's model_type "
+                                          r"'gemma3_text' is not supported; supported: llama, .*; use "
+                                          r"model.backend=transformers \(or auto\) for transformers' own classes$"):
+        hugging_face_model(model_dirs["gemma3_text"], backend="native")
+    with pytest.raises(ConfigError, match=r"model.backend='hf': use one of auto, native, transformers"):
+        hugging_face_model(hf_dirs["llama"], backend="hf")
+    assert compose_config(["model=hf"]).model._target_ == HF_TARGETS[0] == \
+        f"{hugging_face_model.__module__}.{hugging_face_model.__name__}"  # what check_model_path and evaluate read
+
+
+@pytest.mark.parametrize("kind", kinds())
+def test_logits_loss_and_gradients_equal_transformers_on_one_process(kind, model_dirs):
+    """The model's logits, and the loss-owned head's (the final hidden states through its
+    lm_head), equal transformers' eager model's; one step's loss and gradients too."""
+    path = model_dirs[kind]
+    ours, theirs = loaded(path), reference(path)
+    with torch.no_grad():
+        expected = theirs(TOKENS).logits
+        error = relative_error(ours(TOKENS), expected)
+        head_error = relative_error(ours.output_layer()(ours(TOKENS, skip_output=True)), expected)
+    print(f"{kind}: logits relative error {error:.1e}, through the head {head_error:.1e}")
+    assert error <= 1e-5 and head_error <= 1e-5  # SDPA against eager: measured up to 7.0e-7 (gemma3_text)
+    inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
+    loss = cross_entropy(ours(inputs), targets)
+    loss.backward()
+    ref_loss, ref_grads = reference_step(path, inputs, targets)
+    assert relative_error(float(loss), ref_loss) <= 1e-5
+    assert {name for name, _ in ours.named_parameters()} == set(ref_grads)  # Hugging Face's names, one to one
+    for name, p in ours.named_parameters():
+        if ref_grads[name] is not None:
+            assert relative_error(p.grad, ref_grads[name]) <= 1e-4, name
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mesh,overrides", [
+    ("2x1", ["parallel.dp_strategy=fsdp"]),
+    pytest.param("2x1", ["parallel.dp_strategy=replicate"], marks=pytest.mark.integration),
+    pytest.param("2x1", ["parallel.dp_strategy=fsdp", "model.activation_checkpointing=full"],
+                 marks=pytest.mark.integration),
+    pytest.param("2x1", ["parallel.dp_strategy=fsdp", "trainer.loss_chunk_tokens=8"], marks=pytest.mark.integration),
+])
+def test_sharded_loss_and_gradients_equal_transformers(mesh, overrides, model_dirs, tmp_path):
+    """FSDP2 by decoder layer (transformers' _no_split_modules) and DP, with activation
+    checkpointing and the loss-owned head by chunks of 8 tokens: the first global batch's loss
+    and gradients equal transformers' on one process."""
+    path = model_dirs[IN_MAKE_TEST]
+    logits_error, loss_error, grad_error = sharded_step_errors(path, hf_config(path, f"mesh={mesh}", "plan=none",
+                                                                               *overrides), tmp_path, lambda name: name)
+    assert logits_error <= 1e-5  # measured 7.0e-7
+    assert loss_error <= 1e-5  # measured 8.6e-8
+    assert grad_error <= 5e-5  # measured 1.0e-6
+
+
+@pytest.mark.timeout(240)
+def test_a_run_exports_what_transformers_loads_with_equal_logits(model_dirs, tmp_path):
+    """Two FSDP2 steps writing their final model (checkpoint.final_hf, each rank its shards),
+    and export --format hf of the checkpoint: from_pretrained finds no missing, unexpected or
+    mismatched key in either, and both give the same logits, not the untrained model's."""
+    path = model_dirs[IN_MAKE_TEST]
+    summary = launch_local(hf_config(path, "mesh=2x1", "plan=none", "parallel.dp_strategy=fsdp", "trainer.max_steps=2",
+                                     "checkpoint.every=2", "checkpoint.final_hf=true", "logger.tensorboard=false"),
+                           str(tmp_path))
+    assert len(summary["losses"]) == 2
+    export(str(tmp_path / "checkpoints"), str(tmp_path / "exported"), format="hf")
+    logits = {}
+    for name in ("hf", "exported"):
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / name), output_loading_info=True,
+                                                                        attn_implementation="eager")
+        assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), (name, info)
+        with torch.no_grad():
+            logits[name] = model(TOKENS).logits
+    with torch.no_grad():
+        assert relative_error(logits["exported"], logits["hf"]) <= 1e-6
+        assert relative_error(logits["hf"], reference(path)(TOKENS).logits) > 1e-4  # the steps moved it
+
+
+@pytest.mark.parametrize("overrides,key,fix", [
+    (["mesh=pp2x1x1"], "parallel.pp_dim='pp'", "pipeline parallelism does not split them yet"),
+    (["mesh=1x2"], r"mesh.shape=\[1, 2\]", "tensor parallelism does not map their base_model_tp_plan yet"),
+    (["mesh=1x1", "plan=lm_tp"], "plan=", "a TP plan names the native model's modules; use plan=none"),
+    (["mesh=1x1", "data.document_masking=true"], "data.document_masking=True", "set data.document_masking=false"),
+])
+def test_what_the_transformers_path_does_not_do_yet_is_one_line_naming_the_model_type(
+        overrides, key, fix, model_dirs):
+    cfg = hf_config(model_dirs[IN_MAKE_TEST], "plan=none", *overrides)
+    with pytest.raises(ConfigError, match=rf"^config error: {key}.*: gemma3_text runs on transformers' own classes "
+                                          rf"\(model.backend=transformers; the native path does not implement it\): "
+                                          rf".*{fix}"):
+        validate(cfg)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_resumed_run_continues_the_uninterrupted_one_bitwise(model_dirs, tmp_path):
+    path = model_dirs[IN_MAKE_TEST]
+    run = ["mesh=2x1", "plan=none", "parallel.dp_strategy=fsdp", "checkpoint.every=2", "logger.tensorboard=false",
+           "optim=adamw"]
+    whole = launch_local(hf_config(path, *run, "trainer.max_steps=4"), str(tmp_path / "whole"))
+    launch_local(hf_config(path, *run, "trainer.max_steps=2"), str(tmp_path / "first"))
+    resumed = launch_local(hf_config(path, *run, "trainer.max_steps=4",
+                                     f"checkpoint.resume={tmp_path / 'first' / 'checkpoints' / 'step_2'}"),
+                           str(tmp_path / "resumed"))
+    assert resumed["losses"] == whole["losses"]  # (the history from the checkpoint, then steps 3 and 4)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_full_dpo_follows_dpo_computed_by_hand_on_transformers_model(model_dirs, pairs, tmp_path):
+    """DPO against a frozen copy (built through the same model lifecycle): the loss curve of
+    tests/test_dpo.py's DPO by hand on transformers' own model."""
+    from tests.test_dpo import FULL, dpo_by_hand, dpo_overrides
+
+    path = model_dirs[IN_MAKE_TEST]
+    cfg = compose_config([*dpo_overrides(path, pairs, steps=3), "mesh=1x1", "plan=none", *FULL])
+    summary = launch_local(cfg, str(tmp_path))
+    error = max_relative_error(summary["losses"], dpo_by_hand(path, cfg, 3)["losses"])
+    print(f"gemma3 DPO: max relative loss error vs by hand {error:.2e}")
+    assert error < 1e-4  # measured 1.0e-6
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_adapter_loads_in_peft_on_transformers_model_with_equal_logits(model_dirs, hf_dirs, tmp_path):
+    """LoRA on Hugging Face's own layer names (q_proj, v_proj, down_proj): the exported adapter,
+    loaded by PEFT onto transformers' model, computes what the checkpoint computes."""
+    import peft
+
+    path = model_dirs[IN_MAKE_TEST]
+    cfg = compose_config(["recipe=finetune_hf", f"model.path={path}", f"data.path={hf_dirs['tokens']}", "mesh=1x1",
+                          "plan=none", "data.document_masking=false", "data.dataset.seq_len=32",
+                          "data.global_batch_size=4", "adapter=lora", "adapter.targets=[q_proj,v_proj,down_proj]",
+                          "trainer.max_steps=2", "trainer.mixed_precision=null", "optim.lr=0.01",
+                          "logger.tensorboard=false", "trainer.progress_bar=false"])
+    launch_local(cfg, str(tmp_path))
+    export(str(tmp_path / "checkpoints"), str(tmp_path / "adapter"), format="peft")
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(reference(path), str(tmp_path / "adapter"))(TOKENS).logits
+        ours = load_model(str(tmp_path / "checkpoints"))[0](TOKENS)
+        base = reference(path)(TOKENS).logits
+    assert relative_error(ours, theirs) <= 1e-5
+    assert relative_error(theirs, base) > 1e-4  # the adapters moved
