@@ -43,7 +43,7 @@ from framework.parallel.pipeline_layout import check_pipeline_parallel
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules, shards_sequence
 from framework.training.compile import compiled_blocks
 from framework.models.protocol import from_hugging_face, offered
-from framework.models.transformers_model import check_transformers_model
+from framework.models.transformers_model import TransformersModel, check_transformers_model
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -193,15 +193,18 @@ def check_model_plan(cfg: DictConfig, model: torch.nn.Module) -> torch.nn.Module
 def check_tied_layouts(plan: dict, model: torch.nn.Module) -> None:
     """A tied output projection is the embedding matrix: TP must give both the same rows of it
     (rowwise embedding and colwise output both shard the vocabulary), or leave both whole."""
-    if not offered(model).tie_word_embeddings:
+    declared = offered(model)
+    if not declared.tie_word_embeddings:
         return
-    styles = {name: next((entry.get("style") for pattern, entry in plan.items()
-                          if name in matching_modules(model, pattern)), None) for name in ("tok_embeddings", "output")}
-    if styles not in ({"tok_embeddings": "rowwise", "output": "colwise"}, {"tok_embeddings": None, "output": None}):
-        raise ConfigError("plan.output", styles["output"], f"the model ties its output to tok_embeddings "
-                                                           f"({styles['tok_embeddings']} here), so both must hold the same "
-                                                           f"rows of the matrix: tok_embeddings rowwise and output colwise "
-                                                           f"(as plan=lm_tp_sp), or neither in the plan")
+    names = {module: name for name, module in model.named_modules()}
+    embedding, output = names[declared.input_embeddings()], names[declared.output_layer()]
+    styles = [next((entry.get("style") for pattern, entry in plan.items() if name in matching_modules(model, pattern)),
+                   None) for name in (embedding, output)]
+    if styles not in (["rowwise", "colwise"], [None, None]):
+        raise ConfigError(f"plan.{output}", styles[1], f"the model ties its output to {embedding} ({styles[0]} here), "
+                                                       f"so both must hold the same rows of the matrix: {embedding} "
+                                                       f"rowwise and {output} colwise (as plan=lm_tp_sp), or neither "
+                                                       f"in the plan")
 
 
 def check_hf_model(model: torch.nn.Module, cfg: DictConfig) -> None:
@@ -306,6 +309,8 @@ def build_meta_model(c: Checked) -> None:
     after it read it): the launcher's deep pass, which the ranks skip."""
     c.model = model = meta_model(c.cfg)
     check_transformers_model(c)  # (before the plan's checks, which name the native model's modules)
+    if isinstance(model, TransformersModel) and c.roles.tp_size > 1:  # TP by the model's own plan, for every rank
+        c.cfg.plan = model.tp_plan()
     check_model_plan(c.cfg, model)
     check_adapter(c.cfg, model)  # on the base model, before its adapters
     adapt(model, c.cfg.adapter, seed=0)

@@ -97,6 +97,8 @@ def test_logits_loss_and_gradients_equal_transformers_on_one_process(kind, model
     pytest.param("2x1", ["parallel.dp_strategy=fsdp", "model.activation_checkpointing=full"],
                  marks=pytest.mark.integration),
     pytest.param("2x1", ["parallel.dp_strategy=fsdp", "trainer.loss_chunk_tokens=8"], marks=pytest.mark.integration),
+    ("1x2", []),  # TP by the model's own tp_plan (q/k norms, a tied output over a rowwise embedding)
+    pytest.param("2x2", ["parallel.dp_strategy=fsdp"], marks=pytest.mark.integration),
 ])
 def test_sharded_loss_and_gradients_equal_transformers(mesh, overrides, model_dirs, tmp_path):
     """FSDP2 by decoder layer (transformers' _no_split_modules) and DP, with activation
@@ -135,7 +137,6 @@ def test_a_run_exports_what_transformers_loads_with_equal_logits(model_dirs, tmp
 
 @pytest.mark.parametrize("overrides,key,fix", [
     (["mesh=pp2x1x1"], "parallel.pp_dim='pp'", "pipeline parallelism does not split them yet"),
-    (["mesh=1x2"], r"mesh.shape=\[1, 2\]", "tensor parallelism does not map their base_model_tp_plan yet"),
     (["mesh=1x1", "plan=lm_tp"], "plan=", "a TP plan names the native model's modules; use plan=none"),
     (["mesh=1x1", "data.document_masking=true"], "data.document_masking=True", "set data.document_masking=false"),
 ])
@@ -197,3 +198,21 @@ def test_a_lora_adapter_loads_in_peft_on_transformers_model_with_equal_logits(mo
         base = reference(path)(TOKENS).logits
     assert relative_error(ours, theirs) <= 1e-5
     assert relative_error(theirs, base) > 1e-4  # the adapters moved
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", [kind for kind in TRANSFORMERS_ARCHITECTURES if kind not in ("gemma3_text", "llama4_text")])
+def test_each_model_s_own_tp_plan_trains_what_one_process_trains(kind, model_dirs, tmp_path):
+    """1x2 TP by each model's tp_plan (gemma3_text's in make test, above; llama4_text's refused,
+    below): the first global batch's loss and gradients equal transformers' on one process."""
+    path = model_dirs[kind]
+    errors = sharded_step_errors(path, hf_config(path, "mesh=1x2", "plan=none"), tmp_path, lambda name: name)
+    assert errors[0] <= 1e-5 and errors[1] <= 1e-5 and errors[2] <= 5e-5, errors
+
+
+def test_a_tp_plan_style_the_framework_does_not_map_is_refused_naming_it(model_dirs):
+    with pytest.raises(ConfigError, match=r"model.path='.*llama4_text': llama4_text's tp_plan gives "
+                                          r"layers.\*.feed_forward.experts.gate_up_proj the style 'packed_rowwise', "
+                                          r"which the framework does not map to a DTensor style"):
+        validate(hf_config(model_dirs["llama4_text"], "mesh=1x2", "plan=none"))

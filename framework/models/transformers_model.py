@@ -6,13 +6,14 @@ meta device; its children are this module's, under their own names, so parameter
 Hugging Face's (the checkpoint stage reads each rank's slices of the safetensors by those names,
 export writes them back unchanged). What the framework's stages need is declared through
 ModelProtocol: FSDP2 / compile units are the classes transformers itself keeps whole
-(`_no_split_modules`: the decoder layers), the output projection is the model's `lm_head` when
+(`_no_split_modules`: the decoder layers), TP is the model's own tp_plan mapped to DTensor
+styles (validation writes it into the run's plan), the output projection is the model's `lm_head` when
 its logits are that projection alone (else the loss reads the logits the model computes), and
 the buffers transformers computes at init (rotary frequencies, Gemma's embedding scale) are
 computed again by transformers' own `_init_weights` once the model has storage.
 """
 import os
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -20,7 +21,20 @@ from torch import nn
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
 from framework.models.protocol import ModelProtocol
+from framework.parallel.plan import matching_modules
 
+# transformers' TP styles (a model's tp_plan) as the framework's plan entries (framework.parallel.plan)
+TP_STYLES = {
+    "colwise": {"style": "colwise"},
+    "rowwise": {"style": "rowwise"},
+    "colwise_gather_output": {"style": "colwise", "output_layouts": "replicate"},
+    "rowwise_split_input": {"style": "rowwise", "input_layouts": "replicate"},
+    "embedding_rowwise": {"style": "rowwise", "input_layouts": "replicate"},
+    # a norm of each rank's own heads (q/k norms): its weight a replicated DTensor whose gradient TP
+    # sums; the heads' dim declared sharded is any but the normalized last one (the norm is pointwise
+    # across them), and the output goes on as the local tensor the attention expects
+    "replicated_with_grad_allreduce": {"style": "sequence_parallel", "sequence_dim": 0, "use_local_output": True},
+}
 # config.json keys by which a causal LM's logits are more than lm_head(hidden): the loss then
 # reads the logits transformers computes (no chunked head)
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -72,6 +86,27 @@ class TransformersModel(ModelProtocol, nn.Module):
             return self.causal.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
         return self.causal(input_ids=tokens, position_ids=positions, use_cache=False).logits
 
+    def tp_plan(self) -> Dict[str, Dict[str, Any]]:
+        """transformers' own TP plan of the model (its tp_plan: the base model's, and lm_head's) as
+        the framework's plan; a style the framework does not map is refused naming it."""
+        plan = {}
+        for pattern, style in (self.causal.tp_plan or {}).items():
+            # (some models' plans, Llama 4's, name the base model's modules without its prefix)
+            pattern = next((p for p in (pattern, *(f"{child}.{pattern}" for child, _ in self.named_children()))
+                            if matching_modules(self, p)), pattern)
+            if style not in TP_STYLES:
+                raise ConfigError("model.path", self.hf_path, f"{self.model_type}'s tp_plan gives {pattern} the style "
+                                                      f"{style!r}, which the framework does not map to a DTensor "
+                                                      f"style (it maps {', '.join(TP_STYLES)}); give the tp ranks to "
+                                                      f"dp / fsdp")
+            plan[pattern] = dict(TP_STYLES[style])
+        return plan
+
+    def tp_sharded_counts(self) -> Dict[str, int]:
+        text = self.causal.config.get_text_config()
+        return {f"config.json's {key}": getattr(text, key) for key in ("num_attention_heads", "num_key_value_heads")
+                if getattr(text, key, None)}
+
     def output_layer(self) -> Optional[nn.Module]:
         return self.causal.get_output_embeddings() if self.plain_head else None
 
@@ -121,9 +156,8 @@ def check_transformers_model(c: Checked) -> None:
          "context parallelism does not split their attention yet; give the ranks to dp / fsdp"),
         (bool(roles.ep_dims), "parallel.ep_dims", list(roles.ep_dims),
          "expert parallelism does not spread their experts yet; set it to null (FSDP2 shards them)"),
-        (roles.tp_size > 1, "mesh.shape", list(cfg.mesh.shape),
-         "tensor parallelism does not map their base_model_tp_plan yet; give the tp ranks to dp / fsdp"),
-        (bool(c.plan), "plan", sorted(c.plan), "a TP plan names the native model's modules; use plan=none"),
+        (bool(c.plan) and c.plan != model.tp_plan(), "plan", sorted(c.plan), "a TP plan names the native model's modules; use plan=none (TP "
+                                               "takes the model's own tp_plan)"),
         (bool(cfg.data.get("document_masking")) or bool((cfg.data.get("dataset") or {}).get("document_masking")),
          "data.document_masking", True, "their attention is not proven to keep packed documents apart (per-document "
                                         "positions alone leak in some); set data.document_masking=false"),
