@@ -401,6 +401,7 @@ def qlora_reference(hf_dirs):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mesh,overrides", [("1x1", []), ("2x1", ["parallel.dp_strategy=fsdp"]),
+                                            ("1x1", ["parallel.dp_strategy=fsdp"]),  # (the NF4 weights out of FSDP2)
                                             pytest.param("2x1", [], marks=pytest.mark.integration),
                                             pytest.param("pp2x1x1", [], marks=pytest.mark.integration)])
 def test_qlora_trains_what_peft_trains_on_the_nf4_base(mesh, overrides, hf_dirs, qlora_reference, tmp_path):

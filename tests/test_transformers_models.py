@@ -179,21 +179,26 @@ def test_full_dpo_follows_dpo_computed_by_hand_on_transformers_model(model_dirs,
 
 
 @pytest.mark.timeout(300)
-def test_a_lora_adapter_loads_in_peft_on_transformers_model_with_equal_logits(model_dirs, hf_dirs, tmp_path):
+@pytest.mark.parametrize("adapter", ["lora", "qlora"])
+def test_a_lora_adapter_loads_in_peft_on_transformers_model_with_equal_logits(adapter, model_dirs, hf_dirs, tmp_path):
     """LoRA on Hugging Face's own layer names (q_proj, v_proj, down_proj): the exported adapter,
-    loaded by PEFT onto transformers' model, computes what the checkpoint computes."""
+    loaded by PEFT onto transformers' model (QLoRA: with those weights' NF4 values, the base
+    streamed and quantized one tensor at a time), computes what the checkpoint computes."""
     import peft
+    from tests.test_lora import NF4_BLOCKS, QLORA, nf4_rounded
 
     path = model_dirs[IN_MAKE_TEST]
     cfg = compose_config(["recipe=finetune_hf", f"model.path={path}", f"data.path={hf_dirs['tokens']}", "mesh=1x1",
                           "plan=none", "data.document_masking=false", "data.dataset.seq_len=32",
-                          "data.global_batch_size=4", "adapter=lora", "adapter.targets=[q_proj,v_proj,down_proj]",
+                          "data.global_batch_size=4", *(QLORA if adapter == "qlora" else ["adapter=lora"]),
+                          "adapter.targets=[q_proj,v_proj,down_proj]",
                           "trainer.max_steps=2", "trainer.mixed_precision=null", "optim.lr=0.01",
                           "logger.tensorboard=false", "trainer.progress_bar=false"])
     launch_local(cfg, str(tmp_path))
     export(str(tmp_path / "checkpoints"), str(tmp_path / "adapter"), format="peft")
+    base = nf4_rounded(reference(path), *NF4_BLOCKS) if adapter == "qlora" else reference(path)
     with torch.no_grad():
-        theirs = peft.PeftModel.from_pretrained(reference(path), str(tmp_path / "adapter"))(TOKENS).logits
+        theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))(TOKENS).logits
         ours = load_model(str(tmp_path / "checkpoints"))[0](TOKENS)
         base = reference(path)(TOKENS).logits
     assert relative_error(ours, theirs) <= 1e-5

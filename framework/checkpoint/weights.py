@@ -91,11 +91,11 @@ def stream_hf_weights(module: nn.Module, path: str, device: str,
     layer's weight to NF4) and stored before the next is read, so the model is never whole in the
     files' precision on the rank (load_hf_weights' DCP reader needs every parameter's storage
     first). Adapters and buffers get storage (adapters drawn by the caller; buffers zero)."""
-    stored, kind = StoredTensors(path), offered(module).model_type
+    stored, declared = StoredTensors(path), offered(module)
     for name, param in list(module.named_parameters()):  # (a tied output is the embedding's: named once)
         value = torch.empty(param.shape, dtype=param.dtype, device=device)
         if not is_adapter(name):
-            theirs = hf_name(name, kind)
+            theirs = name if declared.hf_names else hf_name(name, declared.model_type)
             if EXPERT in theirs:  # the files hold a stacked expert weight one expert per tensor
                 for e in range(len(value)):
                     value[e].copy_(stored[theirs.replace(EXPERT, str(e))])

@@ -56,11 +56,16 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Optional[
             experts_module.set_force_sum_reduction_for_comms(True)
             experts_module.set_gradient_divide_factor(float(dp_size))
     experts = {p for p in model.parameters() if spread_over_dp(p, dp_group)} if expert_replicas is None else set()
+    # Over one rank FSDP2 shards nothing, and torchao's NF4 all-gather fails there (its
+    # post-all-gather receives one of its three tensors: torch 2.13, torchao 0.18): QLoRA's frozen
+    # NF4 weights stay out of it.
+    alike = {p for p in offered(model).alike_on_every_rank() if isinstance(p, nn.Parameter)} \
+        if dp_mesh.size() == 1 else set()
     for unit in offered(model).fsdp_units():
         fully_shard(unit, mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision, root=False),
-                    ignored_params=experts or None)
+                    ignored_params=(experts | alike) or None)
     sharded = fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision, root=True),
-                          ignored_params=experts or None)
+                          ignored_params=(experts | alike) or None)
     for param in experts:
         param.register_hook(lambda grad, size=dp_mesh.size(): grad / size)  # (dp_mesh: all of dp_group's ranks)
     return sharded
