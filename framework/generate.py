@@ -25,7 +25,9 @@ from framework.config.errors import ConfigError, check_rules
 from framework.data.tokenizer import load_tokenizer
 from framework.parallel.device import resolve_device
 from framework.checkpoint.weights import load_base
-from framework.models.hf import HFTransformer, check_length, check_vocab, check_weights
+from framework.models.hf import check_length, check_vocab, check_weights
+from framework.models.hf_backend import hugging_face_model
+from framework.models.transformers_model import TransformersModel
 from framework.models.lifecycle import allocate
 from framework.models.adapter_names import is_adapter
 from framework.models.lora import add_peft_adapter, load_peft_adapter
@@ -52,6 +54,9 @@ def generate(model: nn.Module, prompt: List[int], max_new_tokens: int, temperatu
     """The new token ids after `prompt` (the last one a stop id, or max_new_tokens of them),
     decoded on the model's device."""
     model.eval()
+    own = offered(model).own_continuation(prompt, max_new_tokens, temperature, top_p, seed, stop or set())
+    if own is not None:
+        return own
     device = next(model.parameters()).device
     tokens, lengths = generate_groups(model, [prompt], 1, max_new_tokens, temperature, top_p,
                                       decoding_generators([seed], device), stop or set(), pad_id=0, device=device,
@@ -78,7 +83,7 @@ def _tokenizer(model: nn.Module, path: Optional[str]):
 def _hf_source(source: str, adapter: Optional[str]) -> Tuple[nn.Module, object, Set[int]]:
     """A Hugging Face directory's model (with `adapter`'s LoRA), tokenizer and stop ids, checked
     as training checks them before any weight is read."""
-    model = HFTransformer(source)
+    model = hugging_face_model(source)
     check_weights(model)
     tokenizer = _tokenizer(model, model.hf_path)
     if adapter:
@@ -132,7 +137,8 @@ def encoded_prompt(args: argparse.Namespace, model: nn.Module, tokenizer) -> Lis
         raise ConfigError("--prompt", args.prompt, "encodes to no tokens; give some text")
     if from_hugging_face(model):
         check_length(model, "--max-new-tokens", args.max_new_tokens, before=len(prompt))
-    check_room(model, len(prompt), args.max_new_tokens)
+    if not isinstance(model, TransformersModel):  # (transformers' own cache grows as it decodes)
+        check_room(model, len(prompt), args.max_new_tokens)
     return prompt
 
 

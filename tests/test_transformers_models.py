@@ -221,3 +221,20 @@ def test_a_tp_plan_style_the_framework_does_not_map_is_refused_naming_it(model_d
                                           r"layers.\*.feed_forward.experts.gate_up_proj the style 'packed_rowwise', "
                                           r"which the framework does not map to a DTensor style"):
         validate(hf_config(model_dirs["llama4_text"], "mesh=1x2", "plan=none"))
+
+
+@pytest.mark.parametrize("kind", kinds())
+def test_greedy_generate_equals_transformers_generate_and_the_command_runs(kind, model_dirs, capsys):
+    """framework.generate on transformers' classes decodes with the model's own cache: greedy,
+    the token ids transformers' eager model gives (do_sample=False), up to the stop id."""
+    from framework.generate import generate, main as generate_main
+
+    path = model_dirs[kind]
+    prompt = TOKENS[0, :8].tolist()
+    ours = generate(loaded(path), prompt, max_new_tokens=24, stop={0})
+    output = reference(path).generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=0,
+                                      pad_token_id=0)
+    theirs = output[0, len(prompt):].tolist()
+    assert ours == (theirs[: theirs.index(0) + 1] if 0 in theirs else theirs)
+    assert generate_main([path, "--prompt", "hi", "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith("hi")

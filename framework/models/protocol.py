@@ -6,7 +6,7 @@ happens to exist: framework.parallel and framework.training.compile import nothi
 models, so a model the framework did not write declares what they use the same way."""
 from contextlib import nullcontext
 from types import MappingProxyType
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -51,6 +51,13 @@ class ModelProtocol:
     def init_buffers(self) -> None:
         """The buffers no weight file holds, computed again once the model built on meta has
         storage (garbage until then); by default none."""
+
+    def own_continuation(self, prompt: List[int], max_new_tokens: int, temperature: float, top_p: float,
+                         seed: int, stop: Set[int]) -> Optional[List[int]]:
+        """The new token ids after `prompt` from the model's own decoding (its own cache), the
+        last one a stop id or max_new_tokens of them; None: the model decodes with the
+        framework's decoder (framework.models.decode), which runs the framework's Transformer."""
+        return None
 
     def input_embeddings(self) -> Optional[nn.Module]:
         """The token embedding (its rows are the vocabulary the model reads); None: none."""

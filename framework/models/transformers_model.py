@@ -13,7 +13,7 @@ the buffers transformers computes at init (rotary frequencies, Gemma's embedding
 computed again by transformers' own `_init_weights` once the model has storage.
 """
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -109,6 +109,20 @@ class TransformersModel(ModelProtocol, nn.Module):
 
     def output_layer(self) -> Optional[nn.Module]:
         return self.causal.get_output_embeddings() if self.plain_head else None
+
+    @torch.no_grad()
+    def own_continuation(self, prompt: List[int], max_new_tokens: int, temperature: float, top_p: float,
+                         seed: int, stop: Set[int]) -> List[int]:
+        """transformers' own generate, with the model's own cache: greedy at temperature 0, else
+        sampled (top-p) from a generator seeded by `seed`."""
+        device = next(self.parameters()).device
+        torch.manual_seed(seed)
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
+            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        out = self.causal.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens,
+                                   eos_token_id=sorted(stop) or None, pad_token_id=min(stop) if stop else 0,
+                                   **sampling)
+        return out[0, len(prompt):].tolist()
 
     def input_embeddings(self) -> nn.Module:
         return self.causal.get_input_embeddings()
