@@ -51,7 +51,13 @@ TRANSFORMERS_ARCHITECTURES = {
     "olmo2": dict(num_key_value_heads=2),  # norms after attention and MLP, q/k norms over all heads
     "phi3": dict(num_key_value_heads=2, pad_token_id=0),  # fused qkv and gate_up projections
 }
-_TRANSFORMERS_CONFIGS = {"gemma3_text": "Gemma3TextConfig", "gpt_oss": "GptOssConfig",
+# Loaded through transformers' conversions (per-expert tensors stacked on load): refused for now
+CONVERTED_ON_LOAD = {
+    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_shared_experts=1),
+}
+_TRANSFORMERS_CONFIGS = {"deepseek_v3": "DeepseekV3Config", "gemma3_text": "Gemma3TextConfig", "gpt_oss": "GptOssConfig",
                          "llama4_text": "Llama4TextConfig", "qwen3_5_text": "Qwen3_5TextConfig",
                          "olmo2": "Olmo2Config", "phi3": "Phi3Config"}
 
@@ -61,9 +67,9 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
     return out_dir."""
     import transformers
 
-    if kind in TRANSFORMERS_ARCHITECTURES:
+    if kind in _TRANSFORMERS_CONFIGS:
         return _save(getattr(transformers, _TRANSFORMERS_CONFIGS[kind]), transformers.AutoModelForCausalLM.from_config,
-                     {**TRANSFORMERS_ARCHITECTURES[kind], **overrides}, out_dir, seed)
+                     {**TRANSFORMERS_ARCHITECTURES, **CONVERTED_ON_LOAD}[kind] | overrides, out_dir, seed)
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "llama_bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM),

@@ -238,3 +238,13 @@ def test_greedy_generate_equals_transformers_generate_and_the_command_runs(kind,
     assert ours == (theirs[: theirs.index(0) + 1] if 0 in theirs else theirs)
     assert generate_main([path, "--prompt", "hi", "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "3"]) == 0
     assert capsys.readouterr().out.startswith("hi")
+
+
+def test_a_checkpoint_transformers_converts_on_load_is_refused_saying_so(tmp_path):
+    """DeepSeek-V3's files hold one tensor per expert, which transformers stacks as it loads."""
+    path = make_hf_model("deepseek_v3", str(tmp_path / "deepseek_v3"))
+    with pytest.raises(ConfigError, match=r"the safetensors lack model.layers.1.mlp.experts.gate_up_proj .*; "
+                                          r"deepseek_v3's files hold its tensors as transformers converts them on "
+                                          r"load \(per-expert tensors it stacks, say\), which the framework does not "
+                                          r"read yet"):
+        validate(hf_config(path, "mesh=1x1", "plan=none"))

@@ -362,7 +362,11 @@ def check_weights(model: Transformer) -> None:
     stored = dict(_stored_shapes(path))
     for name, shape in expected.items():
         if name not in stored:
-            raise ConfigError("model.path", path, f"the safetensors lack {name} (shape {shape}), which config.json implies")
+            converted = (f"; {offered(model).model_type}'s files hold its tensors as transformers converts them on "
+                         f"load (per-expert tensors it stacks, say), which the framework does not read yet"
+                         if offered(model).hf_names and stored.keys() - expected.keys() else "")
+            raise ConfigError("model.path", path, f"the safetensors lack {name} (shape {shape}), which config.json "
+                                                  f"implies{converted}")
         if stored[name] != shape:
             raise ConfigError("model.path", path, f"the safetensors' {name} has shape {stored[name]}, config.json "
                                                   f"implies {shape}")
