@@ -6,10 +6,13 @@ both sides' default), grad clip and steps; the two sides alternating in each rep
 step of steps 5.. of each run.
 
     .venv/bin/python bench/peers.py [--repeats 2] [--steps 20] [--rows full1,ddp2,lora1,dpo1] [--compile]
+    .venv/bin/python bench/peers.py --backend transformers --rows full1,ddp2
 
 Reports s/step, tokens/s and the peak RSS of the largest process (a rank) per side, and the
 framework / peer ratio of the repeats' means. The peers are the dev extra's references.
---compile: the framework with trainer.compile=blocks against Trainer's torch_compile=True."""
+--compile: the framework with trainer.compile=blocks against Trainer's torch_compile=True.
+--backend transformers: the framework's model is transformers' own class (model.backend), and a
+third side, the framework's native model on the same weights, alternates with the other two."""
 import argparse
 import json
 import os
@@ -50,7 +53,7 @@ def make_model_and_data(root: Path) -> dict:
             "pairs_jsonl": str(root / "pairs.jsonl")}
 
 
-def framework_cmd(row: str, data: dict, steps: int, out: Path, compile_: bool) -> list:
+def framework_cmd(row: str, data: dict, steps: int, out: Path, compile_: bool, backend: str = "native") -> list:
     if row == "dpo1":
         return [sys.executable, "-m", "framework.train", "recipe=dpo_hf", f"model.path={data['model']}",
                 f"data.path={data['pairs']}", "mesh=1x1", "plan=none", "parallel.dp_strategy=replicate",
@@ -66,10 +69,11 @@ def framework_cmd(row: str, data: dict, steps: int, out: Path, compile_: bool) -
                  "trainer.mixed_precision=null", f"trainer.max_steps={steps}", "trainer.warmup_steps=2",
                  "trainer.eval_every=null", "trainer.log_every=10", "trainer.progress_bar=false",
                  "logger.tensorboard=false", "checkpoint.every=null", f"trainer.compile={'blocks' if compile_ else 'none'}",
-                 "mesh=2x1" if row == "ddp2" else "mesh=1x1", f"hydra.run.dir={out}"]
+                 "mesh=2x1" if row == "ddp2" else "mesh=1x1", f"hydra.run.dir={out}", f"model.backend={backend}"]
     if row == "lora1":
+        targets = "wq,wk,wv,wo" if backend == "native" else ",".join(LORA["targets"])
         overrides += ["adapter=lora", f"adapter.rank={LORA['rank']}", f"adapter.alpha={LORA['alpha']}",
-                      "adapter.targets=[wq,wk,wv,wo]", "adapter.dropout=0"]
+                      f"adapter.targets=[{targets}]", "adapter.dropout=0"]
     return [sys.executable, "-m", "framework.train", *overrides]
 
 
@@ -154,6 +158,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", default="full1,ddp2,lora1,dpo1")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--backend", choices=["native", "transformers"], default="native")
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", help=argparse.SUPPRESS)
@@ -165,15 +170,17 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench_peers_"))
     data = make_model_and_data(root)
     rows = args.rows.split(",")
-    results = {row: {"framework": [], "peer": []} for row in rows}
+    all_sides = ["framework", "peer"] + (["native"] if args.backend != "native" else [])
+    results = {row: {side: [] for side in all_sides} for row in rows}
+    commands = {"framework": lambda *a: framework_cmd(*a, backend=args.backend), "peer": peer_cmd,
+                "native": framework_cmd}
     for repeat in range(args.repeats):
         for row in rows:
-            sides = ["framework", "peer"] if repeat % 2 == 0 else ["peer", "framework"]
+            sides = all_sides if repeat % 2 == 0 else all_sides[::-1]
             for side in sides:
                 out = root / f"{row}_{side}_{repeat}"
-                make = framework_cmd if side == "framework" else peer_cmd
-                rss = run_side(make(row, data, args.steps, out, args.compile))["peak_rss"]
-                summary = json.loads((out / ("summary.json" if side == "framework" else "peer.json")).read_text())
+                rss = run_side(commands[side](row, data, args.steps, out, args.compile))["peak_rss"]
+                summary = json.loads((out / ("peer.json" if side == "peer" else "summary.json")).read_text())
                 step = median_step(summary["step_times_s"])
                 results[row][side].append({"step_s": step, "rss": rss})
                 print(f"repeat {repeat} {row:6s} {side:9s} {step:.3f} s/step, peak RSS {rss / 2**20:.0f} MiB",
@@ -188,6 +195,11 @@ def main() -> None:
         print(f"| {row} | {', '.join(f'{t:.3f}' for t in f)} | {', '.join(f'{t:.3f}' for t in p)} | {ratio:.2f} | "
               f"{tokens[row] / statistics.mean(f):,.0f}, {tokens[row] / statistics.mean(p):,.0f} | "
               f"{rss[0]:.0f}, {rss[1]:.0f} |")
+    for row, sides in results.items():
+        if "native" in sides:
+            f, n = (statistics.mean(r["step_s"] for r in sides[s]) for s in ("framework", "native"))
+            print(f"{row}: the framework on transformers' class {f:.3f} s/step, on its native model {n:.3f}: "
+                  f"{f / n:.2f}")
     (root / "peers.json").write_text(json.dumps(results, indent=1))
     print(f"\n(raw: {root / 'peers.json'})")
 
