@@ -16,7 +16,7 @@ from tests.conftest import compose_config
 from tests.errors import max_relative_error, relative_error
 from tests.hf_models import TRANSFORMERS_ARCHITECTURES, make_hf_model, reference
 from tests.test_dpo import pairs  # noqa: F401  (a fixture)
-from tests.test_hf import TOKENS, cross_entropy, hf_config, reference_step, sharded_step_errors
+from tests.test_hf import TOKENS, cross_entropy, first_global_batch, hf_config, reference_step, sharded_step_errors
 
 import transformers  # noqa: F401  (the dev extra: a broken install fails, never skips)
 
@@ -144,7 +144,7 @@ def test_what_the_transformers_path_does_not_do_yet_is_one_line_naming_the_model
         overrides, key, fix, model_dirs):
     cfg = hf_config(model_dirs[IN_MAKE_TEST], "plan=none", *overrides)
     with pytest.raises(ConfigError, match=rf"^config error: {key}.*: gemma3_text runs on transformers' own classes "
-                                          rf"\(model.backend=transformers; the native path does not implement it\): "
+                                          rf"\(model.backend=auto: the native path does not implement it\): "
                                           rf".*{fix}"):
         validate(cfg)
 
@@ -183,7 +183,8 @@ def test_full_dpo_follows_dpo_computed_by_hand_on_transformers_model(model_dirs,
 def test_a_lora_adapter_loads_in_peft_on_transformers_model_with_equal_logits(adapter, model_dirs, hf_dirs, tmp_path):
     """LoRA on Hugging Face's own layer names (q_proj, v_proj, down_proj): the exported adapter,
     loaded by PEFT onto transformers' model (QLoRA: with those weights' NF4 values, the base
-    streamed and quantized one tensor at a time), computes what the checkpoint computes."""
+    streamed and quantized one tensor at a time), computes what the checkpoint computes; the
+    run's first loss (B is zero: the base alone) is that base's on the first global batch."""
     import peft
     from tests.test_lora import NF4_BLOCKS, QLORA, nf4_rounded
 
@@ -194,10 +195,12 @@ def test_a_lora_adapter_loads_in_peft_on_transformers_model_with_equal_logits(ad
                           "adapter.targets=[q_proj,v_proj,down_proj]",
                           "trainer.max_steps=2", "trainer.mixed_precision=null", "optim.lr=0.01",
                           "logger.tensorboard=false", "trainer.progress_bar=false"])
-    launch_local(cfg, str(tmp_path))
+    summary = launch_local(cfg, str(tmp_path))
     export(str(tmp_path / "checkpoints"), str(tmp_path / "adapter"), format="peft")
     base = nf4_rounded(reference(path), *NF4_BLOCKS) if adapter == "qlora" else reference(path)
+    inputs, targets = first_global_batch(cfg)
     with torch.no_grad():
+        assert relative_error(summary["losses"][0], float(cross_entropy(base(inputs).logits, targets))) <= 1e-5
         theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))(TOKENS).logits
         ours = load_model(str(tmp_path / "checkpoints"))[0](TOKENS)
         base = reference(path)(TOKENS).logits

@@ -90,8 +90,14 @@ def stream_hf_weights(module: nn.Module, path: str, device: str,
     parameter at a time: each read from the files, passed through `convert` (QLoRA's: an adapted
     layer's weight to NF4) and stored before the next is read, so the model is never whole in the
     files' precision on the rank (load_hf_weights' DCP reader needs every parameter's storage
-    first). Adapters and buffers get storage (adapters drawn by the caller; buffers zero)."""
+    first). Buffers first get storage and their values (ModelProtocol.init_buffers: transformers'
+    rotary frequencies, say), the parameters still on meta; adapters get storage, drawn by the
+    caller."""
     stored, declared = StoredTensors(path), offered(module)
+    for name, buffer in list(module.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
+    declared.init_buffers()
     for name, param in list(module.named_parameters()):  # (a tied output is the embedding's: named once)
         value = torch.empty(param.shape, dtype=param.dtype, device=device)
         if not is_adapter(name):
@@ -105,9 +111,6 @@ def stream_hf_weights(module: nn.Module, path: str, device: str,
         owner, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(owner), leaf, nn.Parameter(value, requires_grad=param.requires_grad))
         _return_freed_memory()
-    for name, buffer in list(module.named_buffers()):
-        owner, _, leaf = name.rpartition(".")
-        module.get_submodule(owner)._buffers[leaf] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
     module.tie_weights()
 
 

@@ -95,10 +95,10 @@ class TransformersModel(ModelProtocol, nn.Module):
             pattern = next((p for p in (pattern, *(f"{child}.{pattern}" for child, _ in self.named_children()))
                             if matching_modules(self, p)), pattern)
             if style not in TP_STYLES:
-                raise ConfigError("model.path", self.hf_path, f"{self.model_type}'s tp_plan gives {pattern} the style "
-                                                      f"{style!r}, which the framework does not map to a DTensor "
-                                                      f"style (it maps {', '.join(TP_STYLES)}); give the tp ranks to "
-                                                      f"dp / fsdp")
+                raise ConfigError("model.path", self.hf_path,
+                                  f"{self.model_type}'s tp_plan gives {pattern} the style {style!r}, which the "
+                                  f"framework does not map to a DTensor style (it maps {', '.join(TP_STYLES)}); give "
+                                  f"the tp ranks to dp / fsdp")
             plan[pattern] = dict(TP_STYLES[style])
         return plan
 
@@ -161,8 +161,9 @@ def check_transformers_model(c: Checked) -> None:
     model, cfg, roles = c.model, c.cfg, c.roles
     if not isinstance(model, TransformersModel):
         return
-    why = (f"{model.model_type} runs on transformers' own classes (model.backend=transformers; the native path does "
-           f"not implement it)")
+    chosen = ("model.backend=transformers" if cfg.model.get("backend") == "transformers"
+              else "model.backend=auto: the native path does not implement it")
+    why = f"{model.model_type} runs on transformers' own classes ({chosen})"
     refusals = [
         (roles.pp_size > 1, "parallel.pp_dim", cfg.parallel.get("pp_dim"),
          "pipeline parallelism does not split them yet; give the ranks to dp / fsdp"),
@@ -170,8 +171,8 @@ def check_transformers_model(c: Checked) -> None:
          "context parallelism does not split their attention yet; give the ranks to dp / fsdp"),
         (bool(roles.ep_dims), "parallel.ep_dims", list(roles.ep_dims),
          "expert parallelism does not spread their experts yet; set it to null (FSDP2 shards them)"),
-        (bool(c.plan) and c.plan != model.tp_plan(), "plan", sorted(c.plan), "a TP plan names the native model's modules; use plan=none (TP "
-                                               "takes the model's own tp_plan)"),
+        (bool(c.plan) and c.plan != model.tp_plan(), "plan", sorted(c.plan),
+         "a TP plan names the native model's modules; use plan=none (TP takes the model's own tp_plan)"),
         (bool(cfg.data.get("document_masking")) or bool((cfg.data.get("dataset") or {}).get("document_masking")),
          "data.document_masking", True, "their attention is not proven to keep packed documents apart (per-document "
                                         "positions alone leak in some); set data.document_masking=false"),
