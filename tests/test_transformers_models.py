@@ -53,7 +53,8 @@ def loaded(path: str, **options) -> torch.nn.Module:
     return model
 
 
-def test_auto_takes_the_native_path_where_it_implements_the_model_and_transformers_elsewhere(model_dirs, hf_dirs):
+def test_auto_takes_the_native_path_where_it_implements_the_model_and_transformers_elsewhere(model_dirs, hf_dirs,
+                                                                                            tmp_path):
     assert type(hugging_face_model(hf_dirs["llama"])) is HFTransformer
     assert type(hugging_face_model(model_dirs["gemma3_text"])) is TransformersModel
     assert type(hugging_face_model(hf_dirs["llama"], backend="transformers")) is TransformersModel
@@ -63,6 +64,12 @@ def test_auto_takes_the_native_path_where_it_implements_the_model_and_transforme
         hugging_face_model(model_dirs["gemma3_text"], backend="native")
     with pytest.raises(ConfigError, match=r"model.backend='hf': use one of auto, native, transformers"):
         hugging_face_model(hf_dirs["llama"], backend="hf")
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text('{"model_type": "no_such_model"}')
+    with pytest.raises(ConfigError, match=r"model.path='.*unknown': transformers .* has no causal LM for its "
+                                          r"config.json: .*no_such_model"):
+        hugging_face_model(str(unknown))
     assert compose_config(["model=hf"]).model._target_ == HF_TARGETS[0] == \
         f"{hugging_face_model.__module__}.{hugging_face_model.__name__}"  # what check_model_path and evaluate read
 

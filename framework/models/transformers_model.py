@@ -59,10 +59,14 @@ class TransformersModel(ModelProtocol, nn.Module):
         super().__init__()
         transformers = _transformers()
         path = os.path.abspath(os.path.expanduser(str(path)))
-        config = transformers.AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            # (attention: transformers' default for the class, SDPA where it has it, else eager)
-            causal = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        try:
+            config = transformers.AutoConfig.from_pretrained(path)
+            with torch.device("meta"):
+                # (attention: transformers' default for the class, SDPA where it has it, else eager)
+                causal = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except (ValueError, KeyError) as error:  # an unknown model_type, a config no causal LM takes
+            raise ConfigError("model.path", path, f"transformers {transformers.__version__} has no causal LM for its "
+                                                  f"config.json: {str(error).splitlines()[0]}") from None
         object.__setattr__(self, "causal", causal)  # (not a child: its children are this module's)
         for name, child in causal.named_children():
             self.add_module(name, child)
