@@ -24,7 +24,6 @@ from framework.data.checks import check_document_masking, check_responses, check
 from framework.data.dataset_config import tokenizer_of
 from framework.models.hf import check_final_hf, check_length, check_model_path, check_vocab, check_weights
 from framework.models.meta import SkipRandomInit
-
 from framework.parallel.device import check_devices, settle_device
 from framework.parallel.roles import MeshRoles
 from framework.models.lifecycle import adapt
@@ -194,10 +193,11 @@ def check_tied_layouts(plan: dict, model: torch.nn.Module) -> None:
     """A tied output projection is the embedding matrix: TP must give both the same rows of it
     (rowwise embedding and colwise output both shard the vocabulary), or leave both whole."""
     declared = offered(model)
-    if not declared.tie_word_embeddings:
+    embedding, output = declared.input_embeddings(), declared.output_layer()
+    if not declared.tie_word_embeddings or embedding is None or output is None:  # (the loss reads the logits)
         return
     names = {module: name for name, module in model.named_modules()}
-    embedding, output = names[declared.input_embeddings()], names[declared.output_layer()]
+    embedding, output = names[embedding], names[output]
     styles = [next((entry.get("style") for pattern, entry in plan.items() if name in matching_modules(model, pattern)),
                    None) for name in (embedding, output)]
     if styles not in (["rowwise", "colwise"], [None, None]):
