@@ -365,6 +365,8 @@ def check_weights(model: Transformer) -> None:
             converted = (f"; {offered(model).model_type}'s files hold its tensors as transformers converts them on "
                          f"load (per-expert tensors it stacks, say), which the framework does not read yet"
                          if offered(model).hf_names and stored.keys() - expected.keys() else "")
+            lacks = getattr(offered(model), "native_lacks", None)
+            converted += f"; the native path does not implement this model: {lacks}" if lacks else ""
             raise ConfigError("model.path", path, f"the safetensors lack {name} (shape {shape}), which config.json "
                                                   f"implies{converted}")
         if stored[name] != shape:

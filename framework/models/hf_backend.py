@@ -37,4 +37,6 @@ def hugging_face_model(path: str, backend: str = "auto", activation_checkpointin
                                                      f"transformers' own classes")
     if backend == "native" or (backend == "auto" and lacks is None):
         return HFTransformer(path, activation_checkpointing, max_positions)
-    return TransformersModel(path, activation_checkpointing, max_positions)
+    model = TransformersModel(path, activation_checkpointing, max_positions)
+    model.native_lacks = lacks.fix if lacks is not None and backend == "auto" else None
+    return model

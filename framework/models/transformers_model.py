@@ -20,6 +20,7 @@ from torch import nn
 
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
+from framework.models.nf4 import torchao_quietly
 from framework.models.protocol import ModelProtocol
 from framework.parallel.plan import matching_modules
 
@@ -42,7 +43,8 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 
 def _transformers():
     try:
-        import transformers
+        with torchao_quietly():  # (its modeling_utils' quantizers load torchao where installed)
+            import transformers
     except ImportError:
         raise ConfigError("model.backend", "transformers", "needs transformers: pip install "
                                                            "'framework[transformers]'") from None
@@ -54,6 +56,7 @@ class TransformersModel(ModelProtocol, nn.Module):
     gives it storage and loads its weights (framework.checkpoint.weights.load_hf_weights)."""
 
     hf_names = True
+    native_lacks: Optional[str] = None  # why model.backend=auto chose this path (what the native one lacks)
 
     def __init__(self, path: str, activation_checkpointing: str = "none", max_positions: Optional[int] = None):
         super().__init__()
@@ -61,7 +64,7 @@ class TransformersModel(ModelProtocol, nn.Module):
         path = os.path.abspath(os.path.expanduser(str(path)))
         try:
             config = transformers.AutoConfig.from_pretrained(path)
-            with torch.device("meta"):
+            with torch.device("meta"), torchao_quietly():
                 # (attention: transformers' default for the class, SDPA where it has it, else eager)
                 causal = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         except (ValueError, KeyError) as error:  # an unknown model_type, a config no causal LM takes
