@@ -50,9 +50,8 @@ TRANSFORMERS_ARCHITECTURES = {
                          linear_value_head_dim=16),
     "olmo2": dict(num_key_value_heads=2),  # norms after attention and MLP, q/k norms over all heads
     "phi3": dict(num_key_value_heads=2, pad_token_id=0),  # fused qkv and gate_up projections
-}
-# Loaded through transformers' conversions (per-expert tensors stacked on load): refused for now
-CONVERTED_ON_LOAD = {
+    # multi-head latent attention, group-limited routing, a shared expert, a dense first layer; its
+    # files hold one tensor per expert, which transformers stacks as it loads
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
                         moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_shared_experts=1),
@@ -69,7 +68,7 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
 
     if kind in _TRANSFORMERS_CONFIGS:
         return _save(getattr(transformers, _TRANSFORMERS_CONFIGS[kind]), transformers.AutoModelForCausalLM.from_config,
-                     {**TRANSFORMERS_ARCHITECTURES, **CONVERTED_ON_LOAD}[kind] | overrides, out_dir, seed)
+                     TRANSFORMERS_ARCHITECTURES[kind] | overrides, out_dir, seed)
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "llama_bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM),

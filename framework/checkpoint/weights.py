@@ -22,6 +22,7 @@ from framework.checkpoint.safe_load import load_checkpoint
 from framework.models.adapter_names import is_adapter
 from framework.models.hf import EXPERT, StoredTensors, hf_name, model_state_dict
 from framework.models.protocol import offered
+from framework.parallel.dtensors import place_whole
 
 
 def restart_count() -> int:
@@ -94,6 +95,7 @@ def stream_hf_weights(module: nn.Module, path: str, device: str,
     rotary frequencies, say), the parameters still on meta; adapters get storage, drawn by the
     caller."""
     stored, declared = StoredTensors(path), offered(module)
+    layout = declared.stored_layout(stored.shapes()) if declared.hf_names else None
     for name, buffer in list(module.named_buffers()):
         owner, _, leaf = name.rpartition(".")
         module.get_submodule(owner)._buffers[leaf] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
@@ -101,12 +103,14 @@ def stream_hf_weights(module: nn.Module, path: str, device: str,
     for name, param in list(module.named_parameters()):  # (a tied output is the embedding's: named once)
         value = torch.empty(param.shape, dtype=param.dtype, device=device)
         if not is_adapter(name):
-            theirs = name if declared.hf_names else hf_name(name, declared.model_type)
-            if EXPERT in theirs:  # the files hold a stacked expert weight one expert per tensor
+            if layout is not None:  # (a tensor transformers converts on load: its group made whole)
+                value.copy_(layout.make(layout.group_of(name), stored.__getitem__)[name] if name in layout.made
+                            else stored[layout.renamed[name]])
+            elif EXPERT in hf_name(name, declared.model_type):  # a stacked expert weight, one expert per tensor
                 for e in range(len(value)):
-                    value[e].copy_(stored[theirs.replace(EXPERT, str(e))])
+                    value[e].copy_(stored[hf_name(name, declared.model_type).replace(EXPERT, str(e))])
             else:
-                value.copy_(stored[theirs])
+                value.copy_(stored[hf_name(name, declared.model_type)])
             value = convert(name, value)
         owner, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(owner), leaf, nn.Parameter(value, requires_grad=param.requires_grad))
@@ -128,6 +132,18 @@ def _return_freed_memory() -> None:
 def load_hf_weights(module: nn.Module, path: str) -> None:
     """Each rank reads its own slices of the safetensors into its (DTensor) parameters. The
     state dict's tensors are the parameters' own storage (shards under TP / FSDP), so DCP's load
-    writes them in place: no second copy of the model."""
+    writes them in place: no second copy of the model. A tensor transformers converts on load
+    (experts stored one tensor each, stacked into one weight) is made whole by its operations,
+    one group at a time, and each rank keeps its part."""
     hf_state = model_state_dict(module, get_model_state_dict(module))  # an expert's entry: its slice of the stack
+    declared = offered(module)
+    if declared.hf_names:
+        stored = StoredTensors(path)
+        layout = declared.stored_layout(stored.shapes())
+        for group in layout.converted:
+            for name, full in layout.make(group, stored.__getitem__).items():
+                if name in hf_state:
+                    place_whole(hf_state.pop(name), full)
+            _return_freed_memory()
+        hf_state = {layout.renamed[name]: tensor for name, tensor in hf_state.items()}
     dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(path))

@@ -319,6 +319,9 @@ class StoredTensors:
         self.entries = {name: (file, start, entry) for file in weight_files(path)
                         for header, start in [_safetensors_header(file)] for name, entry in header.items()}
 
+    def shapes(self) -> Dict[str, List[int]]:
+        return {name: entry["shape"] for name, (_, _, entry) in self.entries.items()}
+
     def __getitem__(self, name: str) -> torch.Tensor:
         file, start, entry = self.entries[name]
         begin, end = entry["data_offsets"]
@@ -356,23 +359,26 @@ def _stored_shapes(path: str) -> Iterator[Tuple[str, List[int]]]:
 
 def check_weights(model: Transformer) -> None:
     """The safetensors hold exactly the tensors the model needs, with its shapes (headers only:
-    milliseconds). Run before launch."""
-    path = model.hf_path
+    milliseconds; what transformers converts on load is converted on meta). Run before launch."""
+    path, declared = model.hf_path, offered(model)
     expected = {name: list(t.shape) for name, t in model_state_dict(model, model.state_dict()).items()}
     stored = dict(_stored_shapes(path))
+    found, unexpected = {name: (name, shape) for name, shape in stored.items()}, set(stored) - set(expected)
+    if declared.hf_names:
+        layout = declared.stored_layout(stored)
+        found = {**{name: (theirs, stored[theirs]) for name, theirs in layout.renamed.items()},
+                 **{name: (f"{name} (made from the stored {', '.join(n for _, n in layout.group_of(name).sources)})",
+                           shape) for name, (_, shape) in layout.made.items()}}
+        unexpected = set(layout.unexpected)
     for name, shape in expected.items():
-        if name not in stored:
-            converted = (f"; {offered(model).model_type}'s files hold its tensors as transformers converts them on "
-                         f"load (per-expert tensors it stacks, say), which the framework does not read yet"
-                         if offered(model).hf_names and stored.keys() - expected.keys() else "")
-            lacks = getattr(offered(model), "native_lacks", None)
-            converted += f"; the native path does not implement this model: {lacks}" if lacks else ""
+        if name not in found:
             raise ConfigError("model.path", path, f"the safetensors lack {name} (shape {shape}), which config.json "
-                                                  f"implies{converted}")
-        if stored[name] != shape:
-            raise ConfigError("model.path", path, f"the safetensors' {name} has shape {stored[name]}, config.json "
+                                                  f"implies")
+        theirs, stored_shape = found[name]
+        if stored_shape != shape:
+            raise ConfigError("model.path", path, f"the safetensors' {theirs} has shape {stored_shape}, config.json "
                                                   f"implies {shape}")
-    unexpected = sorted(set(stored) - set(expected) - {"lm_head.weight"})
+    unexpected = sorted(unexpected - {"lm_head.weight"})
     if unexpected:
         raise ConfigError("model.path", path, f"the safetensors hold {unexpected[0]}, which config.json's "
                                               f"architecture has no place for")

@@ -10,7 +10,7 @@ from typing import Optional
 from torch import nn
 
 from framework.config.errors import ConfigError
-from framework.models.hf import HFTransformer, read_config, refuse_unimplemented
+from framework.models.hf import SUPPORTED, HFTransformer, read_config, refuse_unimplemented
 from framework.models.transformers_model import TransformersModel
 
 BACKENDS = ("auto", "native", "transformers")
@@ -38,5 +38,7 @@ def hugging_face_model(path: str, backend: str = "auto", activation_checkpointin
     if backend == "native" or (backend == "auto" and lacks is None):
         return HFTransformer(path, activation_checkpointing, max_positions)
     model = TransformersModel(path, activation_checkpointing, max_positions)
-    model.native_lacks = lacks.fix if lacks is not None and backend == "auto" else None
+    if backend == "auto":
+        model.chosen_because = ("model.backend=auto: the native path does not implement it" if
+                                read_config(path).get("model_type") not in SUPPORTED else f"model.backend=auto: {lacks.fix}")
     return model

@@ -19,7 +19,7 @@ from framework.config.errors import ConfigError
 from framework.models.hf import SIDE_FILES, check_hf_out, model_state_dict
 from framework.models.adapter_names import adapter_layers
 from framework.models.lora import merged_state_dict, peft_adapter
-from framework.models.protocol import from_hugging_face
+from framework.models.protocol import from_hugging_face, offered
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
@@ -131,7 +131,8 @@ def save_hf(model: nn.Module, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD
         raise ConfigError("--format", "hf", f"needs a model loaded from a Hugging Face directory (model=hf); this "
                                             f"one is a {type(model).__name__}: export it with --format pt")
     check_hf_out(out)
-    state = model_state_dict(model, merged_state_dict(model))  # (adapters, if any, merged into their weights)
+    # (adapters, if any, merged into their weights; what transformers converts on load stored as its files are)
+    state = offered(model).stored_state(model_state_dict(model, merged_state_dict(model)))
     numbers = _file_numbers(_sizes(state), max_shard_bytes)
     shards = [{k: t.contiguous() for k, t in state.items() if numbers[k] == n} for n in range(1, max(numbers.values()) + 1)]
     names = (["model.safetensors"] if len(shards) == 1 else

@@ -63,6 +63,16 @@ class ModelProtocol:
         """The token embedding (its rows are the vocabulary the model reads); None: none."""
         return None
 
+    def stored_layout(self, shapes: Dict[str, List[int]]) -> Any:
+        """Where an hf_names model's tensors are in Hugging Face files holding `shapes` (stored
+        name -> shape): framework.models.hf_conversions.StoredLayout, the names renamed and the
+        tensors transformers converts on load."""
+        raise NotImplementedError(f"{type(self).__name__} maps its names itself (framework.models.hf)")
+
+    def stored_state(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """An hf_names model's whole `state` as its Hugging Face files store it (export)."""
+        return state
+
     def tp_sharded_counts(self) -> Dict[str, int]:
         """Counts a TP plan splits whole across ranks, by config key (checked before launch)."""
         return {}

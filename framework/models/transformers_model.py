@@ -13,13 +13,15 @@ the buffers transformers computes at init (rotary frequencies, Gemma's embedding
 computed again by transformers' own `_init_weights` once the model has storage.
 """
 import os
-from typing import Any, Dict, List, Optional, Set, Tuple
+import sys
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
+from framework.models.hf_conversions import StoredLayout, stored_layout, stored_state
 from framework.models.nf4 import torchao_quietly
 from framework.models.protocol import ModelProtocol
 from framework.parallel.plan import matching_modules
@@ -51,12 +53,21 @@ def _transformers():
     return transformers
 
 
+def _load_balancing(causal: nn.Module) -> Optional[Callable[[Any], torch.Tensor]]:
+    """The model's own load-balancing loss of a forward's router logits (its modeling module's
+    load_balancing_loss_func, as its forward adds it); None for a model without one."""
+    function = getattr(sys.modules[type(causal).__module__], "load_balancing_loss_func", None)
+    if function is None or not hasattr(causal, "num_experts"):
+        return None
+    return lambda router_logits: function(router_logits, causal.num_experts, causal.num_experts_per_tok, None)
+
+
 class TransformersModel(ModelProtocol, nn.Module):
     """transformers' causal LM for config.json in `path`, on the meta device until the framework
     gives it storage and loads its weights (framework.checkpoint.weights.load_hf_weights)."""
 
     hf_names = True
-    native_lacks: Optional[str] = None  # why model.backend=auto chose this path (what the native one lacks)
+    chosen_because = "model.backend=transformers"  # (framework.models.hf_backend says why auto chose it)
 
     def __init__(self, path: str, activation_checkpointing: str = "none", max_positions: Optional[int] = None):
         super().__init__()
@@ -80,6 +91,14 @@ class TransformersModel(ModelProtocol, nn.Module):
         self.max_positions = max_positions or getattr(text, "max_position_embeddings", None)
         self.max_positions_key = "model.max_positions" if max_positions else "config.json's max_position_embeddings"
         self.plain_head = not any(getattr(text, key, None) not in (None, 1, 1.0) for key in LOGIT_TRANSFORMS)
+        self.load_balancing = _load_balancing(causal) if getattr(text, "output_router_logits", False) else None
+        if getattr(text, "output_router_logits", False) and self.load_balancing is None:
+            raise ConfigError("model.path", path, f"config.json sets output_router_logits: true, and {config.model_type}'s "
+                                                  f"modeling code has no load_balancing_loss_func the framework can "
+                                                  f"add; set it to false in config.json")
+        if self.load_balancing is not None:  # transformers adds it to the loss only with output_router_logits
+            self.auxiliary_losses = {}  # (the last training forward's: framework.training.objectives)
+            self.aux_coefficients = {"load_balance": float(text.router_aux_loss_coef)}
         if activation_checkpointing == "full":
             causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif activation_checkpointing != "none":
@@ -89,9 +108,13 @@ class TransformersModel(ModelProtocol, nn.Module):
                 skip_output: bool = False) -> torch.Tensor:
         """Logits (batch, seq, vocab), or with `skip_output` the final hidden states the output
         layer projects (only asked of a model whose output_layer is its lm_head)."""
-        if skip_output:
-            return self.causal.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
-        return self.causal(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        balancing = self.load_balancing is not None and torch.is_grad_enabled()  # (training: not decoding)
+        inputs = dict(input_ids=tokens, position_ids=positions, use_cache=False,
+                      **({"output_router_logits": True} if balancing else {}))
+        out = self.causal.model(**inputs) if skip_output else self.causal(**inputs)
+        if balancing:  # transformers' term for the forward's tokens, as a sum over them (the objective's unit)
+            self.auxiliary_losses = {"load_balance": self.load_balancing(out.router_logits) * tokens.numel()}
+        return out.last_hidden_state if skip_output else out.logits
 
     def tp_plan(self) -> Dict[str, Dict[str, Any]]:
         """transformers' own TP plan of the model (its tp_plan: the base model's, and lm_head's) as
@@ -134,6 +157,12 @@ class TransformersModel(ModelProtocol, nn.Module):
     def input_embeddings(self) -> nn.Module:
         return self.causal.get_input_embeddings()
 
+    def stored_layout(self, shapes: Dict[str, List[int]]) -> StoredLayout:
+        return stored_layout(self.causal, shapes)
+
+    def stored_state(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return stored_state(self.causal, state)
+
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
             self.causal.get_output_embeddings().weight = self.causal.get_input_embeddings().weight
@@ -168,9 +197,7 @@ def check_transformers_model(c: Checked) -> None:
     model, cfg, roles = c.model, c.cfg, c.roles
     if not isinstance(model, TransformersModel):
         return
-    chosen = ("model.backend=transformers" if cfg.model.get("backend") == "transformers"
-              else "model.backend=auto: the native path does not implement it")
-    why = f"{model.model_type} runs on transformers' own classes ({chosen})"
+    why = f"{model.model_type} runs on transformers' own classes ({model.chosen_because})"
     refusals = [
         (roles.pp_size > 1, "parallel.pp_dim", cfg.parallel.get("pp_dim"),
          "pipeline parallelism does not split them yet; give the ranks to dp / fsdp"),
