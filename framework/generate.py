@@ -54,9 +54,6 @@ def generate(model: nn.Module, prompt: List[int], max_new_tokens: int, temperatu
     """The new token ids after `prompt` (the last one a stop id, or max_new_tokens of them),
     decoded on the model's device."""
     model.eval()
-    own = offered(model).own_continuation(prompt, max_new_tokens, temperature, top_p, seed, stop or set())
-    if own is not None:
-        return own
     device = next(model.parameters()).device
     tokens, lengths = generate_groups(model, [prompt], 1, max_new_tokens, temperature, top_p,
                                       decoding_generators([seed], device), stop or set(), pad_id=0, device=device,

@@ -16,6 +16,7 @@ from tests.conftest import compose_config
 from tests.errors import max_relative_error, relative_error
 from tests.hf_models import TRANSFORMERS_ARCHITECTURES, make_hf_model, reference
 from tests.test_dpo import pairs  # noqa: F401  (a fixture)
+from tests.test_grpo import scalars
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
 from tests.workers import one_step_gradients
@@ -156,6 +157,8 @@ def test_a_run_exports_what_transformers_loads_with_equal_logits(model_dirs, tmp
     (["mesh=pp2x1x1"], "parallel.pp_dim='pp'", "pipeline parallelism does not split them yet"),
     (["mesh=1x1", "plan=lm_tp"], "plan=", "a TP plan names the native model's modules; use plan=none"),
     (["mesh=1x1", "data.document_masking=true"], "data.document_masking=True", "set data.document_masking=false"),
+    (["mesh=1x1", "objective=grpo", "objective.compile_decode=true", "trainer.eval_every=null"], "objective.compile_decode=True",
+     "they decode through transformers' own cache: set it to null"),
 ])
 def test_what_the_transformers_path_does_not_do_yet_is_one_line_naming_the_model_type(
         overrides, key, fix, model_dirs):
@@ -327,3 +330,60 @@ def test_a_mixture_s_load_balancing_loss_is_transformers_own(kind, mesh, tmp_pat
     assert grad_error <= 5e-5  # measured up to 4.6e-7 (mixtral)
     without = cross_entropy(model(inputs).logits, targets)
     assert relative_error(float(without), float(loss)) > 1e-3  # the term weighs
+
+
+@pytest.mark.parametrize("kind", kinds())
+def test_prompts_of_different_lengths_decode_together_as_each_alone_through_the_model_s_own_cache(kind, model_dirs):
+    """The framework's decoder sampling through transformers' cache (GRPO's rollouts): left-padded
+    side by side, each prompt's rows, greedy and sampled (top-p 0.9, its own generator), are what
+    decoding it alone gives; the padding masked, positions counted from each row's first token."""
+    from framework.models.decode import generate_groups
+
+    model = loaded(model_dirs[kind]).eval()
+    prompts, seeds = [TOKENS[0, :9].tolist(), TOKENS[1, :3].tolist(), TOKENS[0, 4:10].tolist()], [5, 6, 7]
+    for temperature in (0.0, 1.0):
+        together, lengths = generate_groups(model, prompts, 2, 12, temperature, 0.9,
+                                            [torch.Generator().manual_seed(s) for s in seeds], {0}, pad_id=0)
+        for p, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            alone, alone_lengths = generate_groups(model, [prompt], 2, 12, temperature, 0.9,
+                                                   [torch.Generator().manual_seed(seed)], {0}, pad_id=0)
+            assert torch.equal(together[2 * p:2 * p + 2], alone) and torch.equal(lengths[2 * p:2 * p + 2],
+                                                                                 alone_lengths), (temperature, p)
+
+
+def grpo_run(path: str, prompts: str, reward_file: str, *overrides: str):
+    from tests.test_grpo import grpo_overrides  # (recipe=grpo_lm's, then grpo_hf's over them)
+
+    return compose_config([*grpo_overrides(prompts, reward_file, 3), "recipe=grpo_hf", f"model.path={path}",
+                           "data.tokenizer=null", "data.dataset.seq_len=40", "objective.max_new_tokens=8",
+                           "objective.group_size=4", "data.global_batch_size=4", "data.micro_batch_size=null",
+                           "adapter=none", "optim.lr=0.01", "trainer.mixed_precision=null", "mesh=1x1", *overrides])
+
+
+@pytest.fixture(scope="module")
+def native_grpo(hf_dirs, prepared, tmp_path_factory):
+    """3 GRPO steps of the tiny Llama on the native path, one process."""
+    from tests.test_grpo import LOWERCASE_SHARE
+
+    out = tmp_path_factory.mktemp("native_grpo")
+    (out / "reward.py").write_text(LOWERCASE_SHARE)
+    cfg = grpo_run(hf_dirs["llama"], prepared["prompts"], str(out / "reward.py"), "model.backend=native")
+    return launch_local(cfg, str(out)), scalars(out / "tb")["reward"], str(out / "reward.py")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh", [["mesh=1x1"],
+                                  pytest.param(["mesh=2x1", "parallel.dp_strategy=fsdp"], marks=pytest.mark.integration)])
+def test_grpo_on_transformers_classes_follows_the_native_path_on_the_same_weights(mesh, native_grpo, hf_dirs,
+                                                                                 prepared, tmp_path):
+    """GRPO generating through transformers' own cache: the same Llama on model.backend=transformers
+    draws the completions the native path draws (the same rewards) and learns the same steps."""
+    native, native_rewards, reward_file = native_grpo
+    summary = launch_local(grpo_run(hf_dirs["llama"], prepared["prompts"], reward_file, "model.backend=transformers",
+                                    *mesh), str(tmp_path))
+    rewards = scalars(tmp_path / "tb")["reward"]
+    error = max_relative_error(summary["grad_norms"], native["grad_norms"])
+    print(f"{mesh}: rewards {rewards} vs {native_rewards}, grad norms {error:.1e} relative")
+    assert rewards == pytest.approx(native_rewards, abs=1e-6) and len(set(rewards)) > 1  # (rising: it learns)
+    assert summary["losses"] == pytest.approx(native["losses"], abs=1e-6)  # (GRPO's loss is ~0 at each step)
+    assert error <= 1e-4  # measured 1.1e-7 (1x1), 2.2e-7 (2x1 FSDP2)

@@ -137,11 +137,16 @@ def generate_groups(model: nn.Module, prompts: List[List[int]], n: int, max_new_
     logits a row), as transformers' generate keeps one. `capacity`:
     the cache's positions (default the longest prompt + max_new_tokens + block; a fixed one
     keeps a compiled `step`'s shapes from one call to the next). `step`: compiled_step's, or
-    None for the eager one-token step."""
+    None for the eager one-token step. A model with its own decoding (ModelProtocol.own_decoder:
+    transformers' classes, their own cache) is sampled the same way, through it."""
     longest = max(len(prompt) for prompt in prompts)
     first = torch.tensor([[pad_id] * (longest - len(prompt)) + prompt for prompt in prompts],
                          device=device).repeat_interleave(n, 0)
     pad = torch.tensor([longest - len(prompt) for prompt in prompts], device=device).repeat_interleave(n)
+    own = offered(model).own_decoder(pad)
+    if own is not None:  # (a model with its own cache: transformers' classes)
+        return _sample_loop(lambda new: own(new[:, None]), own(first), max_new_tokens, temperature, top_p, generators,
+                            stop, pad_id, check_every if stop_early else 0)
     capacity = capacity or longest + max_new_tokens + block
     position = torch.zeros((), dtype=torch.int64, device=first.device)
     prepare(model, capacity, first.device)

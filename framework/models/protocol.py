@@ -6,7 +6,7 @@ happens to exist: framework.parallel and framework.training.compile import nothi
 models, so a model the framework did not write declares what they use the same way."""
 from contextlib import nullcontext
 from types import MappingProxyType
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -52,11 +52,11 @@ class ModelProtocol:
         """The buffers no weight file holds, computed again once the model built on meta has
         storage (garbage until then); by default none."""
 
-    def own_continuation(self, prompt: List[int], max_new_tokens: int, temperature: float, top_p: float,
-                         seed: int, stop: Set[int]) -> Optional[List[int]]:
-        """The new token ids after `prompt` from the model's own decoding (its own cache), the
-        last one a stop id or max_new_tokens of them; None: the model decodes with the
-        framework's decoder (framework.models.decode), which runs the framework's Transformer."""
+    def own_decoder(self, pad: torch.Tensor) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """The model's own KV-cache decoding, for the framework's decoder (framework.models.decode)
+        to sample from: a function of the next tokens (rows, k), which follow those it was given
+        before in rows left-padded by `pad` (rows,), to the logits at the last of them (rows,
+        vocab). None: the decoder runs the framework's Transformer with its own StaticCache."""
         return None
 
     def input_embeddings(self) -> Optional[nn.Module]:

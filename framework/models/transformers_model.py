@@ -14,7 +14,8 @@ computed again by transformers' own `_init_weights` once the model has storage.
 """
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -51,6 +52,23 @@ def _transformers():
         raise ConfigError("model.backend", "transformers", "needs transformers: pip install "
                                                            "'framework[transformers]'") from None
     return transformers
+
+
+@dataclass
+class _Decoding:
+    """One decode's state: the rows' left padding, transformers' cache, the positions so far."""
+    pad: torch.Tensor
+    cache: Any = None
+    length: int = 0
+
+    def forward(self, causal: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        total = self.length + tokens.shape[1]
+        places = torch.arange(total, device=tokens.device)[None]
+        out = causal(input_ids=tokens, attention_mask=(places >= self.pad[:, None]).long(),
+                     position_ids=(places - self.pad[:, None]).clamp(min=0)[:, self.length:],
+                     past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache, self.length = out.past_key_values, total
+        return out.logits[:, -1]
 
 
 def _load_balancing(causal: nn.Module) -> Optional[Callable[[Any], torch.Tensor]]:
@@ -105,9 +123,12 @@ class TransformersModel(ModelProtocol, nn.Module):
             raise ConfigError("model.activation_checkpointing", activation_checkpointing, "use none or full")
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                skip_output: bool = False) -> torch.Tensor:
+                skip_output: bool = False, decoding: Optional["_Decoding"] = None) -> torch.Tensor:
         """Logits (batch, seq, vocab), or with `skip_output` the final hidden states the output
-        layer projects (only asked of a model whose output_layer is its lm_head)."""
+        layer projects (only asked of a model whose output_layer is its lm_head); with `decoding`
+        (own_decoder's) the logits at the last of `tokens`, after the cache."""
+        if decoding is not None:
+            return decoding.forward(self.causal, tokens)
         balancing = self.load_balancing is not None and torch.is_grad_enabled()  # (training: not decoding)
         inputs = dict(input_ids=tokens, position_ids=positions, use_cache=False,
                       **({"output_router_logits": True} if balancing else {}))
@@ -140,19 +161,13 @@ class TransformersModel(ModelProtocol, nn.Module):
     def output_layer(self) -> Optional[nn.Module]:
         return self.causal.get_output_embeddings() if self.plain_head else None
 
-    @torch.no_grad()
-    def own_continuation(self, prompt: List[int], max_new_tokens: int, temperature: float, top_p: float,
-                         seed: int, stop: Set[int]) -> List[int]:
-        """transformers' own generate, with the model's own cache: greedy at temperature 0, else
-        sampled (top-p) from a generator seeded by `seed`."""
-        device = next(self.parameters()).device
-        torch.manual_seed(seed)
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
-            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        out = self.causal.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens,
-                                   eos_token_id=sorted(stop) or None, pad_token_id=min(stop) if stop else 0,
-                                   **sampling)
-        return out[0, len(prompt):].tolist()
+    def own_decoder(self, pad: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Decoding through the model's own cache (the one its forward makes for it: a sliding
+        window's, a linear attention's state), the rows' left padding masked and their positions
+        counted from each row's first token, as transformers' generate does; each call goes
+        through this module's forward (an FSDP2 root gathers its weights there)."""
+        decoding = _Decoding(pad)
+        return lambda tokens: self(tokens, decoding=decoding)
 
     def input_embeddings(self) -> nn.Module:
         return self.causal.get_input_embeddings()
@@ -210,8 +225,9 @@ def check_transformers_model(c: Checked) -> None:
         (bool(cfg.data.get("document_masking")) or bool((cfg.data.get("dataset") or {}).get("document_masking")),
          "data.document_masking", True, "their attention is not proven to keep packed documents apart (per-document "
                                         "positions alone leak in some); set data.document_masking=false"),
-        (cfg.objective.get("_target_", "").endswith("GroupRelativePolicy"), "objective", "grpo",
-         "GRPO's decoder runs the native model's cache; use objective=lm, dpo, simpo or kto"),
+        (cfg.objective.get("compile_decode") is True, "objective.compile_decode", True,
+         "the compiled decode step is the native model's; they decode through transformers' own cache: set it to "
+         "null"),
     ]
     for refused, key, value, fix in refusals:
         if refused:
