@@ -2,6 +2,7 @@
 classes and save_pretrained (the reference the framework is checked against; no download)."""
 import json
 import os
+from typing import Optional
 
 import torch
 
@@ -68,7 +69,7 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
 
     if kind in _TRANSFORMERS_CONFIGS:
         return _save(getattr(transformers, _TRANSFORMERS_CONFIGS[kind]), transformers.AutoModelForCausalLM.from_config,
-                     TRANSFORMERS_ARCHITECTURES[kind] | overrides, out_dir, seed)
+                     TRANSFORMERS_ARCHITECTURES[kind] | overrides, out_dir, seed, "PreTrainedTokenizerFast")
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "llama_bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -82,7 +83,7 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
     return _save(config_class, model_class, {**{**ARCHITECTURES, **MOE_ARCHITECTURES}[kind], **overrides}, out_dir, seed)
 
 
-def _save(config_class, build, choices: dict, out_dir: str, seed: int) -> str:
+def _save(config_class, build, choices: dict, out_dir: str, seed: int, tokenizer_class: Optional[str] = None) -> str:
     options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=0)
     options.update(choices)
@@ -95,7 +96,7 @@ def _save(config_class, build, choices: dict, out_dir: str, seed: int) -> str:
             if name.endswith("mlp.gate.weight"):  # a router's logits far apart: routing far from ties and uniform
                 p.normal_(0.0, 0.5)
     model.save_pretrained(out_dir)
-    save_byte_tokenizer(out_dir)
+    save_byte_tokenizer(out_dir, tokenizer_class)
     return out_dir
 
 
@@ -110,10 +111,11 @@ def all_models(root: str) -> dict:
     return {kind: make_hf_model(kind, os.path.join(root, kind)) for kind in ARCHITECTURES}
 
 
-def save_byte_tokenizer(out_dir: str) -> None:
+def save_byte_tokenizer(out_dir: str, tokenizer_class: Optional[str] = None) -> None:
     """A byte-level tokenizer.json whose id for each byte is the byte's value (so it encodes
     text as conf/data/byte_corpus.yaml does), made with the `tokenizers` package, and a
-    tokenizer_config.json naming byte 0 the end of text."""
+    tokenizer_config.json naming byte 0 the end of text (and `tokenizer_class`, where the model
+    type's own class would ask for tokens this one lacks: Gemma's <unk>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -123,7 +125,8 @@ def save_byte_tokenizer(out_dir: str) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": to_char[0]}, f)  # byte 0 ends a text, as config.json's eos_token_id says
+        # byte 0 ends a text, as config.json's eos_token_id says
+        json.dump({"eos_token": to_char[0], **({"tokenizer_class": tokenizer_class} if tokenizer_class else {})}, f)
 
 
 def _byte_of(char: str) -> int:

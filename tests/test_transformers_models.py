@@ -17,6 +17,7 @@ from tests.errors import max_relative_error, relative_error
 from tests.hf_models import TRANSFORMERS_ARCHITECTURES, make_hf_model, reference
 from tests.test_dpo import pairs  # noqa: F401  (a fixture)
 from tests.test_grpo import scalars
+from tests.test_preference_losses import unpaired  # noqa: F401  (a fixture)
 from framework.launch.handoff import rank_config
 from framework.launch.local import spawn_ranks
 from tests.workers import one_step_gradients
@@ -387,3 +388,40 @@ def test_grpo_on_transformers_classes_follows_the_native_path_on_the_same_weight
     assert rewards == pytest.approx(native_rewards, abs=1e-6) and len(set(rewards)) > 1  # (rising: it learns)
     assert summary["losses"] == pytest.approx(native["losses"], abs=1e-6)  # (GRPO's loss is ~0 at each step)
     assert error <= 1e-4  # measured 1.1e-7 (1x1), 2.2e-7 (2x1 FSDP2)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_evaluate_scores_a_checkpoint_on_transformers_classes_as_counted_by_hand(model_dirs, hf_dirs, tmp_path,
+                                                                                 capsys):
+    """framework.evaluate of a gemma3 run's checkpoint (exported, then lm-eval's HFLM on
+    transformers' class): next_letter's accuracy is the one counted by hand on the export."""
+    from framework.evaluate import main as evaluate
+    from tests.test_evaluate import accuracy_by_hand, scored
+
+    path = model_dirs[IN_MAKE_TEST]
+    launch_local(hf_config(path, "mesh=1x1", "plan=none", "trainer.max_steps=2", "checkpoint.every=2",
+                           "logger.tensorboard=false"), str(tmp_path / "run"))
+    ours = scored([str(tmp_path / "run" / "checkpoints"), "--tasks", "next_letter", "--out", str(tmp_path / "eval")],
+                  capsys)
+    export(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf"), format="hf")
+    assert ours["results"]["next_letter"]["acc,none"] == accuracy_by_hand(str(tmp_path / "hf"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("objective", ["simpo", pytest.param("kto", marks=pytest.mark.integration)])
+def test_simpo_and_kto_on_transformers_classes_train_what_the_native_path_trains(objective, hf_dirs, pairs, unpaired,
+                                                                                 tmp_path):
+    """SimPO and KTO (each TRL's, tests/test_preference_losses.py) on the same Llama through
+    transformers' classes: the native path's losses, step by step."""
+    from tests.test_dpo import dpo_overrides
+
+    data, extra = ((pairs, ["objective=simpo", "objective.beta=2.0"]) if objective == "simpo" else
+                   (unpaired, ["data=kto", "objective.reference=frozen_copy"]))
+    run = [*dpo_overrides(hf_dirs["llama"], data, steps=3), "adapter=none", *extra, "optim.lr=0.1", "mesh=1x1",
+           "data.global_batch_size=8"]
+    native = launch_local(compose_config([*run, "model.backend=native"]), str(tmp_path / "native"))["losses"]
+    theirs = launch_local(compose_config([*run, "model.backend=transformers"]), str(tmp_path / "theirs"))["losses"]
+    error = max_relative_error(theirs, native)
+    print(f"{objective}: losses {theirs} vs native {native}: {error:.1e} relative")
+    assert error <= 1e-4 and abs(native[-1] - native[0]) > 1e-2  # (and it learns)
