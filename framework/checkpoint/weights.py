@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from framework.checkpoint.layout import newest_checkpoint, read_meta, resolve
 from framework.checkpoint.safe_load import load_checkpoint
 from framework.models.adapter_names import is_adapter
-from framework.models.hf import EXPERT, StoredTensors, hf_name, model_state_dict
+from framework.models.hf import EXPERT, hf_name, model_state_dict
+from framework.models.stored_tensors import StoredTensors
 from framework.models.protocol import offered
 from framework.parallel.dtensors import place_whole
 
