@@ -274,7 +274,8 @@ def dry_run(cfg: DictConfig) -> List[RankReport]:
     check_dryrun(cfg)
     # and uncompiled: compiling changes none of the shapes, bytes or collectives it reports; and
     # the optimizer unfused: fused kernels refuse meta tensors, and hold the same state as the loop
-    unfused = {"optim": {"fused": False}} if cfg.optim.get("fused") else {}
+    unfused = {"optim": {"fused": False}} if cfg.optim.get("fused") else \
+        {"optim": {"adamw": {"fused": False}}} if (cfg.optim.get("adamw") or {}).get("fused") else {}  # optim=muon's
     simulated = OmegaConf.merge(cfg, {"mesh": {"device_type": "cpu"}, "trainer": {"compile": "none"}}, unfused)
     with open_dict(simulated):
         simulated.device = None  # (validation settled the run's device; the simulation settles its own: cpu)

@@ -41,6 +41,7 @@ from framework.training.objectives.base import check_objective, check_objective_
 from framework.parallel.pipeline_layout import check_pipeline_parallel
 from framework.parallel.plan import check_output_layout, check_plan, matching_modules, shards_sequence
 from framework.training.compile import compiled_blocks
+from framework.training.muon import check_muon
 from framework.models.protocol import from_hugging_face, offered
 from framework.models.transformers_model import TransformersModel, check_transformers_model
 
@@ -353,6 +354,7 @@ CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_reward,                # framework.training.objectives.rewards: the reward and a user's file
     check_objective_options,     # framework.training.objectives: objective.KEY is an option (after the pairings above)
     check_optimizer,             # (here) the optimizer's options
+    check_muon,                  # framework.training.muon: optim=muon's split of the model
     check_dataset,               # (here) a global batch per split
     check_responses,             # framework.data.checks: instruction data keeps a response
     check_checkpoint_sources,    # framework.checkpoint.compat: the checkpoint the run starts from

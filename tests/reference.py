@@ -103,15 +103,16 @@ def validation_loss(model: torch.nn.Module, cfg: DictConfig, loss_fn) -> float:
 
 
 def reference_training(cfg: DictConfig, first_replica_alone: Collection[int] = (),
-                       replicas: int = 1) -> Dict[str, List[float]]:
+                       replicas: int = 1, optimizer_of=None) -> Dict[str, List[float]]:
     """`first_replica_alone`: the steps (from 1) that the first of `replicas` DP replicas trained
     alone (a torchft replica group whose peers had failed): on its share of the global batch,
-    every replicas-th sample, as DistributedSampler deals them."""
+    every replicas-th sample, as DistributedSampler deals them. `optimizer_of(model)`: an
+    optimizer written for the test (torch's Muon beside AdamW), else cfg.optim's."""
     torch.manual_seed(cfg.trainer.seed)
     model = instantiate(cfg.model)
     moe = cfg.model.get("moe")
     routing = HandRouting(model, moe.get("bias_update_rate")) if moe else None
-    optimizer = instantiate(cfg.optim)(model.parameters())
+    optimizer = optimizer_of(model) if optimizer_of else instantiate(cfg.optim)(model.parameters())
     dataset = instantiate(cfg.data.dataset)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=cfg.sampler.shuffle,
                                  seed=cfg.sampler.seed, drop_last=True)
@@ -141,5 +142,5 @@ def reference_training(cfg: DictConfig, first_replica_alone: Collection[int] = (
             val_losses.append([step, validation_loss(model, cfg, loss_fn)])
     return {"losses": losses, "grad_norms": grad_norms, "val_losses": val_losses, "param_names": [n for n, _ in model.named_parameters()],
             "numel": sum(p.numel() for p in model.parameters()), "state_dict_keys": sorted(model.state_dict()),
-            "routing": routing}
+            "routing": routing, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
 

@@ -68,7 +68,7 @@ def test_checkpoints_are_complete_and_keep_last_removes_older_ones(straight):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mesh", ["1x4", "2x1", "1x1"])
+@pytest.mark.parametrize("mesh", [pytest.param("1x4", marks=pytest.mark.integration), "2x1", "1x1"])
 def test_resume_on_another_mesh_continues_the_one_process_loss_curve(mesh, straight, one_process, tmp_path):
     overrides = [*SEED, f"mesh={mesh}", f"checkpoint.resume={straight['dir']}/step_10"]
     if mesh == "1x1":

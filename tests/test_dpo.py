@@ -142,7 +142,7 @@ def by_hand(hf_dirs, pairs):
 @pytest.mark.parametrize("mesh,overrides", [
     ("1x1", []),
     ("2x1", ["parallel.dp_strategy=fsdp", *FULL]),
-    ("1x2", ["plan=lm_tp_sp", "data.micro_batch_size=2"]),
+    pytest.param("1x2", ["plan=lm_tp_sp", "data.micro_batch_size=2"], marks=pytest.mark.integration),
     pytest.param("2x1", [], marks=pytest.mark.integration),
     pytest.param("2x1", ["parallel.dp_strategy=fsdp"], marks=pytest.mark.integration),
     pytest.param("1x2", ["plan=lm_tp_sp", *FULL], marks=pytest.mark.integration),

@@ -400,7 +400,8 @@ def qlora_reference(hf_dirs):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mesh,overrides", [("1x1", []), ("2x1", ["parallel.dp_strategy=fsdp"]),
+@pytest.mark.parametrize("mesh,overrides", [pytest.param("1x1", [], marks=pytest.mark.integration),
+                                            ("2x1", ["parallel.dp_strategy=fsdp"]),
                                             ("1x1", ["parallel.dp_strategy=fsdp"]),  # (the NF4 weights out of FSDP2)
                                             pytest.param("2x1", [], marks=pytest.mark.integration),
                                             pytest.param("pp2x1x1", [], marks=pytest.mark.integration)])

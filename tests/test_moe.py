@@ -132,7 +132,8 @@ def test_the_load_balancing_loss_is_transformers_formula_over_every_layer_pooled
     ["mesh=2x1"],                                          # experts on every rank, routing pooled over DP
     ["mesh=2x1", "parallel.ep_dims=[dp]"],                 # 2 experts per rank, tokens all-to-all
     pytest.param(["mesh=4x1", "parallel.ep_dims=[dp]"], marks=pytest.mark.integration),  # 1 expert per rank
-    ["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp]"],   # + attention TP
+    pytest.param(["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp]"],   # + attention TP
+                 marks=pytest.mark.integration),  # (make test: the same with experts over dp and tp)
     ["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[dp,tp]"],  # 1 expert per rank; TP ranks split their tokens
     pytest.param(["mesh=2x2", "plan=lm_moe_tp", "parallel.ep_dims=[tp]"],  # experts over TP, replicated over DP
                  marks=pytest.mark.integration),

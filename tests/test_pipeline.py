@@ -45,7 +45,8 @@ def one_process_clipped():
     # stage's gradients; the replica check compares each stage's ranks (it compared stages' other layers before)
     ["mesh=pp2x2x1", "parallel.dp_strategy=fsdp"],        # + FSDP2, each stage a root
     pytest.param(["mesh.shape=[2,1,2,1]", "mesh.dim_names=[pp,dp_replicate,dp,tp]", "parallel.dp_strategy=hsdp"], marks=pytest.mark.integration),  # + HSDP
-    ["mesh=pp2x1x2", "plan=lm_tp_sp", "parallel.pp_layers_per_stage=[1,3]"],  # + TP+SP, an uneven split
+    pytest.param(["mesh=pp2x1x2", "plan=lm_tp_sp", "parallel.pp_layers_per_stage=[1,3]"],  # + TP+SP, an uneven split
+                 marks=pytest.mark.integration),  # (make test: PP x TP's checkpoint resumes in test_pipeline)
     pytest.param(["mesh=pp2x1x2", "plan=lm_tp_sp_loss_parallel"], marks=pytest.mark.integration),     # + vocabulary-sharded logits on the last stage
 ], ids=lambda o: " ".join(o))
 def test_every_schedule_and_composition_trains_the_one_process_model(overrides, one_process, one_process_clipped,

@@ -22,7 +22,8 @@ PARITY_STEPS = 20
     pytest.param(["mesh=4x1"], marks=pytest.mark.integration),  # (the 2x2 case's dims, each alone)
     pytest.param(["mesh=1x4"], marks=pytest.mark.integration),
     ["recipe=seed_tp"],  # the seed's Linear, colwise, on a 1-D TP mesh
-    ["recipe=seed_tp", "model=seed_sequential", "plan=seed_sequential_rowwise_colwise"],
+    pytest.param(["recipe=seed_tp", "model=seed_sequential", "plan=seed_sequential_rowwise_colwise"],
+                 marks=pytest.mark.integration),  # (rowwise then colwise: the 2x2 case's plan in the other order)
 ], ids=lambda o: " ".join(o))
 def test_loss_equals_single_process_training(overrides, tmp_path):
     cfg = compose_config([*overrides, f"trainer.max_steps={PARITY_STEPS}", "trainer.log_every=5", *QUIET])

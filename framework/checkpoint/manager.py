@@ -265,7 +265,7 @@ class Checkpointer:
             torch.set_rng_state(state[f"rng.rank{self.rank}"])
         if self.stream is not None and not self.cfg.checkpoint.reset_data:
             self.stream.load_state_dict(json.loads(state[f"stream.rank{self.rank}"]))
-        self.scheduler.load_state_dict(fitted_to_groups(meta["scheduler"], len(self.scheduler.optimizer.param_groups)))
+        self.scheduler.load_state_dict(fitted_to_groups(meta["scheduler"], self.scheduler.optimizer))
         self.state.load_state_dict(meta)
         if self.cfg.checkpoint.reset_data:
             position = self.state.position

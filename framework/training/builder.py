@@ -253,8 +253,14 @@ def stage_optimizer(run: Run) -> None:
     so a fused or foreach optimizer's kernels each take one kind), its warmup / decay schedule, and the objective."""
     t = run.cfg.trainer
     run.objective = instantiate(run.cfg.objective)
-    kinds = by_mesh(p for p in run.model.parameters() if p.requires_grad)
-    optimizer = instantiate(run.cfg.optim)(kinds[0] if len(kinds) == 1 else [{"params": k} for k in kinds])
+    factory = instantiate(run.cfg.optim)
+    if hasattr(factory.func, "groups_of"):  # an optimizer that splits the model by role (optim=muon)
+        groups, split = factory.func.groups_of(run.module, **factory.keywords)
+        say(run, split)
+    else:
+        kinds = by_mesh(p for p in run.model.parameters() if p.requires_grad)
+        groups = kinds[0] if len(kinds) == 1 else [{"params": k} for k in kinds]
+    optimizer = factory(groups)
     update_biases_after_each_step(optimizer, run.module)
     run.optimizer, run.scheduler = optimizer, build_scheduler(optimizer, t.warmup_steps, t.max_steps, t.lr_decay)
 

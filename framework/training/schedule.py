@@ -21,10 +21,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, max_ste
         optimizer, lambda step: lr_multiplier(step, warmup_steps, max_steps, decay))
 
 
-def fitted_to_groups(state: dict, groups: int) -> dict:
-    """A saved schedule's state for an optimizer of `groups` param groups. The groups are one per
-    kind of tensor (framework.parallel.dtensors.by_mesh) and share every hyperparameter, so its
-    per-group lists hold one value repeated, and a checkpoint from a mesh with another count
-    (experts over 2 ranks: 2 groups; one process: 1) resumes with that value in each group."""
-    return {key: [value[0]] * groups if key in ("base_lrs", "_last_lr", "lr_lambdas") and value else value
-            for key, value in state.items()}
+def fitted_to_groups(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A saved schedule's state for `optimizer`, its state already loaded. The groups are one
+    per kind of tensor (framework.parallel.dtensors.by_mesh), and a checkpoint from a mesh with
+    another count (experts over 2 ranks: 2 groups; one process: 1) must resume too: each
+    group's base and current lr come from its own loaded initial_lr and lr (optim=muon's groups
+    differ: Muon's and AdamW's), the lr function, the same for all, repeated."""
+    groups = optimizer.param_groups
+    return {**state, "base_lrs": [g["initial_lr"] for g in groups], "_last_lr": [g["lr"] for g in groups],
+            "lr_lambdas": [state["lr_lambdas"][0]] * len(groups) if state.get("lr_lambdas") else state.get("lr_lambdas")}
