@@ -1,14 +1,15 @@
 """optim=muon against AdamW, and the distributed Muon's collectives against torch.optim.Muon's.
 
     .venv/bin/python bench/muon.py                 # every row, 2 repeats, alternating
-    .venv/bin/python bench/muon.py --repeats 1 --steps 4
+    .venv/bin/python bench/muon.py --repeats 1 --steps 3 --out /tmp/muon.md
 
-Rows (bench/peers.py's random 34M Llama, 8 x 256 tokens a step, fp32, model=hf):
-- step: a whole train step and the optimizer's share of it, AdamW (fused) against Muon (bf16 and
-  float32 Newton-Schulz) on 1x1, and on 2x2 FSDP2 x TP; medians of the steps after the first.
-- collectives: what one optimizer step communicates on 2x2 FSDP2 x TP (framework.training.muon:
-  the all_to_alls and their bytes) and on 2x1 FSDP2, beside torch.optim.Muon stepping the same
-  hidden matrices as the FSDP2 DTensors they are (counted by torch's CommDebugMode).
+Rows (medians of the steps after the first; fp32 weights):
+- bench/peers.py's random 34M Llama (model=hf, 8 x 256 tokens a step): a whole train step and the
+  optimizer's share of it, AdamW (fused) against Muon (float32 Newton-Schulz, ns_dtype=auto's
+  choice on a CPU) on 1x1 and on 2x2 FSDP2 x TP, with what one optimizer step communicates.
+- lm_small on 2x1 FSDP2, bf16 Newton-Schulz: framework.training.muon against torch.optim.Muon
+  stepping the same hidden matrices as the FSDP2 DTensors they are (torch's CommDebugMode counts
+  the collectives; its AdamW side left out, so the step trains less: the counts are the point).
 """
 import argparse
 import statistics
@@ -88,38 +89,50 @@ def measure(overrides: list, steps: int, torch_muon: bool = False) -> dict:
             "comm": results[0]["comm"], "bytes": sum(r["all_to_all_bytes_sent"] for r in results.values())}
 
 
+def row(name: str, runs: list) -> str:
+    step = statistics.median(r["step_s"] for r in runs)
+    opt = statistics.median(r["optimizer_s"] for r in runs)
+    return (f"| {name} | {step:.3f} | {opt:.3f} | {opt / step:.2f} | {runs[-1]['comm']} | "
+            f"{runs[-1]['bytes'] / 2 ** 20:.1f} MiB |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", default="muon_bench.md", help="the table, written as each row ends")
     args = parser.parse_args()
     from bench.peers import make_model_and_data
 
     root = Path(tempfile.mkdtemp(prefix="muon-bench-"))
     data = make_model_and_data(root)
-    base = ["model=hf", f"model.path={data['model']}", "data=tokens", f"data.path={data['tokens']}",
-            "data.global_batch_size=8", "data.dataset.seq_len=256", "trainer.progress_bar=false",
-            "logger.tensorboard=false", "checkpoint.every=null", "trainer.eval_every=null"]
-    adamw, muon = ["optim=adamw"], ["optim=muon"]
-    meshes = {"1x1": ["mesh=1x1", "plan=none"], "2x2": ["mesh=2x2", "plan=lm_tp", "parallel.dp_strategy=fsdp"]}
-    rows = {f"{mesh} {name}": [*base, *m, *o] for mesh, m in meshes.items()
-            for name, o in (("adamw", adamw), ("muon bf16", muon), ("muon fp32", [*muon, "optim.ns_dtype=float32"]))}
-    results = {name: [] for name in rows}
-    for _ in range(args.repeats):
-        for name, overrides in rows.items():  # alternating: every row once per repeat
+    llama = ["model=hf", f"model.path={data['model']}", "data=tokens", f"data.path={data['tokens']}",
+             "data.global_batch_size=8", "data.dataset.seq_len=256", *QUIET]
+    small = ["recipe=lm_2d", "~optim.betas", "data.global_batch_size=8", *QUIET]  # lm_small, 8 x 128 bytes
+    fsdp_tp = ["mesh=2x2", "plan=lm_tp", "parallel.dp_strategy=fsdp"]
+    muon = ["optim=muon", "optim.ns_dtype=float32"]
+    rows = {"34M Llama 1x1, AdamW": [*llama, "mesh=1x1", "plan=none", "optim=adamw"],
+            "34M Llama 1x1, Muon (fp32 Newton-Schulz)": [*llama, "mesh=1x1", "plan=none", *muon],
+            "34M Llama 2x2 FSDP2 x TP, AdamW": [*llama, *fsdp_tp, "optim=adamw"],
+            "34M Llama 2x2 FSDP2 x TP, Muon (fp32)": [*llama, *fsdp_tp, *muon],
+            "lm_small 2x1 FSDP2, Muon (bf16, as torch)": [*small, "mesh=2x1", "plan=none",
+                                                          "parallel.dp_strategy=fsdp", "optim=muon",
+                                                          "optim.ns_dtype=bfloat16"]}
+    results = {name: [] for name in [*rows, "lm_small 2x1 FSDP2, torch.optim.Muon on the DTensors"]}
+    lines = ["| row | step s | optimizer step s | optimizer share | collectives of one optimizer step (rank 0) | "
+             "all_to_all bytes (all ranks, one step) |", "|---|---|---|---|---|---|"]
+    for _ in range(args.repeats):  # alternating: every row once per repeat
+        for name, overrides in rows.items():
             results[name].append(measure(overrides, args.steps))
-    print("| row | step s | optimizer s | optimizer share | collectives (one optimizer step, rank 0) |")
-    print("|---|---|---|---|---|")
-    for name, runs in results.items():
-        step = statistics.median(r["step_s"] for r in runs)
-        opt = statistics.median(r["optimizer_s"] for r in runs)
-        print(f"| {name} | {step:.3f} | {opt:.3f} | {opt / step:.2f} | {runs[-1]['comm']}, all_to_all bytes "
-              f"(all ranks) {runs[-1]['bytes']:,} |")
-    fsdp = [*base, *muon, "optim.ns_dtype=bfloat16", "mesh=2x1", "plan=none", "parallel.dp_strategy=fsdp"]
-    for name, torch_muon in (("framework Muon", False), ("torch.optim.Muon on the DTensors", True)):
-        r = measure(fsdp, args.steps, torch_muon)
-        print(f"| 2x1 fsdp, {name} | {r['step_s']:.3f} | {r['optimizer_s']:.3f} | "
-              f"{r['optimizer_s'] / r['step_s']:.2f} | {r['comm']}, all_to_all bytes {r['bytes']:,} |")
+            if name.startswith("lm_small"):
+                results["lm_small 2x1 FSDP2, torch.optim.Muon on the DTensors"].append(
+                    measure(overrides, args.steps, torch_muon=True))
+    table = "\n".join(lines + [row(name, runs) for name, runs in results.items()])
+    Path(args.out).write_text(table + "\n")
+    print(table, flush=True)
+
+
+QUIET = ["trainer.progress_bar=false", "logger.tensorboard=false", "checkpoint.every=null", "trainer.eval_every=null"]
 
 
 if __name__ == "__main__":

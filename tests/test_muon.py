@@ -24,7 +24,7 @@ MUON = [*TINY_LM, "optim=muon", "~optim.betas", f"trainer.max_steps={STEPS}", "t
         "trainer.eval_every=null", "trainer.warmup_steps=0", "trainer.lr_decay=constant", "logger.tensorboard=false",
         f"checkpoint.every={STEPS}"]
 MOE = ["recipe=lm_moe", "model=lm_moe_tiny", "plan=none", "parallel.ep_dims=[]", *MUON[2:]]
-EXACT = ["optim.ns_dtype=float32"]  # the reference's Newton-Schulz in float32 too (tests below)
+EXACT = ["optim.ns_dtype=float32"]  # (auto's choice on a CPU) the reference's Newton-Schulz in float32 too
 # The hidden matrices, named by hand: attention and MLP projections, the shared expert's, the expert stacks
 HIDDEN = re.compile(r"layers\.\d+\.(attention\.w[qkvo]\.weight|feed_forward\.(shared_expert\.)?w[123]\.weight"
                     r"|feed_forward\.experts\.w[123])")
@@ -132,7 +132,7 @@ def test_steps_are_torchs_muon_beside_adamw_bit_for_bit(base):
     """On one process with the same gradients, bf16 Newton-Schulz as torch runs it: the same ops
     in the same order, so the same bits (a stack's experts each as torch's matrix)."""
     from hydra.utils import instantiate
-    cfg = compose_config([*base, "mesh=1x1"])
+    cfg = compose_config([*base, "mesh=1x1", "optim.ns_dtype=bfloat16"])
     torch.manual_seed(0)
     theirs = instantiate(cfg.model)
     ours = copy.deepcopy(theirs)
@@ -160,7 +160,7 @@ def test_steps_are_torchs_muon_beside_adamw_bit_for_bit(base):
     ("optim.to_muon=[norm]", "config error: optim.to_muon=['norm']: 'norm' selects layers.0.attention_norm.weight of "
                              "shape [32]; Muon takes 2-D matrices and 3-D stacks of them: leave it to AdamW"),
     ("optim.ns_dtype=float16", "config error: optim.ns_dtype='float16': Muon refuses it: ns_dtype must be one of "
-                               "bfloat16, float32"),
+                               "bfloat16, float32, auto"),
 ])
 def test_bad_muon_options_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError) as error:

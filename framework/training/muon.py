@@ -32,7 +32,7 @@ from framework.parallel.whole_on_owners import WholeOnOwners
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
 ROUTER = re.compile(r"(^|[._])(gate|router)\.(weight|bias)$")  # a MoE's routing projection
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "auto": None}  # auto: bf16 on GPUs, else fp32
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}  # the rest's, unless optim.adamw says
 
 
@@ -137,7 +137,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.1, ns_steps: int = 5, ns_coefficients: Sequence[float] = COEFFICIENTS,
-                 eps: float = 1e-7, adjust_lr_fn: str = "original", ns_dtype: str = "bfloat16",
+                 eps: float = 1e-7, adjust_lr_fn: str = "original", ns_dtype: str = "auto",
                  bucket_mb: float = 64, adamw: Optional[Dict[str, Any]] = None,
                  to_muon: Sequence[str] = (), to_adamw: Sequence[str] = ()):
         _check_options(lr, momentum, weight_decay, ns_steps, ns_coefficients, adjust_lr_fn, ns_dtype, bucket_mb,
@@ -188,6 +188,8 @@ class Muon(torch.optim.Optimizer):
             return None
         if self._layout is None:  # collective: at the first step, on every rank at once
             self._layout = WholeOnOwners([p for p, _ in params], _flat_group, self.bucket_bytes)
+            if self.ns_dtype is None:  # a CPU's bf16 matmul is no faster than fp32 and much slower on most
+                self.ns_dtype = torch.bfloat16 if params[0][0].device.type == "cuda" else torch.float32
         directions = [self._direction(p, g) for p, g in params]
         first = groups[0]
         updates = self._layout.apply(directions, lambda whole: newton_schulz(
