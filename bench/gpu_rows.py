@@ -271,7 +271,7 @@ def optional_rows(scale: Scale, train: dict) -> list:
         return Row(name, command, read_summary, 45, 150, **train)
 
     return [feature("native compiled whole logits", "trainer.loss_chunk_tokens", "0"),
-            feature("native compiled float8", "trainer.float8", "tensorwise")]
+            feature("native compiled float8", "float8", "tensorwise")]
 
 
 class Skip(Exception):

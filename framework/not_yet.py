@@ -100,10 +100,10 @@ NOT_YET = [
     NotYet("data.streaming", "launcher.fault_tolerance=torchft",
            lambda cfg, roles: bool(cfg.data.get("streaming")) and _torchft(cfg),
            "a healed replica group would not receive the live group's place in its stream; use data.streaming=false"),
-    NotYet("trainer.float8", "adapter=lora / qlora",
-           lambda cfg, roles: _adapter(cfg) and cfg.trainer.get("float8") not in (None, False),
+    NotYet("float8", "adapter=lora / qlora",
+           lambda cfg, roles: _adapter(cfg) and cfg.get("float8") is not None,
            "torchao swaps each converted layer for a new module, without an adapted layer's LoRA children and hook, "
-           "and QLoRA's NF4 weight is no float8 input; use trainer.float8=null or adapter=none"),
+           "and QLoRA's NF4 weight is no float8 input; use float8=null or adapter=none"),
     NotYet("checkpoint.final_hf", "adapter=lora / qlora",
            lambda cfg, roles: _adapter(cfg) and bool(cfg.checkpoint.final_hf),
            "the run writes no merged model itself; export its checkpoint: python -m framework.export CKPT OUT "

@@ -1,4 +1,4 @@
-"""trainer.float8 (framework.models.float8): which layers torchao's Float8Linear replaces, the
+"""float8 (framework.models.float8): which layers torchao's Float8Linear replaces, the
 one-step loss and gradients against the unconverted model (float8 is lossy: bounded at 10x the
 error measured on this host), the same step under TP 1x2 and FSDP2 2x1 against the one-rank
 float8 step, and the refusals before launch. torch 2.13's CPU runs torch._scaled_mm on float8
@@ -66,14 +66,14 @@ def test_a_linear_whose_dims_are_not_whole_tiles_stays_as_it_was(caplog):
         assert apply_float8(model, "rowwise") == ["a"]
     assert [type(m).__name__ for m in model.values()] == ["Float8Linear", "Linear", "Linear", "Linear"]
     assert torch.equal(model["a"].weight, weight)
-    assert caplog.messages == ["trainer.float8=rowwise: 1 linear layers as Float8Linear: a"]
+    assert caplog.messages == ["float8=rowwise: 1 linear layers as Float8Linear: a"]
 
 
 @needs_torchao
 def test_the_run_says_what_float8_converted(caplog):
     with caplog.at_level(logging.INFO, logger="framework"):
         apply_float8(new_model(compose_config(F8).model, "meta", seed=0), "tensorwise")
-    assert caplog.messages == ["trainer.float8=tensorwise: 14 linear layers as Float8Linear: "
+    assert caplog.messages == ["float8=tensorwise: 14 linear layers as Float8Linear: "
                                + ", ".join(f"layers.*.{name}" for name in BLOCK_LINEARS)]
 
 
@@ -82,7 +82,7 @@ def test_float8_that_converts_nothing_says_so(caplog):
     model = new_model(compose_config([*F8, "model=seed_linear"]).model, "cpu", seed=0)  # a Linear(12, 12)
     assert apply_float8(model, "tensorwise") == []
     assert [(r.levelname, r.message) for r in caplog.records] == [
-        ("WARNING", "trainer.float8=tensorwise converted no layer of Linear: float8 takes an nn.Linear (not the "
+        ("WARNING", "float8=tensorwise converted no layer of Linear: float8 takes an nn.Linear (not the "
                     "output projection) whose dims are both multiples of 16, and it has none; it trains unconverted")]
 
 
@@ -106,7 +106,7 @@ ONE_RANK: dict = {}
 def one_rank_step(recipe: str, tmp_path_factory) -> dict:
     """The one-rank step of `recipe` (null: unconverted), run once per module."""
     if recipe not in ONE_RANK:
-        ONE_RANK[recipe] = one_step([*F8, f"trainer.float8={recipe}"], tmp_path_factory.mktemp(recipe), recipe)
+        ONE_RANK[recipe] = one_step([*F8, f"float8={recipe}"], tmp_path_factory.mktemp(recipe), recipe)
     return ONE_RANK[recipe]
 
 
@@ -160,7 +160,7 @@ def float8_step(cfg_container: dict, out_dir: str) -> dict:
     pytest.param("tp 1x2", "rowwise", marks=pytest.mark.integration),
     pytest.param("fsdp 2x1", "rowwise", marks=pytest.mark.integration)])
 def test_float8_under_tp_and_fsdp_is_close_to_the_one_rank_float8_step(layout, recipe, tmp_path_factory, tmp_path):
-    cfg = OmegaConf.to_container(compose_config([*F8, *LAYOUTS[layout], f"trainer.float8={recipe}"]), resolve=True)
+    cfg = OmegaConf.to_container(compose_config([*F8, *LAYOUTS[layout], f"float8={recipe}"]), resolve=True)
     result = spawn_ranks(2, float8_step, cfg, str(tmp_path / "run"))[0]
     loss, grads = relative_errors(result, one_rank_step(recipe, tmp_path_factory))
     loss_bound, grad_bound = LAYOUT_BOUNDS[layout, recipe]
@@ -174,9 +174,9 @@ def test_float8_under_tp_and_fsdp_is_close_to_the_one_rank_float8_step(layout, r
 
 
 REFUSALS = [
-    (["trainer.float8=fp8"], r"trainer.float8='fp8': unknown recipe; choose tensorwise or rowwise \(null: off\)"),
-    (["trainer.float8=rowwise", "adapter=lora"],
-     r"trainer.float8='rowwise': not yet with adapter=lora / qlora: torchao swaps each converted layer"),
+    (["float8=fp8"], r"float8='fp8': unknown recipe; choose tensorwise or rowwise \(null: off\)"),
+    (["float8=rowwise", "adapter=lora"],
+     r"float8='rowwise': not yet with adapter=lora / qlora: torchao swaps each converted layer"),
 ]
 
 
@@ -187,20 +187,23 @@ def test_a_float8_config_that_cannot_run_is_refused_by_validation(overrides, lin
     assert re.match("config error: " + line, str(refused.value)), str(refused.value)
 
 
-def test_off_is_null_or_false_and_validates():
-    for value in ("null", "false"):
-        cfg = compose_config([*F8, f"trainer.float8={value}"])
-        assert float8.float8_recipe(cfg.trainer) is None
-        validate(cfg)
+def test_off_is_null_and_validates_and_the_old_key_says_where_it_went():
+    cfg = compose_config([*F8, "float8=null"])
+    assert float8.float8_recipe(cfg) is None
+    validate(cfg)
+    moved = "config error: trainer.float8='tensorwise': no such key; float8, a conversion of the model, moved to " \
+            "the top level: float8=tensorwise"
+    with pytest.raises(ConfigError, match=re.escape(moved)):
+        validate(compose_config([*F8, "+trainer.float8=tensorwise"]))
 
 
 def test_float8_without_torchao_names_the_extra(monkeypatch):
     def missing():
         raise ImportError("No module named 'torchao'")
     monkeypatch.setattr(float8, "_torchao", missing)
-    with pytest.raises(ConfigError, match=re.escape("config error: trainer.float8='tensorwise': needs torchao "
+    with pytest.raises(ConfigError, match=re.escape("config error: float8='tensorwise': needs torchao "
                                                     "(pip install -e '.[float8]')")):
-        validate(compose_config([*F8, "trainer.float8=tensorwise"]))
+        validate(compose_config([*F8, "float8=tensorwise"]))
 
 
 @needs_torchao
@@ -208,12 +211,12 @@ def test_float8_without_torchao_names_the_extra(monkeypatch):
 def test_a_gpu_older_than_sm89_is_refused(capability, refused, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: capability)
-    cfg = compose_config([*F8, "trainer.float8=tensorwise"])
+    cfg = compose_config([*F8, "float8=tensorwise"])
     cfg.mesh.device_type = "cuda"
     checked = type("C", (), {"cfg": cfg})()
     if refused:
         with pytest.raises(ConfigError, match=re.escape("compute capability 8.9 or newer (Ada, Hopper); this one "
-                                                        "is sm_80; use trainer.float8=null")):
+                                                        "is sm_80; use float8=null")):
             float8.check_float8(checked)
     else:
         float8.check_float8(checked)
@@ -221,8 +224,8 @@ def test_a_gpu_older_than_sm89_is_refused(capability, refused, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_an_unknown_recipe_is_refused_in_one_line_before_launch(tmp_path):
-    result = run_cli([*F8, "trainer.float8=fp8", f"hydra.run.dir={tmp_path / 'job'}"], timeout=110)
+    result = run_cli([*F8, "float8=fp8", f"hydra.run.dir={tmp_path / 'job'}"], timeout=110)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "config error: trainer.float8='fp8': unknown recipe; choose tensorwise or rowwise (null: off)"]
+        "config error: float8='fp8': unknown recipe; choose tensorwise or rowwise (null: off)"]
     assert not (tmp_path / "job").exists()

@@ -149,7 +149,6 @@ class TrainerConfig:
     profile_steps: int = 0
     memory_snapshot: bool = False  # a GPU allocator's history from the first step, dumped at the end (framework.training.memory)
     loss_chunk_tokens: Optional[int] = None  # the loss by chunks of N tokens (framework.training.objectives.chunked_loss); 0: whole logits; null: auto
-    float8: Any = None  # tensorwise / rowwise: float8 linear layers (framework.models.float8); null or false: off
     sweep_metric: Optional[str] = None  # what a sweep job returns to an optimizing sweeper (framework/hpo.py METRICS); null: val_loss
 
 
@@ -254,6 +253,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: Any = None
     adapter: AdapterConfig = field(default_factory=AdapterConfig)  # conf/adapter/: LoRA, or none
+    float8: Optional[str] = None  # a model conversion: tensorwise / rowwise float8 linear layers (framework.models.float8)
     # FQN pattern -> {style, options}; entries are checked by framework.parallel.plan.check_plan, which
     # names the bad key (a typed entry would refuse `+plan.NAME.style=...` on the command line).
     plan: Dict[str, Any] = field(default_factory=dict)
@@ -320,7 +320,9 @@ def section_keys(section: str) -> List[str]:
 
 # Keys that moved, and where to: a config that still sets one is told, not just refused.
 MOVED = {"data.loss": "the loss moved to the objective group: objective=lm (next-token cross entropy) or "
-                      "objective=mse, their options as objective.<key> (conf/objective/)"}
+                      "objective=mse, their options as objective.<key> (conf/objective/)",
+         "trainer.float8": "float8, a conversion of the model, moved to the top level: float8=tensorwise or "
+                           "float8=rowwise"}
 
 
 def did_you_mean(key: str, known: List[str]) -> str:

@@ -1,4 +1,4 @@
-"""trainer.float8: the model's linear layers computing in float8 (torchao's Float8Linear), as
+"""float8: the model's linear layers computing in float8 (torchao's Float8Linear), as
 torchtitan's float8 converter does. Each converted layer casts its input, weight and output
 gradient to float8 e4m3 with a dynamic scale (one per tensor: `tensorwise`; one per row:
 `rowwise`) and multiplies them with torch._scaled_mm; its weight stays a high-precision
@@ -31,9 +31,9 @@ TILE = 16  # float8 GEMMs need both dims of a weight a multiple of this
 log = logging.getLogger("framework")
 
 
-def float8_recipe(trainer: Any) -> Optional[str]:
-    """trainer.float8's recipe name; None when off (null or false)."""
-    value = trainer.get("float8")
+def float8_recipe(cfg: Any) -> Optional[str]:
+    """float8's recipe name; None when off (null)."""
+    value = cfg.get("float8")
     return None if value is None or value is False else str(value)
 
 
@@ -80,29 +80,29 @@ def apply_float8(model: nn.Module, recipe: str, fsdp_all_gather: bool = False) -
 def say_converted(model: nn.Module, recipe: str, converted: List[str]) -> None:
     """Log what became Float8Linear (the count; the names, a layer index as *), or that nothing did."""
     if not converted:
-        log.warning("trainer.float8=%s converted no layer of %s: float8 takes an nn.Linear (not the output "
+        log.warning("float8=%s converted no layer of %s: float8 takes an nn.Linear (not the output "
                     "projection) whose dims are both multiples of %d, and it has none; it trains unconverted",
                     recipe, type(model).__name__, TILE)
         return
     names = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in converted)
-    log.info("trainer.float8=%s: %d linear layers as Float8Linear: %s", recipe, len(converted), ", ".join(names))
+    log.info("float8=%s: %d linear layers as Float8Linear: %s", recipe, len(converted), ", ".join(names))
 
 
 def check_float8(c: Checked) -> None:
-    """Before launch (trainer.float8 set): a known recipe, torchao installed, and a device whose
+    """Before launch (float8 set): a known recipe, torchao installed, and a device whose
     float8 matmuls exist (CUDA sm_89+: Ada, Hopper, Blackwell; the CPU's run, slowly)."""
-    recipe = float8_recipe(c.cfg.trainer)
+    recipe = float8_recipe(c.cfg)
     if recipe is None:
         return
     if recipe not in RECIPES:
-        raise ConfigError("trainer.float8", recipe, "unknown recipe; choose tensorwise or rowwise (null: off)")
+        raise ConfigError("float8", recipe, "unknown recipe; choose tensorwise or rowwise (null: off)")
     try:
         _torchao()
     except ImportError:
-        raise ConfigError("trainer.float8", recipe, "needs torchao (pip install -e '.[float8]')") from None
+        raise ConfigError("float8", recipe, "needs torchao (pip install -e '.[float8]')") from None
     if c.cfg.mesh.device_type == "cuda" and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) < (8, 9):
-            raise ConfigError("trainer.float8", recipe, f"float8 matmuls need a CUDA device of compute capability "
+            raise ConfigError("float8", recipe, f"float8 matmuls need a CUDA device of compute capability "
                                                         f"8.9 or newer (Ada, Hopper); this one is sm_{major}{minor}; "
-                                                        f"use trainer.float8=null")
+                                                        f"use float8=null")

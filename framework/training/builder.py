@@ -127,10 +127,10 @@ def stage_adapters(run: Run) -> None:
 
 
 def stage_float8(run: Run) -> None:
-    """trainer.float8: the linear layers as torchao's Float8Linear (framework.models.float8),
+    """float8: the linear layers as torchao's Float8Linear (framework.models.float8),
     before any parallel stage shards, compiles or wraps them (torchtitan's order). Under
     FSDP2 a tensorwise layer's weight is all-gathered in float8."""
-    recipe = float8_recipe(run.cfg.trainer)
+    recipe = float8_recipe(run.cfg)
     if recipe:
         apply_float8(run.module, recipe, fsdp_all_gather=run.cfg.parallel.dp_strategy != "replicate")
 
