@@ -127,6 +127,20 @@ def test_the_split_gives_muon_the_hidden_matrices_and_adamw_the_rest_patterns_mo
                                                 ("layers.1.attention.wo.weight", model.layers[1].attention.wo.weight)]
 
 
+def test_lora_adapters_stay_with_adamw_and_the_frozen_base_with_neither():
+    from hydra.utils import instantiate
+
+    from framework.models.lifecycle import adapt
+    cfg = compose_config([*MUON, "adapter=lora"])
+    model = instantiate(cfg.model)
+    adapt(model, cfg.adapter, seed=0)
+    muon, adamw = muon_split(model)
+    assert muon == []  # every hidden matrix is frozen: no Muon side at all
+    assert list(adamw) == ["adapters"]
+    assert sorted(n for n, _ in adamw["adapters"]) == sorted(
+        f"layers.{i}.attention.{w}.lora_{ab}.weight" for i in range(2) for w in ("wq", "wv") for ab in "AB")
+
+
 @pytest.mark.parametrize("base", [MUON, MOE], ids=["dense", "moe"])
 def test_steps_are_torchs_muon_beside_adamw_bit_for_bit(base):
     """On one process with the same gradients, bf16 Newton-Schulz as torch runs it: the same ops
@@ -205,7 +219,7 @@ def test_every_mesh_trains_what_one_process_trains(mesh, base, monkeypatch, tmp_
     loss_error = max_relative_error(summary["losses"], expected["losses"])
     weights = weights_error(final_weights(tmp_path)["model"], expected["params"])
     print(f"Muon {' '.join(mesh)} against one process: losses {loss_error:.2e}, weights {weights:.2e}")
-    assert loss_error < 1e-5 and weights < 3e-5  # measured: 0 to 1.8e-7 and 2.2e-6 to 2.9e-6
+    assert loss_error < 1e-5 and weights < 5e-5  # measured: 0 to 1.8e-7 and 1.3e-6 to 3.3e-6
 
 
 def owners_exchange(bucket_bytes: int) -> dict:
@@ -288,7 +302,7 @@ def test_fsdp2_x_tp_trains_what_one_process_trains_and_its_momentum_resumes_on_o
         loss_error = max_relative_error(run["losses"], expected["losses"])
         weights = weights_error(final_weights(tmp_path / out)["model"], expected["params"])
         print(f"Muon {name} against one process: losses {loss_error:.2e}, weights {weights:.2e}")
-        assert loss_error < 1e-5 and weights < 3e-5
+        assert loss_error < 1e-5 and weights < 5e-5
 
 
 @pytest.mark.integration
