@@ -133,7 +133,10 @@ def describe_split(muon: List[Tuple[str, nn.Parameter]], adamw: Dict[str, List[T
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for the groups marked `muon`, torch.optim.AdamW for the others (see the module)."""
+    """Muon for the groups marked `muon`, torch.optim.AdamW for the others (see the module).
+    `adamw`'s lr / betas / eps / weight_decay and the to_muon / to_adamw patterns make the
+    groups (`groups_of`, which the builder calls with the same options); `adamw`'s fused /
+    foreach are the AdamW side's kernel choice."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.1, ns_steps: int = 5, ns_coefficients: Sequence[float] = COEFFICIENTS,
