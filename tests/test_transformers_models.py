@@ -156,7 +156,7 @@ def test_a_run_exports_what_transformers_loads_with_equal_logits(model_dirs, tmp
 
 @pytest.mark.parametrize("overrides,key,fix", [
     (["mesh=pp2x1x1"], "parallel.pp_dim='pp'", "pipeline parallelism does not split them yet"),
-    (["mesh=1x1", "plan=lm_tp"], "plan=", "a TP plan names the native model's modules; use plan=none"),
+    (["mesh=1x2", "plan=lm_tp"], "plan=", "a TP plan names the native model's modules; use plan=none"),
     (["mesh=1x1", "data.document_masking=true"], "data.document_masking=True", "set data.document_masking=false"),
     (["mesh=1x1", "objective=grpo", "objective.compile_decode=true", "trainer.eval_every=null"], "objective.compile_decode=True",
      "they decode through transformers' own cache: set it to null"),

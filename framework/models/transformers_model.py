@@ -220,7 +220,7 @@ def check_transformers_model(c: Checked) -> None:
          "context parallelism does not split their attention yet; give the ranks to dp / fsdp"),
         (bool(roles.ep_dims), "parallel.ep_dims", list(roles.ep_dims),
          "expert parallelism does not spread their experts yet; set it to null (FSDP2 shards them)"),
-        (bool(c.plan) and c.plan != model.tp_plan(), "plan", sorted(c.plan),
+        (roles.tp_size > 1 and bool(c.plan) and c.plan != model.tp_plan(), "plan", sorted(c.plan),
          "a TP plan names the native model's modules; use plan=none (TP takes the model's own tp_plan)"),
         (bool(cfg.data.get("document_masking")) or bool((cfg.data.get("dataset") or {}).get("document_masking")),
          "data.document_masking", True, "their attention is not proven to keep packed documents apart (per-document "

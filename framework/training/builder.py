@@ -46,6 +46,7 @@ from framework.training.run import Run
 from framework.training.objectives.context import Group, ObjectiveContext
 from framework.training.objectives.head import output_head
 from framework.models.protocol import offered
+from framework.models.transformers_model import TransformersModel
 
 log = logging.getLogger("framework")
 
@@ -211,6 +212,9 @@ def stage_weights(run: Run) -> None:
     # (a resume that does not replace the base holds adapters alone: their base first)
     init_from = run.start.path if run.start.kind == "init" else base_checkpoint(cfg, directory)
     message = load_base(run.module, init_from, None if cfg.adapter.kind == "qlora" else offered(run.module).hf_path)
+    model = offered(run.module)
+    if isinstance(model, TransformersModel):  # (and why: model.backend=auto falls back to them)
+        message += f" into transformers' {type(model.causal).__name__} ({model.chosen_because})"
     if cfg.checkpoint.resume and run.start.kind == "fresh":
         message += f" (no checkpoint to resume in {directory})"
     peft = cfg.adapter.get("init_from")
