@@ -51,6 +51,9 @@ def pytest_configure(config):
     config.scratch = tempfile.mkdtemp(prefix="framework-tests-")
     os.environ.setdefault("FRAMEWORK_CACHE_DIR", os.path.join(config.scratch, "framework"))
     os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(config.scratch, "datasets"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's two workers share the cores: one thread each
+        import torch
+        torch.set_num_threads(1)
     if os.environ.get("TOLERANCE_LOG"):
         import torch.testing
         torch.testing.assert_close = recording_assert_close(torch.testing.assert_close)
