@@ -310,8 +310,8 @@ def build_meta_model(c: Checked) -> None:
     after it read it): the launcher's deep pass, which the ranks skip."""
     c.model = model = meta_model(c.cfg)
     check_transformers_model(c)  # (before the plan's checks, which name the native model's modules)
-    if isinstance(model, TransformersModel):  # TP by the model's own plan, for every rank (a recipe's, unused at
-        c.cfg.plan = model.tp_plan() if c.roles.tp_size > 1 else {}  # tp 1, names the native model's modules)
+    if isinstance(model, TransformersModel):  # TP by the model's own plan, for every rank; on one TP rank
+        c.cfg.plan = model.tp_plan() if c.roles.tp_size > 1 else {}  # none (a recipe's names native modules)
     check_model_plan(c.cfg, model)
     check_adapter(c.cfg, model)  # on the base model, before its adapters
     adapt(model, c.cfg.adapter, seed=0)
