@@ -55,7 +55,7 @@ def test_a_wide_model_starts_near_ln_v_and_learns(tied):
         loss.backward()
         optimizer.step()
     assert abs(losses[0] - math.log(VOCAB)) < 0.5, losses
-    assert losses[-1] < losses[0] - 2, losses  # (measured 9.16 -> 0.31 untied, 9.20 -> 0.35 tied)
+    assert losses[-1] < losses[0] - 2, losses  # (measured 9.15 -> 0.32 untied, 9.08 -> 0.28 tied)
 
 
 def std_of(tensor: torch.Tensor) -> float:
