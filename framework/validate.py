@@ -237,13 +237,18 @@ def check_optimizer(c: Checked) -> None:
     cfg = c.cfg
     options = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
     optimizer = get_class(cfg.optim._target_)
+    signature = inspect.signature(optimizer).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in signature.values()):
+        for key in (k for k in options if k not in signature):  # (a recipe's AdamW options under optim=muon)
+            theirs = f" (its AdamW side's go under optim.adamw: optim.adamw.{key})" if "adamw" in signature else ""
+            raise ConfigError(f"optim.{key}", options[key], f"{optimizer.__name__} takes no such option{theirs}; "
+                                                            f"remove it: ~optim.{key} on the command line")
     try:
         inspect.signature(optimizer).bind(None, **options)  # None: the parameters, given later
     except TypeError as error:
         raise ConfigError("optim", options, f"{optimizer.__name__} cannot be built: {error}; fix or remove the "
                                             f"option (e.g. ~optim.KEY on the command line)") from None
     # a switch (fused, foreach, amsgrad, ...) the optimizer takes as any truthy value: yes, 0.5
-    signature = inspect.signature(optimizer).parameters
     for key, value in options.items():
         switch = signature[key].annotation in (bool, Optional[bool], bool | None) if key in signature else False
         if switch and not isinstance(value, bool) and value is not None:

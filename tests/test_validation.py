@@ -37,7 +37,9 @@ BAD_CONFIGS = [
     (["pipeline=[distributed,mesh,model,tensor_parallel,data_parallel]"],
      r"pipeline=.*: tensor_parallel must come after data_parallel: DP is the outer wrapper"),
     (["pipeline=[mesh,distributed]"], r"pipeline=.*: the stages run in the fixed order"),
-    (["+optim.betas=[0.9,0.95]"], r"optim=.*: SGD cannot be built: got an unexpected keyword argument 'betas'"),
+    (["+optim.betas=[0.9,0.95]"], r"optim.betas=\[0.9, 0.95\]: SGD takes no such option; remove it: ~optim.betas"),
+    (["recipe=lm_2d", "optim=muon"], r"optim.betas=\[0.9, 0.95\]: Muon takes no such option \(its AdamW side's go "
+                                     r"under optim.adamw: optim.adamw.betas\); remove it: ~optim.betas on the command"),
     (["trainer.eval_every=5"], r"trainer.eval_every=5: framework.data.SyntheticRegression has no `split` argument"),
     (["mesh.ranks_per_host=0"], r"mesh.ranks_per_host=0: must be >= 1"),
     (["launcher.threads_per_rank=0"], r"launcher.threads_per_rank=0: must be >= 1, or null"),
