@@ -238,11 +238,13 @@ def check_optimizer(c: Checked) -> None:
     options = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
     optimizer = get_class(cfg.optim._target_)
     signature = inspect.signature(optimizer).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in signature.values()):
-        for key in (k for k in options if k not in signature):  # (a recipe's AdamW options under optim=muon)
-            theirs = f" (its AdamW side's go under optim.adamw: optim.adamw.{key})" if "adamw" in signature else ""
-            raise ConfigError(f"optim.{key}", options[key], f"{optimizer.__name__} takes no such option{theirs}; "
-                                                            f"remove it: ~optim.{key} on the command line")
+    unknown = [] if any(p.kind is p.VAR_KEYWORD for p in signature.values()) else \
+        [key for key in options if key not in signature]  # (say, a recipe's AdamW betas under optim=muon)
+    if unknown:
+        key = unknown[0]
+        theirs = f" (its AdamW side's go under optim.adamw: optim.adamw.{key})" if "adamw" in signature else ""
+        raise ConfigError(f"optim.{key}", options[key], f"{optimizer.__name__} takes no such option{theirs}; "
+                                                        f"remove it: ~optim.{key} on the command line")
     try:
         inspect.signature(optimizer).bind(None, **options)  # None: the parameters, given later
     except TypeError as error:

@@ -211,8 +211,8 @@ def stage_weights(run: Run) -> None:
         return
     # (a resume that does not replace the base holds adapters alone: their base first)
     init_from = run.start.path if run.start.kind == "init" else base_checkpoint(cfg, directory)
-    message = load_base(run.module, init_from, None if cfg.adapter.kind == "qlora" else offered(run.module).hf_path)
     model = offered(run.module)
+    message = load_base(run.module, init_from, None if cfg.adapter.kind == "qlora" else model.hf_path)
     if isinstance(model, TransformersModel):  # (and why: model.backend=auto falls back to them)
         message += f" into transformers' {type(model.causal).__name__} ({model.chosen_because})"
     if cfg.checkpoint.resume and run.start.kind == "fresh":
