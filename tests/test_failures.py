@@ -1,6 +1,7 @@
 """No silent hangs, no wrong culprit: a stuck step fails fast with every rank's stage, collective
 and stacks; a rank killed by a signal is the headline, the ranks the agent stopped after it
 never are; and the zygote the ranks fork from relays exits and signals and leaves nothing."""
+import inspect
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import time
 import uuid
 
 import pytest
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from framework.launch.local import RankFailed, spawn_ranks
 from framework.launch.zygote import zygote_socket
@@ -41,6 +43,24 @@ def test_a_zygote_rank_exits_as_its_client_does_and_dies_with_it():
         # SIGTERM is relayed, and the client ends as its rank did: by the same signal.
         assert client.wait(timeout=10) == (-signal.SIGTERM if end.startswith("SIGTERM") else -signal.SIGKILL)
         assert _gone(rank_pid), f"the rank outlived its client after {end}"
+
+
+@pytest.mark.timeout(60)
+def test_the_launchers_rendezvous_names_its_events_as_torchs_own_inspect_stack_would(monkeypatch):
+    # spawn_ranks reads the caller's name off the frame instead of torch's inspect.stack() (0.3
+    # CPU-s a launch); each event must keep the name torch gives it: its caller's function.
+    named = []
+    record = dynamic_rendezvous.construct_and_record_rdzv_event
+
+    def recording(**event):
+        caller = inspect.stack()[2].function  # [0] this function, [1] torch's _record, [2] its caller
+        named.append((event["name"].rpartition(".")[2], caller))
+        return record(**event)
+
+    monkeypatch.setattr(dynamic_rendezvous, "construct_and_record_rdzv_event", recording)
+    spawn_ranks(2, *ZYGOTE, zygote_socket(), "tests.rank_exits", "exit", "0")
+    assert {"next_rendezvous", "_add_to_participants", "_mark_rendezvous_complete", "run"} <= {n for n, _ in named}
+    assert all(name == caller for name, caller in named), named
 
 
 @pytest.mark.integration
