@@ -43,6 +43,7 @@ from framework.parallel.plan import check_output_layout, check_plan, matching_mo
 from framework.training.compile import compiled_blocks
 from framework.training.muon import check_muon
 from framework.models.protocol import from_hugging_face, offered
+from framework.models.vision import check_vision
 from framework.models.transformers_model import TransformersModel, check_transformers_model
 
 
@@ -354,6 +355,7 @@ CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_float8,                # framework.models.float8: the recipe, torchao, an sm_89+ GPU
     check_context_parallel,      # framework.parallel.context_parallel_checks: the chunks, the model's attention
     check_document_masking,      # framework.data.checks: packed data, positions
+    check_vision,                # framework.models.vision: image data, a VLM, its objective and mesh
     check_objective,             # framework.training.objectives: auxiliary terms
     check_preference,            # framework.training.objectives.preference: pairs, DPO's reference
     check_unpaired,              # framework.training.objectives.preference: unpaired examples, KTO's reference

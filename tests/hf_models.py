@@ -136,3 +136,81 @@ def _byte_of(char: str) -> int:
     table = {chr(b): b for b in printable}
     table.update({chr(256 + i): b for i, b in enumerate(others)})
     return table[char]
+
+
+# A Gemma 3-shaped vision-language model: a SigLIP tower on 16x16 images (4x4 patches of 4 pixels),
+# its projector pooling them to 4 image tokens, Gemma 3's text model; the byte tokenizer with
+# Gemma's turn and image markers, and a chat template of Gemma's form.
+VLM_SPECIALS = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                "<image_soft_token>", "<pad>"]
+VLM_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<start_of_image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def make_vlm(out_dir: str, seed: int = 0) -> str:
+    """Save a random 2-layer Gemma 3 vision-language model (fp32) with its processor (image
+    processor, tokenizer, chat template) in out_dir; return out_dir."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_byte_tokenizer(out_dir)
+    tokenizer = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in VLM_SPECIALS])
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    ids = {token: tokenizer.token_to_id(token) for token in VLM_SPECIALS}
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=VOCAB + len(VLM_SPECIALS), hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         query_pre_attn_scalar=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                         max_position_embeddings=256, pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"],
+                         eos_token_id=ids["<end_of_turn>"]),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=16, patch_size=4),
+        mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"])
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # (zero-initialized biases, norms and projector made random, so they are tested)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or name.endswith("mm_input_projection_weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(out_dir, "tokenizer.json"), bos_token="<bos>", eos_token="<end_of_turn>",
+        pad_token="<pad>", extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                 "image_token": "<image_soft_token>"})
+    image_processor = transformers.Gemma3ImageProcessor(size={"height": 16, "width": 16})
+    transformers.Gemma3Processor(image_processor=image_processor, tokenizer=fast, chat_template=VLM_TEMPLATE,
+                                 image_seq_length=4).save_pretrained(out_dir)
+    return out_dir
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 20)}
+
+
+def colour_records(out_dir: str, count: int = 128, text_only_every: int = 0, seed: int = 0) -> str:
+    """A JSONL of `count` records asking the colour of a solid 16x16 image (the answer only the
+    image gives), the images beside it; every `text_only_every`-th record a text-only one."""
+    import random
+
+    from PIL import Image
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name, rgb in COLOURS.items():
+        Image.new("RGB", (16, 16), rgb).save(os.path.join(out_dir, f"{name}.png"))
+    rng = random.Random(seed)
+    path = os.path.join(out_dir, "train.jsonl")
+    with open(path, "w") as f:
+        for i in range(count):
+            name = rng.choice(sorted(COLOURS))
+            if text_only_every and i % text_only_every == 0:
+                record = {"prompt": "Say ok.", "response": "ok"}
+            else:
+                record = {"image": f"{name}.png", "prompt": "What colour is it?", "response": name}
+            f.write(json.dumps(record) + "\n")
+    return path

@@ -69,6 +69,8 @@ HF = {("model", "hf"): ["recipe=lm_2d", "model.path={llama}"],
       ("recipe", "lora_hf"): ["model.path={llama}", "data.path={tokens}", "data.dataset.seq_len=64"],
       ("recipe", "dpo_hf"): ["model.path={llama}", "data.path={preference}", "data.tokenizer=null",
                              "data.dataset.seq_len=64"],
+      ("data", "vision"): ["model=hf", "model.path={vlm}", "plan=none", "mesh=1x1", "data.path={colours}"],
+      ("recipe", "vlm_sft"): ["model.path={vlm}", "data.path={colours}"],
       ("recipe", "grpo_hf"): ["model.path={llama}", "data.path={prompts}", "data.tokenizer=null",
                               "data.dataset.seq_len=64", "objective.max_new_tokens=16", "data.micro_batch_size=null"]}
 

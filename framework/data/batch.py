@@ -5,7 +5,10 @@ objective.reference=precomputed, each pair's reference log-probabilities; from a
 (framework.data.mixture), each sample's source; for GRPO (framework.training.objectives.grpo), each prompt's
 index in its dataset (what seeds its sampling) and, once its completions are rolled out, each
 completion's advantage (the reference's per-token log-probabilities in `reference`, and with
-objective.num_iterations > 1 the policy's as it generated, `old_logps`)."""
+objective.num_iterations > 1 the policy's as it generated, `old_logps`); for a vision-language
+model (framework.data.vision), each sample's images padded to the batch's most (`pixels`), how
+many are real (`image_counts`) and, where its processor gives them, each token's type
+(`token_types`: image or text)."""
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -22,6 +25,9 @@ class Batch(NamedTuple):
     index: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     old_logps: Optional[torch.Tensor] = None
+    pixels: Optional[torch.Tensor] = None
+    image_counts: Optional[torch.Tensor] = None
+    token_types: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, sample: Sequence[torch.Tensor], device) -> "Batch":
@@ -40,4 +46,5 @@ class Batch(NamedTuple):
 
     def model_inputs(self) -> dict:
         """The model's keyword inputs besides the tokens."""
-        return {} if self.positions is None else {"positions": self.positions}
+        names = ("positions", "pixels", "image_counts", "token_types")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}

@@ -71,6 +71,7 @@ def build_dataloader(dataset: Dataset, sampler: DistributedSampler, per_replica_
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StatefulDataLoader(dataset, batch_size=per_replica_batch, drop_last=True,
+                                  collate_fn=getattr(dataset, "collate", None),  # (framework.data.vision's)
                                   sampler=None if isinstance(sampler, StreamEpochs) else sampler,
                                   num_workers=dataset.workers(num_workers) if isinstance(sampler, StreamEpochs)
                                   else num_workers, generator=torch.Generator().manual_seed(0))

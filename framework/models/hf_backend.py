@@ -5,7 +5,7 @@ fastest step) for the model types and features it implements; transformers' own 
 `model.backend` forces one: native for a model it does not implement is refused naming what it
 lacks."""
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from torch import nn
 
@@ -26,8 +26,9 @@ def native_lacks(config: dict, path: str) -> Optional[ConfigError]:
 
 
 def hugging_face_model(path: str, backend: str = "auto", activation_checkpointing: str = "none",
-                       max_positions: Optional[int] = None) -> nn.Module:
-    """The model of the Hugging Face directory `path`, on the meta device, through `backend`."""
+                       max_positions: Optional[int] = None, freeze: Sequence[str] = ()) -> nn.Module:
+    """The model of the Hugging Face directory `path`, on the meta device, through `backend`;
+    a vision-language model's `freeze` parts frozen (framework.models.vision)."""
     if backend not in BACKENDS:
         raise ConfigError("model.backend", backend, f"use one of {', '.join(BACKENDS)}")
     path = os.path.abspath(os.path.expanduser(str(path)))
@@ -36,8 +37,11 @@ def hugging_face_model(path: str, backend: str = "auto", activation_checkpointin
         raise ConfigError("model.backend", "native", f"{lacks.fix}; use model.backend=transformers (or auto) for "
                                                      f"transformers' own classes")
     if backend == "native" or (backend == "auto" and lacks is None):
+        if freeze:
+            raise ConfigError("model.freeze", list(freeze), "freezes a vision-language model's parts; this model is a "
+                                                            "language model alone: set model.freeze=[]")
         return HFTransformer(path, activation_checkpointing, max_positions)
-    model = TransformersModel(path, activation_checkpointing, max_positions)
+    model = TransformersModel(path, activation_checkpointing, max_positions, list(freeze or ()))
     if backend == "auto":
         model.chosen_because = ("model.backend=auto: the native path does not implement it" if
                                 read_config(path).get("model_type") not in SUPPORTED else f"model.backend=auto: {lacks.fix}")

@@ -15,7 +15,7 @@ computed again by transformers' own `_init_weights` once the model has storage.
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from framework.config.errors import ConfigError
 from framework.models.hf_conversions import StoredLayout, stored_layout, stored_state
 from framework.models.nf4 import torchao_quietly
 from framework.models.protocol import ModelProtocol
+from framework.models.vision import freeze, image_inputs
 from framework.parallel.plan import matching_modules
 
 # transformers' TP styles (a model's tp_plan) as the framework's plan entries (framework.parallel.plan)
@@ -87,15 +88,19 @@ class TransformersModel(ModelProtocol, nn.Module):
     hf_names = True
     chosen_because = "model.backend=transformers"  # (framework.models.hf_backend says why auto chose it)
 
-    def __init__(self, path: str, activation_checkpointing: str = "none", max_positions: Optional[int] = None):
+    def __init__(self, path: str, activation_checkpointing: str = "none", max_positions: Optional[int] = None,
+                 freeze_parts: Sequence[str] = ()):
         super().__init__()
         transformers = _transformers()
         path = os.path.abspath(os.path.expanduser(str(path)))
         try:
             config = transformers.AutoConfig.from_pretrained(path)
+            # a vision-language model (a vision_config beside its text config) as its image-and-text class
+            self.vision = getattr(config, "vision_config", None) is not None
+            auto = transformers.AutoModelForImageTextToText if self.vision else transformers.AutoModelForCausalLM
             with torch.device("meta"), torchao_quietly():
                 # (attention: transformers' default for the class, SDPA where it has it, else eager)
-                causal = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                causal = auto.from_config(config, dtype=torch.float32)
         except (ValueError, KeyError) as error:  # an unknown model_type, a config no causal LM takes
             raise ConfigError("model.path", path, f"transformers {transformers.__version__} has no causal LM for its "
                                                   f"config.json: {str(error).splitlines()[0]}") from None
@@ -117,25 +122,36 @@ class TransformersModel(ModelProtocol, nn.Module):
         if self.load_balancing is not None:  # transformers adds it to the loss only with output_router_logits
             self.auxiliary_losses = {}  # (the last training forward's: framework.training.objectives)
             self.aux_coefficients = {"load_balance": float(text.router_aux_loss_coef)}
+        if freeze_parts and not self.vision:
+            raise ConfigError("model.freeze", list(freeze_parts), f"{config.model_type} is a language model alone (its "
+                                                                  f"config.json has no vision_config); set model.freeze=[]")
+        self.frozen = list(freeze_parts)
+        self.part_sizes = freeze(self, freeze_parts, path) if self.vision else None
         if activation_checkpointing == "full":
             causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif activation_checkpointing != "none":
             raise ConfigError("model.activation_checkpointing", activation_checkpointing, "use none or full")
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                skip_output: bool = False, decoding: Optional["_Decoding"] = None) -> torch.Tensor:
+                skip_output: bool = False, decoding: Optional["_Decoding"] = None, pixels: Optional[torch.Tensor] = None,
+                image_counts: Optional[torch.Tensor] = None, token_types: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits (batch, seq, vocab), or with `skip_output` the final hidden states the output
         layer projects (only asked of a model whose output_layer is its lm_head); with `decoding`
-        (own_decoder's) the logits at the last of `tokens`, after the cache."""
+        (own_decoder's) the logits at the last of `tokens`, after the cache. A vision-language
+        model's images come as `pixels` per sample (framework.models.vision.image_inputs)."""
         if decoding is not None:
             return decoding.forward(self.causal, tokens)
         balancing = self.load_balancing is not None and torch.is_grad_enabled()  # (training: not decoding)
         inputs = dict(input_ids=tokens, position_ids=positions, use_cache=False,
                       **({"output_router_logits": True} if balancing else {}))
+        unused_tower = 0
+        if self.vision:
+            images, unused_tower = image_inputs(self.causal.model, pixels, image_counts, token_types)
+            inputs.update(images)
         out = self.causal.model(**inputs) if skip_output else self.causal(**inputs)
         if balancing:  # transformers' term for the forward's tokens, as a sum over them (the objective's unit)
             self.auxiliary_losses = {"load_balance": self.load_balancing(out.router_logits) * tokens.numel()}
-        return out.last_hidden_state if skip_output else out.logits
+        return (out.last_hidden_state if skip_output else out.logits) + unused_tower
 
     def tp_plan(self) -> Dict[str, Dict[str, Any]]:
         """transformers' own TP plan of the model (its tp_plan: the base model's, and lm_head's) as
@@ -186,10 +202,16 @@ class TransformersModel(ModelProtocol, nn.Module):
         """The buffers transformers computes at init and no file holds (rotary frequencies, an
         embedding's scale), computed again by its own _init_weights on the modules that own
         them: given storage by to_empty, they hold garbage. (Their parameters, drawn again
-        there too, are loaded next.)"""
+        there too, are loaded next.) Each module's is its innermost model's (a VLM's vision tower
+        is a model of its own, whose _init_weights knows its position ids)."""
+        owner = {}
+        for model in self.causal.modules():  # outer models first: an inner one takes its own modules over
+            if isinstance(getattr(model, "config", None), _transformers().PretrainedConfig) and \
+                    hasattr(model, "_init_weights"):
+                owner.update(dict.fromkeys(model.modules(), model))
         for module in self.modules():
             if module._non_persistent_buffers_set:
-                self.causal._init_weights(module)
+                owner.get(module, self.causal)._init_weights(module)
 
     def fsdp_units(self) -> List[nn.Module]:
         return self.decoder_layers()
@@ -214,6 +236,8 @@ def check_transformers_model(c: Checked) -> None:
         return
     why = f"{model.model_type} runs on transformers' own classes ({model.chosen_because})"
     refusals = [
+        (model.vision and roles.tp_size > 1, "mesh.shape", list(cfg.mesh.shape),
+         "TP does not split a vision-language model yet; give the tp ranks to dp / fsdp"),
         (roles.pp_size > 1, "parallel.pp_dim", cfg.parallel.get("pp_dim"),
          "pipeline parallelism does not split them yet; give the ranks to dp / fsdp"),
         (roles.cp_size > 1, "parallel.cp_dim", cfg.parallel.get("cp_dim"),

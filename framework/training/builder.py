@@ -47,6 +47,7 @@ from framework.training.objectives.context import Group, ObjectiveContext
 from framework.training.objectives.head import output_head
 from framework.models.protocol import offered
 from framework.models.transformers_model import TransformersModel
+from framework.models.vision import parts_line
 
 log = logging.getLogger("framework")
 
@@ -215,6 +216,8 @@ def stage_weights(run: Run) -> None:
     message = load_base(run.module, init_from, None if cfg.adapter.kind == "qlora" else model.hf_path)
     if isinstance(model, TransformersModel):  # (and why: model.backend=auto falls back to them)
         message += f" into transformers' {type(model.causal).__name__} ({model.chosen_because})"
+        if model.vision:  # what trains of a vision-language model
+            message += f"; parameters: {parts_line(model.part_sizes, model.frozen)}"
     if cfg.checkpoint.resume and run.start.kind == "fresh":
         message += f" (no checkpoint to resume in {directory})"
     peft = cfg.adapter.get("init_from")

@@ -1,0 +1,161 @@
+"""Vision-language fine-tuning (data=vision, framework.models.vision) against transformers itself:
+a tiny random Gemma 3 made with transformers' classes and its processor (tests/hf_models.py's
+make_vlm), solid-colour images made here, fp32."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from framework.config.errors import ConfigError
+from framework.data.batch import IGNORE, Batch
+from framework.data.vision import VisionDataset
+from framework.export import export
+from framework.launch.local import launch_local
+from framework.validate import validate
+from tests.conftest import QUIET, compose_config, run_cli
+from tests.errors import relative_error
+from tests.hf_models import COLOURS, colour_records, make_hf_model, make_vlm
+from tests.test_transformers_models import loaded
+
+import transformers  # noqa: F401  (the dev extra: a broken install fails, never skips)
+from PIL import Image
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return make_vlm(str(tmp_path_factory.mktemp("vlm") / "gemma3"))
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory):
+    return colour_records(str(tmp_path_factory.mktemp("colours")))
+
+
+def vlm_config(path: str, records: str, *overrides: str):
+    return compose_config(["model=hf", f"model.path={path}", "plan=none", "data=vision", f"data.path={records}",
+                           "data.global_batch_size=4", "data.dataset.seq_len=64", "data.num_workers=0", "optim=adamw",
+                           "optim.lr=3e-3", "trainer.max_steps=3", "mesh=1x1", *QUIET, *overrides])
+
+
+def test_one_step_loss_and_gradients_equal_transformers_on_the_processor_s_batch(vlm, colours):
+    """The dataset's samples through the framework's forward: the loss over the responses and
+    every gradient equal transformers' own model given the processor's batch of the same records
+    and labels written out by hand (the response and its end of turn)."""
+    dataset = VisionDataset(colours, vlm, seq_len=64)
+    batch = Batch.of(dataset.collate([dataset[i] for i in range(4)]), "cpu")
+    ours = loaded(vlm)
+    logits = ours(batch.inputs, **batch.model_inputs())
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
+    loss.backward()
+
+    theirs = transformers.AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32)
+    processor = transformers.AutoProcessor.from_pretrained(vlm)
+    records = [json.loads(line) for line in open(colours)][:4]
+    texts = [processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["prompt"]}]},
+         {"role": "assistant", "content": [{"type": "text", "text": r["response"]}]}], tokenize=False) for r in records]
+    images = [[Image.open(os.path.join(os.path.dirname(colours), r["image"])).convert("RGB")] for r in records]
+    encoded = processor(text=texts, images=images, return_tensors="pt", padding=True)
+    labels = torch.full_like(encoded["input_ids"], IGNORE)
+    for row, r in enumerate(records):
+        learned = len(processor.tokenizer(f"{r['response']}<end_of_turn>\n", add_special_tokens=False)["input_ids"])
+        length = int(encoded["attention_mask"][row].sum())
+        labels[row, length - learned:length] = encoded["input_ids"][row, length - learned:length]
+    ref_loss = theirs(**encoded, labels=labels).loss
+    ref_loss.backward()
+    assert int((batch.targets != IGNORE).sum()) == int((labels[:, 1:] != IGNORE).sum())  # the same tokens learned
+    assert relative_error(float(loss), float(ref_loss)) <= 1e-5  # the same ops in the same order: measured 0
+    reference = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():  # (the tower's key biases: 0 but for rounding, ~1e-11)
+        torch.testing.assert_close(p.grad, reference[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("replicate", marks=pytest.mark.integration)])
+def test_two_dp_ranks_train_what_one_process_trains_when_a_rank_s_batch_holds_no_image(strategy, vlm, tmp_path):
+    """Even records text-only, odd ones with an image, unshuffled: DP rank 0 never sees an image
+    (its micro-batches run the tower on a padding slot, times 0), rank 1 always does. The losses
+    of 3 steps equal one process's (FSDP2 would hang, DDP fail, if rank 0 skipped the tower)."""
+    records = colour_records(str(tmp_path / "mixed"), count=32, text_only_every=2)
+    losses = {}
+    for mesh in ("1x1", "2x1"):
+        cfg = vlm_config(vlm, records, f"mesh={mesh}", f"parallel.dp_strategy={strategy}", "sampler.shuffle=false",
+                         "model.freeze=[vision]")
+        losses[mesh] = launch_local(cfg, str(tmp_path / mesh))["losses"]
+    assert len(losses["2x1"]) == 3
+    assert relative_error(torch.tensor(losses["2x1"]), torch.tensor(losses["1x1"])) <= 1e-5  # measured 3.2e-7
+
+
+@pytest.mark.timeout(300)
+def test_the_colour_only_the_image_tells_is_learned_with_the_tower_frozen_and_the_export_loads_in_transformers(
+        vlm, colours, tmp_path):
+    """recipe=vlm_sft on one process: 100 steps from chance to every colour answered right by
+    transformers' greedy generate on the exported model; the frozen tower's tensors bitwise the
+    files' own, the language model's moved."""
+    summary = launch_local(vlm_config(vlm, colours, "recipe=vlm_sft", "mesh=1x1", "trainer.max_steps=100",
+                                      "trainer.warmup_steps=0", "trainer.mixed_precision=null", "trainer.eval_every=null",
+                                      "checkpoint.every=100", "optim.lr=1e-2"), str(tmp_path))
+    assert summary["losses"][-1] < 0.1 < summary["losses"][0]
+    export(str(tmp_path / "checkpoints"), str(tmp_path / "exported"), format="hf")
+    model, info = transformers.AutoModelForImageTextToText.from_pretrained(str(tmp_path / "exported"),
+                                                                           output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    processor = transformers.AutoProcessor.from_pretrained(vlm)
+    for name, rgb in COLOURS.items():
+        prompt = processor.apply_chat_template([{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "What colour is it?"}]}], tokenize=False, add_generation_prompt=True)
+        encoded = processor(text=[prompt], images=[[Image.new("RGB", (16, 16), rgb)]], return_tensors="pt")
+        out = model.generate(**encoded, max_new_tokens=8, do_sample=False)
+        answer = processor.tokenizer.decode(out[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert answer.strip() == name, (name, answer)
+    files = {}
+    for directory in (vlm, str(tmp_path / "exported")):
+        with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
+            files[directory] = {key: f.get_tensor(key) for key in f.keys()}
+    before, after = files.values()
+    assert set(before) == set(after)
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("vision_tower."))
+    assert not torch.equal(before["multi_modal_projector.mm_input_projection_weight"],
+                           after["multi_modal_projector.mm_input_projection_weight"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.freeze=[tower]"], r"model.freeze=\['tower'\]: no such part 'tower'; the parts are vision, projector, "
+                               r"language"),
+    (["mesh=1x2"], r"mesh.shape=\[1, 2\]: gemma3 runs on transformers' own classes .*: TP does not split a "
+                   r"vision-language model yet; give the tp ranks to dp / fsdp"),
+    (["objective=dpo"], r"objective='DirectPreference.*': data=vision trains by SFT \(objective=lm\) only so far"),
+])
+def test_what_vision_language_training_does_not_do_is_refused_in_one_line(overrides, message, vlm, colours):
+    with pytest.raises(ConfigError, match=rf"^config error: {message}"):
+        validate(vlm_config(vlm, colours, *overrides))
+
+
+def test_image_data_for_a_language_model_alone_is_refused_naming_the_key(vlm, colours, tmp_path):
+    text_model = make_hf_model("llama", str(tmp_path / "llama"))
+    with pytest.raises(ConfigError, match=r"^config error: data='vision': needs a vision-language model "
+                                          r"\(transformers' classes, a config.json with a vision_config\); "
+                                          r"HFTransformer is not one: for text, use data=hf_instructions$"):
+        validate(vlm_config(text_model, colours))
+    with pytest.raises(ConfigError, match=r"^config error: model.freeze=\['vision'\]: freezes a vision-language "
+                                          r"model's parts; this model is a language model alone"):
+        validate(vlm_config(text_model, colours, "model.freeze=[vision]", "data=hf_instructions",
+                            f"data.tokenizer={text_model}"))
+
+
+def test_a_record_whose_image_is_missing_is_refused_before_launch_naming_its_line(vlm, tmp_path):
+    records = colour_records(str(tmp_path / "data"), count=8)
+    os.remove(tmp_path / "data" / "blue.png")
+    lines = open(records).read().splitlines()
+    first = next(number for number, line in enumerate(lines, 1) if '"blue.png"' in line)
+    job = tmp_path / "job"
+    result = run_cli(["model=hf", f"model.path={vlm}", "plan=none", "data=vision", f"data.path={records}",
+                      "mesh=1x1", *QUIET, f"hydra.run.dir={job}"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"input error: {records}:{first}: its image {tmp_path / 'data' / 'blue.png'} does not exist; "
+        f"fix the name or remove the record")
+    assert not job.exists()
