@@ -170,7 +170,7 @@ def make_vlm(out_dir: str, seed: int = 0) -> str:
                          max_position_embeddings=256, pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"],
                          eos_token_id=ids["<end_of_turn>"]),
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=16, patch_size=4),
+                           image_size=16, patch_size=4, vision_use_head=False),  # (as Gemma 3 sets it)
         mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
         image_token_index=ids["<image_soft_token>"])
     torch.manual_seed(seed)

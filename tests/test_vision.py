@@ -12,8 +12,9 @@ from safetensors import safe_open
 from framework.config.errors import ConfigError
 from framework.data.batch import IGNORE, Batch
 from framework.data.vision import VisionDataset
-from framework.export import export
+from framework.export import export, load_model
 from framework.launch.local import launch_local
+from framework.models.adapter_names import adapter_layers
 from framework.validate import validate
 from tests.conftest import QUIET, compose_config, run_cli
 from tests.errors import relative_error
@@ -89,6 +90,21 @@ def test_two_dp_ranks_train_what_one_process_trains_when_a_rank_s_batch_holds_no
     assert relative_error(torch.tensor(losses["2x1"]), torch.tensor(losses["1x1"])) <= 1e-5  # measured 3.2e-7
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_resumed_run_continues_the_uninterrupted_one_bitwise_mid_epoch(vlm, tmp_path):
+    """FSDP2 over 2 DP ranks, text-only and image records shuffled: stopped after 2 of 4 steps
+    (mid-epoch: 16 of 32 records) and resumed, the losses are the uninterrupted run's, bitwise."""
+    records = colour_records(str(tmp_path / "mixed"), count=32, text_only_every=3)
+    run = ["mesh=2x1", "parallel.dp_strategy=fsdp", "checkpoint.every=2"]
+    whole = launch_local(vlm_config(vlm, records, *run, "trainer.max_steps=4"), str(tmp_path / "whole"))
+    launch_local(vlm_config(vlm, records, *run, "trainer.max_steps=2"), str(tmp_path / "first"))
+    resumed = launch_local(vlm_config(vlm, records, *run, "trainer.max_steps=4",
+                                      f"checkpoint.resume={tmp_path / 'first' / 'checkpoints' / 'step_2'}"),
+                           str(tmp_path / "resumed"))
+    assert resumed["losses"] == whole["losses"]  # (the history from the checkpoint, then steps 3 and 4)
+
+
 @pytest.mark.timeout(300)
 def test_the_colour_only_the_image_tells_is_learned_with_the_tower_frozen_and_the_export_loads_in_transformers(
         vlm, colours, tmp_path):
@@ -120,6 +136,38 @@ def test_the_colour_only_the_image_tells_is_learned_with_the_tower_frozen_and_th
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("vision_tower."))
     assert not torch.equal(before["multi_modal_projector.mm_input_projection_weight"],
                            after["multi_modal_projector.mm_input_projection_weight"])
+
+
+@pytest.mark.timeout(300)
+def test_lora_adapts_the_language_model_alone_and_its_adapter_loads_in_peft_with_equal_logits(vlm, colours, tmp_path):
+    """adapter=lora on q_proj and v_proj, names the vision tower shares: the run adapts the
+    language model's layers alone, and PEFT, given the exported adapter (its exclude_modules),
+    puts adapters on the same layers of transformers' model, which then computes what the
+    checkpoint computes on an image prompt."""
+    import peft
+
+    launch_local(vlm_config(vlm, colours, "adapter=lora", "adapter.targets=[q_proj,v_proj]", "trainer.max_steps=2",
+                            "checkpoint.every=2", "optim.lr=1e-2"), str(tmp_path))
+    export(str(tmp_path / "checkpoints"), str(tmp_path / "adapter"), format="peft")
+    ours = load_model(str(tmp_path / "checkpoints"))[0]
+    adapted = sorted(name for name, _ in adapter_layers(ours))
+    assert len(adapted) == 4 and all(".language_model." in name for name in adapted), adapted  # 2 layers x q, v
+    theirs = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32), str(tmp_path / "adapter"))
+    assert sorted(name.removeprefix("base_model.model.") for name, module in theirs.named_modules()
+                  if hasattr(module, "lora_A") and isinstance(module.lora_A, torch.nn.ModuleDict)) == adapted
+    processor = transformers.AutoProcessor.from_pretrained(vlm)
+    prompt = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What colour is it?"}]}], tokenize=False, add_generation_prompt=True)
+    encoded = processor(text=[prompt], images=[[Image.new("RGB", (16, 16), COLOURS["red"])]], return_tensors="pt")
+    with torch.no_grad():
+        expected = theirs(**encoded).logits
+        with theirs.disable_adapter():
+            base = theirs(**encoded).logits
+        got = ours(encoded["input_ids"], pixels=encoded["pixel_values"][None], image_counts=torch.tensor([1]),
+                   token_types=encoded["token_type_ids"])
+    assert relative_error(got, expected) <= 1e-5  # measured 0
+    assert relative_error(expected, base) > 1e-4  # the adapters moved
 
 
 @pytest.mark.parametrize("overrides,message", [

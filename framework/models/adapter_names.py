@@ -8,6 +8,7 @@ from typing import Iterator, List, Tuple
 from torch import nn
 
 from framework.config.errors import ConfigError
+from framework.models.vision import role_of
 from framework.parallel.dtensors import dtensor_api, is_dtensor
 
 ADAPTER_PARAMETERS = (".lora_A.", ".lora_B.")
@@ -23,9 +24,12 @@ def adapter_layers(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
 
 
 def targets_of(model: nn.Module, targets: List[str]) -> List[Tuple[str, nn.Linear]]:
-    """The model's linear layers whose name ends in one of `targets`, or one line naming the
-    target that matches nothing and the candidates."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    """The model's linear layers whose name ends in one of `targets` (of a vision-language model,
+    its language model's alone), or one line naming the target that matches nothing and the
+    candidates."""
+    language_only = getattr(model, "vision", False)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+               and not (language_only and role_of(name) != "language")]
     for target in targets:
         if not any(name.rsplit(".", 1)[-1] == target for name, _ in linears):
             candidates = sorted({name.rsplit(".", 1)[-1] for name, _ in linears})

@@ -23,6 +23,7 @@ from torch import nn
 from framework.config.errors import ConfigError
 from framework.config.checked import Checked
 from framework.models.adapter_names import adapter_layers, is_adapter, targets_of
+from framework.models.vision import outside_language_pattern
 from framework.models.hf import hf_name
 from framework.models.initialization import parameter_generator
 from framework.models.nf4 import dequantized
@@ -99,6 +100,8 @@ def peft_adapter(model: nn.Module, adapter) -> Tuple[Dict[str, torch.Tensor], di
               "lora_dropout": adapter.dropout, "target_modules": sorted(modules), "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "base_model_name_or_path": offered(model).hf_path}
+    if getattr(offered(model), "vision", False):  # (the vision tower's layers share the targets' names)
+        config["exclude_modules"] = outside_language_pattern()
     return tensors, config
 
 

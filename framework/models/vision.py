@@ -4,6 +4,7 @@ its parts by role, freezing them (`model.freeze`), and a batch's images as the m
 The roles are read off transformers' module names, which its VLM classes share: the vision tower
 (`vision_tower`, Qwen's `visual`), the projector into the language model's embeddings
 (`multi_modal_projector`) and the language model (everything else: `language_model`, `lm_head`).
+LoRA adapts the language model's layers alone (framework.models.adapter_names.targets_of).
 
 A batch's images come per sample (framework.data.vision): `pixels` [batch, slots, ...] with
 `image_counts` [batch] of them real, the rest padding. The model takes the real ones in the
@@ -31,6 +32,12 @@ def role_of(name: str) -> str:
         if any(module in parts for module in _ROLE_MODULES[role]) or (role == "projector" and "merger" in parts):
             return role
     return "language"
+
+
+def outside_language_pattern() -> str:
+    """A regex that fully matches the module names outside the language model (PEFT's
+    exclude_modules: its adapters are the language model's alone, as the run's)."""
+    return rf"(.*\.)?({'|'.join(_ROLE_MODULES['vision'] + _ROLE_MODULES['projector'])})(\..*)?"
 
 
 def freeze(model: nn.Module, roles: Sequence[str], path: str) -> Dict[str, int]:
