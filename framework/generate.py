@@ -8,14 +8,15 @@ with the model's tokenizer (the HF directory's tokenizer.json; for the framework
 run's data.tokenizer, else bytes), decoded token by token with a KV cache (each new token
 attends to the cached keys and values instead of recomputing the prefix; framework.models.decode), until N tokens or the
 end-of-text token. `--adapter PEFT_DIR` adds a PEFT LoRA adapter (PEFT's or framework.export
---format peft's) to SOURCE's model. Greedy (temperature 0, the default) or sampled with nucleus (top-p)
+--format peft's) to SOURCE's model. `--image FILE` (a vision-language model): the images and the
+prompt as the user's turn of the model's chat template, and the answer alone printed. Greedy (temperature 0, the default) or sampled with nucleus (top-p)
 filtering, seeded. A Hugging Face model is checked as training checks it (its safetensors, a
 tokenizer within its vocabulary, the prompt and N new tokens within its max_position_embeddings)
 before anything runs; bad input exits 2 with one line.
 """
 import argparse
 import sys
-from typing import List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from torch import nn
 from framework.cli import checkpoint_source, parsed_status
 from framework.config.errors import ConfigError, check_rules
 from framework.data.tokenizer import load_tokenizer
+from framework.data.vision import load_processor
 from framework.parallel.device import resolve_device
 from framework.checkpoint.weights import load_base
 from framework.models.hf import check_length, check_vocab, check_weights
@@ -173,7 +175,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m framework.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="SOURCE", help=SOURCES)
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", required=True, help="the text to continue (with --image: the user's question)")
+    p.add_argument("--image", action="append", metavar="FILE", help="an image for a vision-language model, before "
+                                                                     "the prompt in the user's turn (repeat for more)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (>= 1; default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); > 0: sampled")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens whose probability "
@@ -186,10 +190,41 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def image_prompt(args: argparse.Namespace, model: nn.Module) -> Tuple[List[int], Dict[str, torch.Tensor]]:
+    """A vision-language model's prompt of --image files and --prompt text through its own
+    processor and chat template (the user's turn, then the assistant's opening, as data=vision
+    trains it): the ids, and the image inputs its first forward takes."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not getattr(offered(model), "vision", False):
+        raise ConfigError("--image", args.image, "SOURCE's model reads text alone; give a vision-language model "
+                                                 "(config.json with a vision_config) or drop --image")
+    images = []
+    for file in args.image:
+        try:
+            images.append(Image.open(file).convert("RGB"))
+        except (OSError, UnidentifiedImageError) as error:
+            raise ConfigError("--image", file, f"is not an image Pillow reads ({error})") from None
+    processor = load_processor(offered(model).hf_path)
+    user = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.prompt}]
+    text = processor.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    encoded = processor(text=[text], images=[images], return_tensors="pt")
+    check_length(model, "--max-new-tokens", args.max_new_tokens, before=encoded["input_ids"].shape[1])
+    return encoded["input_ids"][0].tolist(), {key: value for key, value in encoded.items()
+                                              if key not in ("input_ids", "attention_mask")}
+
+
 def _run(args: argparse.Namespace) -> int:
     check_options(args)
     model, tokenizer, stop = load_source(args.source, args.adapter)
     model.to(chosen_device(args.device))
+    if args.image:  # the answer alone: the prompt is a chat template's turn
+        prompt, images = image_prompt(args, model)
+        device = next(model.parameters()).device
+        with offered(model).prompt_images({key: value.to(device) for key, value in images.items()}):
+            new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, stop)
+        print(tokenizer.decode([t for t in new if t not in stop]))
+        return 0
     prompt = encoded_prompt(args, model, tokenizer)
     new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, stop)
     print(args.prompt + tokenizer.decode([t for t in new if t not in stop]))

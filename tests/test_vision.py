@@ -13,6 +13,7 @@ from framework.config.errors import ConfigError
 from framework.data.batch import IGNORE, Batch
 from framework.data.vision import VisionDataset
 from framework.export import export, load_model
+from framework.generate import main as generate_main
 from framework.launch.local import launch_local
 from framework.models.adapter_names import adapter_layers
 from framework.validate import validate
@@ -107,10 +108,10 @@ def test_a_resumed_run_continues_the_uninterrupted_one_bitwise_mid_epoch(vlm, tm
 
 @pytest.mark.timeout(300)
 def test_the_colour_only_the_image_tells_is_learned_with_the_tower_frozen_and_the_export_loads_in_transformers(
-        vlm, colours, tmp_path):
+        vlm, colours, tmp_path, capsys):
     """recipe=vlm_sft on one process: 100 steps from chance to every colour answered right by
-    transformers' greedy generate on the exported model; the frozen tower's tensors bitwise the
-    files' own, the language model's moved."""
+    transformers' greedy generate on the exported model, and by framework.generate --image on the
+    checkpoint; the frozen tower's tensors bitwise the files' own, the projector's moved."""
     summary = launch_local(vlm_config(vlm, colours, "recipe=vlm_sft", "mesh=1x1", "trainer.max_steps=100",
                                       "trainer.warmup_steps=0", "trainer.mixed_precision=null", "trainer.eval_every=null",
                                       "checkpoint.every=100", "optim.lr=1e-2"), str(tmp_path))
@@ -119,7 +120,7 @@ def test_the_colour_only_the_image_tells_is_learned_with_the_tower_frozen_and_th
     model, info = transformers.AutoModelForImageTextToText.from_pretrained(str(tmp_path / "exported"),
                                                                            output_loading_info=True)
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    processor = transformers.AutoProcessor.from_pretrained(vlm)
+    processor = transformers.AutoProcessor.from_pretrained(str(tmp_path / "exported"))  # (export carries its files)
     for name, rgb in COLOURS.items():
         prompt = processor.apply_chat_template([{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": "What colour is it?"}]}], tokenize=False, add_generation_prompt=True)
@@ -127,6 +128,11 @@ def test_the_colour_only_the_image_tells_is_learned_with_the_tower_frozen_and_th
         out = model.generate(**encoded, max_new_tokens=8, do_sample=False)
         answer = processor.tokenizer.decode(out[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
         assert answer.strip() == name, (name, answer)
+        # framework.generate, greedy, on the checkpoint: transformers' answer
+        Image.new("RGB", (16, 16), rgb).save(tmp_path / f"{name}.png")
+        assert generate_main([str(tmp_path / "checkpoints"), "--image", str(tmp_path / f"{name}.png"), "--prompt",
+                              "What colour is it?", "--max-new-tokens", "8"]) == 0
+        assert capsys.readouterr().out == answer + "\n"
     files = {}
     for directory in (vlm, str(tmp_path / "exported")):
         with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
@@ -192,6 +198,19 @@ def test_image_data_for_a_language_model_alone_is_refused_naming_the_key(vlm, co
                                           r"model's parts; this model is a language model alone"):
         validate(vlm_config(text_model, colours, "model.freeze=[vision]", "data=hf_instructions",
                             f"data.tokenizer={text_model}"))
+
+
+def test_generate_refuses_an_image_for_a_language_model_alone_and_a_file_that_is_no_image(vlm, tmp_path, capsys):
+    (tmp_path / "notes.png").write_text("not an image")
+    text_model = make_hf_model("llama", str(tmp_path / "llama"))
+    capsys.readouterr()  # (the model's saving)
+    assert generate_main([text_model, "--image", str(tmp_path / "notes.png"), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"config error: --image=['{tmp_path / 'notes.png'}']: SOURCE's model reads text alone; give a vision-language "
+        f"model (config.json with a vision_config) or drop --image")
+    assert generate_main([vlm, "--image", str(tmp_path / "notes.png"), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        f"config error: --image='{tmp_path / 'notes.png'}': is not an image Pillow reads (cannot identify image file")
 
 
 def test_a_record_whose_image_is_missing_is_refused_before_launch_naming_its_line(vlm, tmp_path):

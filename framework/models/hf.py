@@ -30,7 +30,9 @@ from framework.parallel.dtensors import dtensor_api, global_offset, is_dtensor
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 # Files a Hugging Face model directory carries besides its weights (export copies them).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json")
+              "special_tokens_map.json",
+              # a vision-language model's processor: its image processor, its chat template
+              "processor_config.json", "preprocessor_config.json", "chat_template.jinja", "chat_template.json")
 
 # our parameter name -> Hugging Face's (a layer's index is \1)
 _NAMES = [

@@ -12,10 +12,12 @@ its logits are that projection alone (else the loss reads the logits the model c
 the buffers transformers computes at init (rotary frequencies, Gemma's embedding scale) are
 computed again by transformers' own `_init_weights` once the model has storage.
 """
+import inspect
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -57,18 +59,24 @@ def _transformers():
 
 @dataclass
 class _Decoding:
-    """One decode's state: the rows' left padding, transformers' cache, the positions so far."""
+    """One decode's state: the rows' left padding, transformers' cache, the positions so far, and
+    what the prompt's forward alone takes besides its tokens (a VLM's images)."""
     pad: torch.Tensor
     cache: Any = None
     length: int = 0
+    prompt_inputs: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     def forward(self, causal: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         total = self.length + tokens.shape[1]
         places = torch.arange(total, device=tokens.device)[None]
+        # (transformers 5.25 renamed past_key_values to cache; older 5.x know the first alone)
+        cache_key = "cache" if "cache" in inspect.signature(causal.forward).parameters else "past_key_values"
         out = causal(input_ids=tokens, attention_mask=(places >= self.pad[:, None]).long(),
                      position_ids=(places - self.pad[:, None]).clamp(min=0)[:, self.length:],
-                     past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache, self.length = out.past_key_values, total
+                     use_cache=True, logits_to_keep=1, **{cache_key: self.cache},
+                     **(self.prompt_inputs if self.length == 0 else {}))
+        cache = getattr(out, "cache", None)
+        self.cache, self.length = out.past_key_values if cache is None else cache, total
         return out.logits[:, -1]
 
 
@@ -182,8 +190,18 @@ class TransformersModel(ModelProtocol, nn.Module):
         window's, a linear attention's state), the rows' left padding masked and their positions
         counted from each row's first token, as transformers' generate does; each call goes
         through this module's forward (an FSDP2 root gathers its weights there)."""
-        decoding = _Decoding(pad)
+        decoding = _Decoding(pad, prompt_inputs=getattr(self, "_prompt_images", {}))
         return lambda tokens: self(tokens, decoding=decoding)
+
+    @contextmanager
+    def prompt_images(self, inputs: Dict[str, torch.Tensor]) -> Iterator[None]:
+        """Decodes in this block give their prompt's forward a VLM processor's image inputs
+        (pixel_values, token_type_ids), as transformers' generate gives its first step."""
+        self._prompt_images = inputs
+        try:
+            yield
+        finally:
+            self._prompt_images = {}
 
     def input_embeddings(self) -> nn.Module:
         return self.causal.get_input_embeddings()
