@@ -151,18 +151,47 @@ VLM_TEMPLATE = (
     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
-def make_vlm(out_dir: str, seed: int = 0) -> str:
-    """Save a random 2-layer Gemma 3 vision-language model (fp32) with its processor (image
-    processor, tokenizer, chat template) in out_dir; return out_dir."""
-    import transformers
+# LLaVA's form: a CLIP tower (its class token dropped, the second-to-last layer's features), a
+# 2-layer MLP projector, a Llama; "USER:<image>...\nASSISTANT: ...\n" turns (the newline an expression:
+# transformers renders templates with trim_blocks, which drops a newline after a tag).
+LLAVA_SPECIALS = ["<bos>", "<image>", "<pad>"]
+_BYTE_ZERO = chr(256)  # the byte tokenizer's character for byte 0, config.json's eos (GPT-2's byte table)
+LLAVA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'].upper() }}:{% if message['role'] == 'assistant' %} "
+    "{% endif %}{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>{% elif part['type'] == "
+    "'text' %}{{ part['text'] }}{% endif %}{% endfor %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def _vlm_tokenizer(out_dir: str, specials: list) -> dict:
+    """The byte tokenizer with `specials` added after the bytes; their ids."""
     from tokenizers import AddedToken, Tokenizer
 
     os.makedirs(out_dir, exist_ok=True)
     save_byte_tokenizer(out_dir)
     tokenizer = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json"))
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in VLM_SPECIALS])
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    ids = {token: tokenizer.token_to_id(token) for token in VLM_SPECIALS}
+    return {token: tokenizer.token_to_id(token) for token in specials}
+
+
+def _randomized(model, seed: int):
+    """Zero-initialized biases, norms and projectors made random, so they are tested."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or name.endswith("mm_input_projection_weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def make_vlm(out_dir: str, seed: int = 0, kind: str = "gemma3") -> str:
+    """Save a random 2-layer vision-language model (fp32) of `kind` (gemma3, llava) with its
+    processor (image processor, tokenizer, chat template) in out_dir; return out_dir."""
+    import transformers
+
+    if kind == "llava":
+        return _make_llava(out_dir, seed)
+    ids = _vlm_tokenizer(out_dir, VLM_SPECIALS)
     config = transformers.Gemma3Config(
         text_config=dict(vocab_size=VOCAB + len(VLM_SPECIALS), hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -174,12 +203,7 @@ def make_vlm(out_dir: str, seed: int = 0) -> str:
         mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
         image_token_index=ids["<image_soft_token>"])
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():  # (zero-initialized biases, norms and projector made random, so they are tested)
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or name.endswith("mm_input_projection_weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out_dir)
+    _randomized(transformers.Gemma3ForConditionalGeneration(config), seed).save_pretrained(out_dir)
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_file=os.path.join(out_dir, "tokenizer.json"), bos_token="<bos>", eos_token="<end_of_turn>",
         pad_token="<pad>", extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
@@ -187,6 +211,30 @@ def make_vlm(out_dir: str, seed: int = 0) -> str:
     image_processor = transformers.Gemma3ImageProcessor(size={"height": 16, "width": 16})
     transformers.Gemma3Processor(image_processor=image_processor, tokenizer=fast, chat_template=VLM_TEMPLATE,
                                  image_seq_length=4).save_pretrained(out_dir)
+    return out_dir
+
+
+def _make_llava(out_dir: str, seed: int) -> str:
+    import transformers
+
+    ids = _vlm_tokenizer(out_dir, LLAVA_SPECIALS)
+    config = transformers.LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=16, patch_size=4, projection_dim=32),
+        text_config=dict(model_type="llama", vocab_size=VOCAB + len(LLAVA_SPECIALS), hidden_size=64,
+                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=ids["<bos>"], eos_token_id=0,
+                         pad_token_id=ids["<pad>"]),
+        image_token_index=ids["<image>"], image_seq_length=16, vision_feature_layer=-2,
+        vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    _randomized(transformers.LlavaForConditionalGeneration(config), seed).save_pretrained(out_dir)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(out_dir, "tokenizer.json"),
+                                                bos_token="<bos>", eos_token=_BYTE_ZERO, pad_token="<pad>")
+    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    transformers.LlavaProcessor(image_processor=image_processor, tokenizer=fast, patch_size=4,
+                                vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+                                num_additional_image_tokens=1).save_pretrained(out_dir)
     return out_dir
 
 

@@ -32,6 +32,16 @@ def vlm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def vlms(vlm, tmp_path_factory):
+    return {"gemma3": vlm, "llava": make_vlm(str(tmp_path_factory.mktemp("vlm") / "llava"), kind="llava")}
+
+
+# What each family's chat template puts after the prompt's generation opening, written out: the
+# response and the end of its turn, the tokens learned.
+LEARNED = {"gemma3": "{}<end_of_turn>\n", "llava": " {}\n"}
+
+
+@pytest.fixture(scope="module")
 def colours(tmp_path_factory):
     return colour_records(str(tmp_path_factory.mktemp("colours")))
 
@@ -42,10 +52,14 @@ def vlm_config(path: str, records: str, *overrides: str):
                            "optim.lr=3e-3", "trainer.max_steps=3", "mesh=1x1", *QUIET, *overrides])
 
 
-def test_one_step_loss_and_gradients_equal_transformers_on_the_processor_s_batch(vlm, colours):
+@pytest.mark.parametrize("kind", ["gemma3", "llava"])
+def test_one_step_loss_and_gradients_equal_transformers_on_the_processor_s_batch(kind, vlms, colours):
     """The dataset's samples through the framework's forward: the loss over the responses and
     every gradient equal transformers' own model given the processor's batch of the same records
-    and labels written out by hand (the response and its end of turn)."""
+    and labels written out by hand (the response and its end of turn). Gemma 3 (a SigLIP tower,
+    pooled image tokens, image tokens attending both ways) and LLaVA (a CLIP tower's
+    second-to-last layer without its class token, an MLP projector, a Llama)."""
+    vlm = vlms[kind]
     dataset = VisionDataset(colours, vlm, seq_len=64)
     batch = Batch.of(dataset.collate([dataset[i] for i in range(4)]), "cpu")
     ours = loaded(vlm)
@@ -63,7 +77,7 @@ def test_one_step_loss_and_gradients_equal_transformers_on_the_processor_s_batch
     encoded = processor(text=texts, images=images, return_tensors="pt", padding=True)
     labels = torch.full_like(encoded["input_ids"], IGNORE)
     for row, r in enumerate(records):
-        learned = len(processor.tokenizer(f"{r['response']}<end_of_turn>\n", add_special_tokens=False)["input_ids"])
+        learned = len(processor.tokenizer(LEARNED[kind].format(r["response"]), add_special_tokens=False)["input_ids"])
         length = int(encoded["attention_mask"][row].sum())
         labels[row, length - learned:length] = encoded["input_ids"][row, length - learned:length]
     ref_loss = theirs(**encoded, labels=labels).loss
@@ -76,15 +90,17 @@ def test_one_step_loss_and_gradients_equal_transformers_on_the_processor_s_batch
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("replicate", marks=pytest.mark.integration)])
-def test_two_dp_ranks_train_what_one_process_trains_when_a_rank_s_batch_holds_no_image(strategy, vlm, tmp_path):
+@pytest.mark.parametrize("kind,strategy", [("gemma3", "fsdp"),
+                                           pytest.param("gemma3", "replicate", marks=pytest.mark.integration),
+                                           pytest.param("llava", "fsdp", marks=pytest.mark.integration)])
+def test_two_dp_ranks_train_what_one_process_trains_when_a_rank_s_batch_holds_no_image(kind, strategy, vlms, tmp_path):
     """Even records text-only, odd ones with an image, unshuffled: DP rank 0 never sees an image
     (its micro-batches run the tower on a padding slot, times 0), rank 1 always does. The losses
     of 3 steps equal one process's (FSDP2 would hang, DDP fail, if rank 0 skipped the tower)."""
     records = colour_records(str(tmp_path / "mixed"), count=32, text_only_every=2)
     losses = {}
     for mesh in ("1x1", "2x1"):
-        cfg = vlm_config(vlm, records, f"mesh={mesh}", f"parallel.dp_strategy={strategy}", "sampler.shuffle=false",
+        cfg = vlm_config(vlms[kind], records, f"mesh={mesh}", f"parallel.dp_strategy={strategy}", "sampler.shuffle=false",
                          "model.freeze=[vision]")
         losses[mesh] = launch_local(cfg, str(tmp_path / mesh))["losses"]
     assert len(losses["2x1"]) == 3

@@ -66,7 +66,7 @@ def _features(output) -> torch.Tensor:
     if isinstance(output, (tuple, list)):
         return torch.cat([_features(o).flatten() for o in output])
     pooled = getattr(output, "pooler_output", None)
-    return pooled if pooled is not None else output.last_hidden_state
+    return _features(pooled if pooled is not None else output.last_hidden_state)
 
 
 def image_inputs(base: nn.Module, pixels: Optional[torch.Tensor], image_counts: Optional[torch.Tensor],
