@@ -52,16 +52,27 @@ def vlm_config(path: str, records: str, *overrides: str):
                            "optim.lr=3e-3", "trainer.max_steps=3", "mesh=1x1", *QUIET, *overrides])
 
 
+# One batch of each kind of record: two images, one, none (text only), one in a list.
+MIXED = [{"image": ["red.png", "blue.png"], "prompt": "Which colours, in order?", "response": "red, blue"},
+         {"image": "green.png", "prompt": "What colour is it?", "response": "green"},
+         {"prompt": "Say ok.", "response": "ok"},
+         {"image": ["yellow.png"], "prompt": "What colour is it?", "response": "yellow"}]
+
+
 @pytest.mark.parametrize("kind", ["gemma3", "llava"])
-def test_one_step_loss_and_gradients_equal_transformers_on_the_processor_s_batch(kind, vlms, colours):
-    """The dataset's samples through the framework's forward: the loss over the responses and
-    every gradient equal transformers' own model given the processor's batch of the same records
-    and labels written out by hand (the response and its end of turn). Gemma 3 (a SigLIP tower,
-    pooled image tokens, image tokens attending both ways) and LLaVA (a CLIP tower's
-    second-to-last layer without its class token, an MLP projector, a Llama)."""
+def test_one_step_loss_and_gradients_equal_transformers_on_the_processor_s_batch(kind, vlms, tmp_path):
+    """A batch of two images, one, none and one through the framework's dataset, collation and
+    forward: the loss over the responses and every gradient equal transformers' own model given
+    the processor's batch of the same records and labels written out by hand (the response and
+    its end of turn). Gemma 3 (a SigLIP tower, pooled image tokens, image tokens attending both
+    ways) and LLaVA (a CLIP tower's second-to-last layer without its class token, an MLP
+    projector, a Llama)."""
     vlm = vlms[kind]
-    dataset = VisionDataset(colours, vlm, seq_len=64)
+    colour_records(str(tmp_path), count=1)  # (the colours' images)
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MIXED))
+    dataset = VisionDataset(str(tmp_path / "mixed.jsonl"), vlm, seq_len=96, val_fraction=0.0)
     batch = Batch.of(dataset.collate([dataset[i] for i in range(4)]), "cpu")
+    assert batch.image_counts.tolist() == [2, 1, 0, 1]
     ours = loaded(vlm)
     logits = ours(batch.inputs, **batch.model_inputs())
     loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
@@ -69,14 +80,16 @@ def test_one_step_loss_and_gradients_equal_transformers_on_the_processor_s_batch
 
     theirs = transformers.AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32)
     processor = transformers.AutoProcessor.from_pretrained(vlm)
-    records = [json.loads(line) for line in open(colours)][:4]
-    texts = [processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["prompt"]}]},
-         {"role": "assistant", "content": [{"type": "text", "text": r["response"]}]}], tokenize=False) for r in records]
-    images = [[Image.open(os.path.join(os.path.dirname(colours), r["image"])).convert("RGB")] for r in records]
+    texts, images = [], []
+    for r in MIXED:
+        files = [r["image"]] if isinstance(r.get("image"), str) else r.get("image", [])
+        user = [{"type": "image"} for _ in files] + [{"type": "text", "text": r["prompt"]}]
+        texts.append(processor.apply_chat_template([{"role": "user", "content": user}, {
+            "role": "assistant", "content": [{"type": "text", "text": r["response"]}]}], tokenize=False))
+        images.append([Image.open(tmp_path / file).convert("RGB") for file in files])
     encoded = processor(text=texts, images=images, return_tensors="pt", padding=True)
     labels = torch.full_like(encoded["input_ids"], IGNORE)
-    for row, r in enumerate(records):
+    for row, r in enumerate(MIXED):
         learned = len(processor.tokenizer(LEARNED[kind].format(r["response"]), add_special_tokens=False)["input_ids"])
         length = int(encoded["attention_mask"][row].sum())
         labels[row, length - learned:length] = encoded["input_ids"][row, length - learned:length]
