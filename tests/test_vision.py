@@ -229,6 +229,20 @@ def test_image_data_for_a_language_model_alone_is_refused_naming_the_key(vlm, co
                             f"data.tokenizer={text_model}"))
 
 
+def test_a_vision_language_model_on_text_alone_is_refused_unless_its_tower_and_projector_are_frozen(vlm, tmp_path):
+    records = tmp_path / "chat.jsonl"
+    records.write_text("".join(json.dumps({"prompt": f"q{i}?", "response": "a" * (i % 5 + 1)}) + "\n"
+                               for i in range(64)))
+    text = ["data=hf_instructions", f"data.tokenizer={vlm}", "data.dataset.seq_len=32"]
+    with pytest.raises(ConfigError, match=r"^config error: data.dataset='HFInstructionDataset': holds no images, and "
+                                          r"gemma3 is a vision-language model: use data=vision, or train its language "
+                                          r"model on text alone with model.freeze=\[vision,projector\]$"):
+        validate(vlm_config(vlm, str(records), *text))
+    with pytest.raises(ConfigError, match=r"holds no images"):
+        validate(vlm_config(vlm, str(records), *text, "model.freeze=[vision]"))
+    validate(vlm_config(vlm, str(records), *text, "model.freeze=[vision,projector]"))
+
+
 def test_generate_refuses_an_image_for_a_language_model_alone_and_a_file_that_is_no_image(vlm, tmp_path, capsys):
     (tmp_path / "notes.png").write_text("not an image")
     text_model = make_hf_model("llama", str(tmp_path / "llama"))

@@ -89,13 +89,20 @@ def parts_line(counts: Dict[str, int], frozen: List[str]) -> str:
 
 def check_vision(c) -> None:
     """Before launch: data=vision's records for a vision-language model, by SFT (the objective
-    that reads images so far). (Its meshes: framework.models.transformers_model's checks.)"""
+    that reads images so far); a vision-language model on text alone only when asked (its tower
+    and projector frozen). (Its meshes: framework.models.transformers_model's checks.)"""
     model, cfg = c.model, c.cfg
     vision_data = str((cfg.data.get("dataset") or {}).get("_target_", "")).endswith(".VisionDataset")
     if vision_data and not getattr(model, "vision", False):
         raise ConfigError("data", "vision", f"needs a vision-language model (transformers' classes, a config.json with "
                                             f"a vision_config); {type(model).__name__} is not one: for text, use "
                                             f"data=hf_instructions")
+    frozen = set(getattr(model, "frozen", ()))
+    if getattr(model, "vision", False) and not vision_data and not {"vision", "projector"} <= frozen:
+        data = cfg.data.dataset._target_.rpartition(".")[2]
+        raise ConfigError("data.dataset", data, f"holds no images, and {model.model_type} is a vision-language model: "
+                                                f"use data=vision, or train its language model on text alone with "
+                                                f"model.freeze=[vision,projector]")
     if vision_data and not str(cfg.objective.get("_target_", "")).endswith(".NextTokenCrossEntropy"):
         raise ConfigError("objective", cfg.objective._target_.rpartition(".")[2], "data=vision trains by SFT (objective=lm) "
                                                                                   "only so far")
