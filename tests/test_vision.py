@@ -96,7 +96,9 @@ def test_one_step_loss_and_gradients_equal_transformers_on_the_processor_s_batch
     ref_loss = theirs(**encoded, labels=labels).loss
     ref_loss.backward()
     assert int((batch.targets != IGNORE).sum()) == int((labels[:, 1:] != IGNORE).sum())  # the same tokens learned
-    assert relative_error(float(loss), float(ref_loss)) <= 1e-5  # the same ops in the same order: measured 0
+    # (padded to seq_len without a mask against the batch's longest with one: measured 8.5e-8 gemma3,
+    # 8.6e-8 llava; every gradient within rtol 1e-5 plus 6.3e-8)
+    assert relative_error(float(loss), float(ref_loss)) <= 1e-5
     reference = dict(theirs.named_parameters())
     for name, p in ours.named_parameters():  # (the tower's key biases: 0 but for rounding, ~1e-11)
         torch.testing.assert_close(p.grad, reference[name].grad, rtol=1e-5, atol=1e-6, msg=name)
@@ -117,7 +119,7 @@ def test_two_dp_ranks_train_what_one_process_trains_when_a_rank_s_batch_holds_no
                          "model.freeze=[vision]")
         losses[mesh] = launch_local(cfg, str(tmp_path / mesh))["losses"]
     assert len(losses["2x1"]) == 3
-    assert relative_error(torch.tensor(losses["2x1"]), torch.tensor(losses["1x1"])) <= 1e-5  # measured 3.2e-7
+    assert relative_error(torch.tensor(losses["2x1"]), torch.tensor(losses["1x1"])) <= 1e-5  # measured 8.5e-8 (gemma3), 8.7e-8 (llava)
 
 
 @pytest.mark.integration
