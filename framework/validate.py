@@ -33,6 +33,7 @@ from framework.models.nf4 import check_qlora
 from framework.training.objectives.grpo import check_grpo
 from framework.training.objectives.preference import check_preference, check_unpaired
 from framework.training.objectives.reference import check_reference_on_resume
+from framework.training.objectives.environments import check_environment
 from framework.training.objectives.rewards import check_reward
 from framework.parallel.context_parallel_checks import check_context_parallel
 from framework.parallel.expert_parallel_checks import check_expert_parallel
@@ -360,6 +361,7 @@ CHECKS: Tuple[Callable[[Checked], None], ...] = (
     check_preference,            # framework.training.objectives.preference: pairs, DPO's reference
     check_unpaired,              # framework.training.objectives.preference: unpaired examples, KTO's reference
     check_grpo,                  # framework.training.objectives.grpo: prompts, GRPO's keys, room for completions
+    check_environment,           # framework.training.objectives.environments: GRPO's turns, a user's class
     check_reward,                # framework.training.objectives.rewards: the reward and a user's file
     check_objective_options,     # framework.training.objectives: objective.KEY is an option (after the pairings above)
     check_optimizer,             # (here) the optimizer's options

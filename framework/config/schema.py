@@ -225,6 +225,18 @@ class RewardConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """What answers objective=grpo's completions between turns (conf/environment/,
+    framework.training.objectives.environments)."""
+    kind: str = "none"  # none | calculator | guess_digit | file
+    marker: Optional[str] = None  # the token a model's turn ends at, for the environment to answer (null: its own)
+    max_turns: int = 3  # the model's turns an episode may take (the environment answers between two)
+    timeout_s: float = 10.0  # the longest one answer may take; past it that completion fails (reward 0)
+    file: Optional[str] = None  # file: a Python file, given on the command line only (framework.config.trust)
+    name: Optional[str] = None  # file: the class in it (one instance an episode)
+
+
+@dataclass
 class WandbConfig:
     mode: str = "offline"
     project: str = "framework"
@@ -261,6 +273,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     objective: Any = None  # what a step optimizes (conf/objective/, framework.training.objectives)
     reward: RewardConfig = field(default_factory=RewardConfig)  # conf/reward/: what scores GRPO's completions
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # conf/environment/: GRPO's turns
     optim: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

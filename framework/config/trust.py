@@ -10,7 +10,8 @@ Recipes and group files are what people share, so none of them may choose code t
   under logging, Hydra or the framework, and their `ext://` references under sys; the job's
   environment, the SLURM launcher's shell lines and the Optuna sweeper's custom_search_space
   function (COMMAND_LINE_ONLY) only from the command line;
-- a Python file whose function scores GRPO's completions (reward.file): only from the command line.
+- a Python file whose function scores GRPO's completions (reward.file), or whose class answers
+  them between turns (environment.file): only from the command line.
 """
 import functools
 import os
@@ -112,6 +113,7 @@ COMMAND_LINE_ONLY = {
     "hydra.launcher.additional_parameters": "sbatch options",
     "hydra.sweeper.custom_search_space": "a function the Optuna sweeper imports and calls on every trial",
     "reward.file": "a Python file whose function scores completions (it runs as code)",
+    "environment.file": "a Python file whose class answers completions between turns (it runs as code)",
 }
 
 

@@ -39,7 +39,7 @@ from framework.training.objectives.base import Objective, StepShare, check_data_
 from framework.training.objectives.head import OutputHead
 from framework.training.objectives.logps import token_logps
 from framework.training.objectives.reference import Reference, check_reference
-from framework.training.objectives.rollout import ROLLOUT_METRICS, GroupRollout
+from framework.training.objectives.rollout import ENVIRONMENT_METRICS, ROLLOUT_METRICS, GroupRollout
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -63,6 +63,7 @@ class GroupRelativePolicy(GroupRollout, Objective):
         self.num_iterations, self.compile_decode = num_iterations, compile_decode
         self.step = None  # (setup: the compiled one-token decode step, where compile_decode)
         self.tp_group = None  # (setup: under TP, the group whose rank 0 scores the completions for all)
+        self.environment = None  # (setup: environment=..., what answers completions between turns)
         self.reference = Reference(reference) if beta > 0 else None  # DPO's (beta 0: no KL term)
         self.select, self.head = False, OutputHead()  # (setup: the run's)
         self._rollout_terms: Dict[str, torch.Tensor] = {}
@@ -155,7 +156,8 @@ class GroupRelativePolicy(GroupRollout, Objective):
 
     def logged_terms(self, model: nn.Module) -> Dict[str, str]:
         names = ROLLOUT_METRICS + (("kl",) if self.beta > 0 else ()) + \
-            tuple(f"rewards/{name}" for name in self.reward.curves())
+            (ENVIRONMENT_METRICS if self.environment is not None else ()) + \
+            tuple(f"rewards/{name}" for name in (self.reward.curves() if self.reward is not None else ()))
         return {**super().logged_terms(model), **{name: name for name in names}}
 
 

@@ -174,29 +174,40 @@ def math_verified() -> Score:
     return score
 
 
-def load_function(path: str, name: str) -> Callable:
-    """The function `name` of the Python file at `path`, the file imported (its top level runs:
-    only a file given on the command line gets here)."""
+def load_definition(path: str, name: str, section: str, name_key: str, kind: Callable[[Any], bool],
+                    what: str, listed: Callable[[Any], bool]) -> Any:
+    """The `what` (function, class: `kind` takes it) called `name` in the Python file at `path`
+    (a wrong name lists the file's `listed` ones),
+    the file imported (its top level runs: only a file given on the command line gets here); a
+    missing file or name is a ConfigError naming `section`.file or `section`.`name_key`."""
     if not os.path.isfile(path):
-        raise ConfigError("reward.file", path, f"no such file (from {os.getcwd()}); give the Python file that defines "
-                                               f"{name or 'your scoring function'}")
+        raise ConfigError(f"{section}.file", path, f"no such file (from {os.getcwd()}); give the Python file that "
+                                                   f"defines {name or 'your ' + what}")
     spec = importlib.util.spec_from_file_location(USER_MODULE, path)
     if spec is None or spec.loader is None:
-        raise ConfigError("reward.file", path, "is not a Python file Python can import; give a .py file")
+        raise ConfigError(f"{section}.file", path, "is not a Python file Python can import; give a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[USER_MODULE] = module  # (dataclasses and pickle look a class's module up there)
     try:
         spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[USER_MODULE]
-        raise ConfigError("reward.file", path, f"importing it raised {type(error).__name__}: "
-                                               f"{_one_line(error)}") from None
+        raise ConfigError(f"{section}.file", path, f"importing it raised {type(error).__name__}: "
+                                                   f"{_one_line(error)}") from None
     found = getattr(module, name, None)
-    if not callable(found):
+    if not kind(found):
         defined = sorted(key for key, value in vars(module).items()
-                         if inspect.isfunction(value) and value.__module__ == USER_MODULE and not key.startswith("_"))
-        what = f"defines no function {name}" if found is None else f"defines {name} as a {type(found).__name__}"
-        raise ConfigError("reward.function", name, f"{path} {what}; it defines: {', '.join(defined) or 'no functions'}")
+                         if listed(value) and value.__module__ == USER_MODULE and not key.startswith("_"))
+        said = f"defines no {what} {name}" if found is None else f"defines {name} as a {type(found).__name__}"
+        raise ConfigError(f"{section}.{name_key}", name, f"{path} {said}; it defines: "
+                                                         f"{', '.join(defined) or 'no ' + what + 's'}")
+    return found
+
+
+def load_function(path: str, name: str) -> Callable:
+    """The scoring function `name` of the Python file at `path` (load_definition's), called as
+    function(prompt, completion, answer)."""
+    found = load_definition(path, name, "reward", "function", callable, "function", inspect.isfunction)
     try:
         inspect.signature(found).bind("prompt", "completion", "answer")
     except TypeError:
@@ -338,6 +349,8 @@ def check_reward(c: Checked) -> None:
             raise ConfigError("reward.kind", kind, "only objective=grpo scores completions; drop the reward "
                                                    "(reward=none) or use objective=grpo")
         return
+    if kind == "none" and c.cfg.get("environment") is not None and c.cfg.environment.kind != "none":
+        return  # (an environment may score its episodes itself: check_environment says which need a reward)
     if reward is None:
         raise ConfigError("reward.kind", "none", NO_REWARD)
     make_reward(reward)

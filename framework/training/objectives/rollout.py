@@ -2,7 +2,9 @@
 continues each of its prompts group_size times with the model as it trains (the framework's
 KV-cache decoder, framework.models.decode), scores the completions with the reward and makes
 each one's advantage; with beta > 0 the reference's per-token log-probabilities, with
-num_iterations > 1 the old policy's."""
+num_iterations > 1 the old policy's. With an environment (environment=..., framework.training.
+objectives.environments) completions are decoded in turns (framework.training.objectives.turns)
+and the environment's answers are inputs the loss leaves out."""
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -19,10 +21,13 @@ from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
 from framework.training.objectives.logps import token_logps
 from framework.parallel.dtensors import reshard
+from framework.training.objectives.environments import make_environment
 from framework.training.objectives.rewards import make_reward
+from framework.training.objectives.turns import take_turns
 
 ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                    "completions/max_length", "completions/clipped_ratio", "clip_ratio")
+ENVIRONMENT_METRICS = ("environment/turns", "environment/failures")
 STD_FLOOR = 1e-4  # TRL's: advantages over (std + this)
 
 
@@ -53,9 +58,14 @@ class GroupRollout:
         groups it talks to, and the compiled decode step (compile_decode), from the objective's
         context (framework.training.objectives.context)."""
         cfg, tp = context.cfg, context.tp
-        self.reward = make_reward(cfg.reward)
         self.tokenizer = load_tokenizer(cfg.data.get("tokenizer") or context.dataset.documents.tokenizer["path"])
         self.stop = stop_ids(offered(context.module).hf_path, self.tokenizer)
+        self.environment = make_environment(cfg.get("environment"))
+        scores = self.environment is not None and self.environment.scores  # (the environment's own reward)
+        self.reward = None if scores else make_reward(cfg.reward)
+        self.episodes = None  # (the rollout's, on the rank that runs the environment)
+        if self.environment is not None:
+            self.marker = self.tokenizer.encode_batch([self.environment.marker])[0][0]
         self.pad_id = context.dataset.pad_id
         self.seed, self.device = cfg.trainer.seed, torch.device(context.device.type)
         self.replicas, self.replica_group = context.replicas.size, context.replicas.group
@@ -98,20 +108,25 @@ class GroupRollout:
         generators = decoding_generators([sampling_seed(self.seed, step, index) for index in batch.index.tolist()],
                                          self.device)
         model.eval()
-        tokens, counts = generate_groups(model, prompts, n, self.max_new_tokens, self.temperature, self.top_p,
-                                         generators, self.stop, self.pad_id, self.device,
-                                         stop_early=not self.sharded, block=self.block, last_only=self.select,
-                                         capacity=width + self.block if self.step else None, step=self.step)
+        if self.environment is None:
+            tokens, counts = generate_groups(model, prompts, n, self.max_new_tokens, self.temperature, self.top_p,
+                                             generators, self.stop, self.pad_id, self.device,
+                                             stop_early=not self.sharded, block=self.block, last_only=self.select,
+                                             capacity=width + self.block if self.step else None, step=self.step)
+            tokens, counts = tokens.cpu(), counts.cpu()  # the decoder's one transfer
+            completions, written = [tokens[r, :length].tolist() for r, length in enumerate(counts.tolist())], None
+        else:
+            completions, written = self._in_turns(model, prompts, answers, generators, width, step, batch.index.tolist())
         model.train()
         if self.sharded:
             reshard(model)
-        tokens, counts = tokens.cpu(), counts.cpu()  # the decoder's one transfer
-        inputs, targets, texts = self._sequences(prompts, tokens, counts, width)
+        inputs, targets, texts = self._sequences(prompts, completions, written, width)
         prompt_texts = [self.tokenizer.decode(p) for p in prompts for _ in range(n)]
         scores, curves = self._scored(prompt_texts, texts, [a for a in answers for _ in range(n)])
         rewards = torch.tensor(scores, dtype=torch.float64)
         advantages = group_advantages(rewards, n, self.scale_rewards, self._batch_std(rewards))
-        self._note_rollout(rewards, curves, counts.double(), targets)
+        lengths = torch.tensor([len(completion) for completion in completions], dtype=torch.float64)
+        self._note_rollout(rewards, curves, lengths, targets)
         self._samples = "\n\n".join(f"{prompt_text!r} -> {text!r} (reward {reward:.4g})"
                                      for prompt_text, text, reward in zip(prompt_texts[:n], texts[:n], rewards.tolist()))
         reference = old = None
@@ -128,41 +143,112 @@ class GroupRollout:
                      advantages=advantages.float().to(self.device).view(grouped[:2]),
                      old_logps=old.view(grouped) if old is not None else None)
 
-    def _sequences(self, prompts: List[List[int]], tokens: torch.Tensor, counts: torch.Tensor,
+    def _in_turns(self, model: nn.Module, prompts: List[List[int]], answers: List[Optional[str]],
+                  generators: List[torch.Generator], width: int, step: int,
+                  indices: List[int]) -> Tuple[List[List[int]], List[List[bool]]]:
+        """Each completion decoded in turns with the environment (take_turns): its tokens and
+        which of them the model wrote. The first turn is sampled as without one (the prompts'
+        generators); a later turn of a completion from a generator of its own, seeded by the
+        step, the prompt's index, its place in the group and the turn (the same on every mesh).
+        Under TP the environment runs on the group's rank 0 (`_led`), as the reward does."""
+        n, stop = self.group_size, self.stop | {self.marker}
+        rows = [p for p in prompts for _ in range(n)]
+        prompt_texts = [self.tokenizer.decode(p) for p in rows]
+        self._led(lambda: self._start_episodes(prompt_texts, [a for a in answers for _ in range(n)]))
+        capacity = width + self.max_new_tokens + self.block  # (one shape for every turn: a compiled step's)
+
+        def decoded(histories: List[List[int]], row_generators: List[torch.Generator], group: int,
+                    new_tokens: int) -> List[List[int]]:
+            tokens, counts = generate_groups(model, histories, group, new_tokens, self.temperature, self.top_p,
+                                             row_generators, stop, self.pad_id, self.device,
+                                             stop_early=not self.sharded, block=self.block, last_only=self.select,
+                                             capacity=capacity, step=self.step)
+            tokens, counts = tokens.cpu(), counts.cpu()
+            return [tokens[r, :length].tolist() for r, length in enumerate(counts.tolist())]
+
+        def decode(going: List[int], histories: List[List[int]], turn: int, room: int) -> List[List[int]]:
+            if not going:  # (sharded: other replicas decode this turn, so this one decodes a stand-in)
+                decoded([rows[0]], decoding_generators([0], self.device), 1, room)
+                return []
+            seeds = [sampling_seed(sampling_seed(self.seed, step, indices[r // n]), turn, r % n) for r in going]
+            return decoded(histories, decoding_generators(seeds, self.device), 1, room)
+
+        def answer(going: List[int], completions: List[List[int]]) -> List[Optional[List[int]]]:
+            texts = [self._text(completion) for completion in completions]
+            return self._led(lambda: [None if reply is None else self.tokenizer.encode_batch([reply])[0]
+                                      for reply in self.episodes.respond(going, texts)])
+
+        played = take_turns(decoded(prompts, generators, n, self.max_new_tokens), rows, self.max_new_tokens, self.environment.max_turns,
+                            self.marker, answer, decode, self._agreed)
+        self._turns = torch.tensor(played.turns, dtype=torch.float64)
+        return played.tokens, played.written
+
+    def _start_episodes(self, prompts: List[str], answers: List[Optional[str]]) -> None:
+        self.episodes = self.environment.episodes(prompts, answers)
+
+    def _agreed(self, going: int, room: int) -> Tuple[int, int]:
+        """Sharded: the most completions still going and the most room left over the replicas
+        (each decodes that many positions), else this replica's own."""
+        if not (self.sharded and self.replicas > 1):
+            return going, room
+        counts = torch.tensor([going, room], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.replica_group)
+        return tuple(counts.tolist())
+
+    def _text(self, completion: List[int]) -> str:
+        return self.tokenizer.decode([t for t in completion if t not in self.stop])
+
+    def _sequences(self, prompts: List[List[int]], completions: List[List[int]], written: Optional[List[List[bool]]],
                    width: int) -> Tuple[torch.Tensor, torch.Tensor, List[str]]:
         """Each prompt + completion as a row to learn from (inputs; targets the completion's
-        tokens, the rest -100; on the device) and the completions' texts, made on the host from
-        the decoder's tokens and lengths (moved once, not a sync per completion)."""
+        tokens the model wrote, the rest -100; on the device) and the completions' texts."""
         n = self.group_size
         inputs = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.int64)
         targets = torch.full_like(inputs, IGNORE)
         texts = []
-        for r, length in enumerate(counts.tolist()):
-            prompt, completion = prompts[r // n], tokens[r, :length]
-            sequence = torch.cat([torch.tensor(prompt, dtype=torch.int64), completion])
+        for r, completion in enumerate(completions):
+            prompt, tokens = prompts[r // n], torch.tensor(completion, dtype=torch.int64)
+            sequence = torch.cat([torch.tensor(prompt, dtype=torch.int64), tokens])
             inputs[r, :len(sequence) - 1] = sequence[:-1]
-            targets[r, len(prompt) - 1:len(sequence) - 1] = completion
-            texts.append(self.tokenizer.decode([t for t in completion.tolist() if t not in self.stop]))
+            if written is not None:
+                tokens = tokens.masked_fill(~torch.tensor(written[r], dtype=torch.bool), IGNORE)
+            targets[r, len(prompt) - 1:len(sequence) - 1] = tokens
+            texts.append(self._text(completion))
         return inputs.to(self.device), targets.to(self.device), texts
 
     def _scored(self, prompts: List[str], completions: List[str],
                 answers: List[Optional[str]]) -> Tuple[List[float], Dict[str, List[float]]]:
-        """The completions' rewards and the reward's curves. Under TP every rank of a TP group
-        holds the same completions: its rank 0 scores them and hands the scores to the rest, so a
-        user's reward (which may call a compiler or a sandbox) runs once a replica; what it raises
-        is raised on every rank of the group (none is left waiting)."""
+        """The completions' rewards and the reward's curves: the environment's own reward where it
+        has one, else the reward's, 0 for an episode that failed (whose share is noted)."""
+        if self.environment is None:
+            return self._led(lambda: (self.reward(prompts, completions, answers), self.reward.curves()))
+
+        def scored():
+            failed = [error is not None for error in self.episodes.failed]
+            scores = self.episodes.rewards(completions) if self.environment.scores else \
+                [0.0 if bad else score for bad, score in zip(failed, self.reward(prompts, completions, answers))]
+            failed = [error is not None for error in self.episodes.failed]  # (scoring may fail one)
+            return scores, self.reward.curves() if not self.environment.scores else {}, failed
+        scores, curves, failed = self._led(scored)
+        self._failed = torch.tensor(failed, dtype=torch.float64)
+        return scores, curves
+
+    def _led(self, run):
+        """run() on this rank, or under TP on the TP group's rank 0, its result handed to the rest,
+        so a user's reward or environment (which may call a compiler or a sandbox) runs once a
+        replica; what it raises is raised on every rank of the group (none is left waiting)."""
         if self.tp_group is None:
-            return self.reward(prompts, completions, answers), self.reward.curves()
-        scored: List[object] = [None]
+            return run()
+        result: List[object] = [None]
         if dist.get_rank(self.tp_group) == 0:
             try:
-                scored = [(self.reward(prompts, completions, answers), self.reward.curves())]
+                result = [(run(),)]
             except Exception as error:  # noqa: BLE001 (handed to the group, raised below)
-                scored = [error]
-        dist.broadcast_object_list(scored, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-        if isinstance(scored[0], Exception):
-            raise scored[0]
-        return scored[0]
+                result = [error]
+        dist.broadcast_object_list(result, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        if isinstance(result[0], Exception):
+            raise result[0]
+        return result[0][0]
 
     def _batch_std(self, rewards: torch.Tensor) -> Optional[torch.Tensor]:
         """scale_rewards=batch: the std of every replica's rewards (one all-reduce over DP)."""
@@ -189,6 +275,9 @@ class GroupRollout:
             "completions/clipped_ratio": (lengths >= self.max_new_tokens).double().mean(),
             **{f"rewards/{name}": torch.tensor(scores, dtype=torch.float64).mean()
                for name, scores in curves.items()}}
+        if self.environment is not None:
+            self._rollout_terms.update({"environment/turns": self._turns.mean(),
+                                        "environment/failures": self._failed.mean()})
         self._tokens = float((targets != IGNORE).sum())
 
     def _longest(self, length: torch.Tensor) -> torch.Tensor:
