@@ -7,12 +7,15 @@ the sides alternating in each repeat; the median of steps 2.. of each run.
     .venv/bin/python bench/grpo.py [--repeats 2] [--steps 8] [--rows full1,dp2] [--max-new-tokens 64] \\
         [--hidden 256 --layers 4]
     .venv/bin/python bench/grpo.py --profile [--threads 2]   # the generation loops in one process, cProfile'd
+    .venv/bin/python bench/grpo.py --staleness 1 [--rows full1,dp2]   # the framework at max_staleness=1 against 0
 
 Reports per row: s/step, the rollout's share of the step (generation and scoring: the framework's
 summary.json rollout_s, TRL's _generate_and_score_completions timed by wrapping it), completion
 tokens generated per second of rollout (the framework's TensorBoard completions/mean_length x
 completions; TRL's completions counted as they come out of _generate_single_turn) and the framework
-/ TRL ratio of the repeats' means. TRL is the dev extra's reference (trl>=1.16)."""
+/ TRL ratio of the repeats' means. TRL is the dev extra's reference (trl>=1.16). With --staleness K
+the other side is the framework itself at objective.max_staleness=K (its generating weights K
+updates old, swapped in and out, and the sampling correction's extra forward), not TRL."""
 import argparse
 import json
 import os
@@ -70,7 +73,7 @@ def make_data(root: Path, model: str) -> dict:
             "longest": max(len(r["prompt"].encode()) for r in records)}
 
 
-def framework_cmd(row: str, data: dict, steps: int, new: int, out: Path) -> list:
+def framework_cmd(row: str, data: dict, steps: int, new: int, out: Path, staleness: int = 0) -> list:
     overrides = ["recipe=grpo_hf", f"model.path={data['model']}", f"data.path={data['prompts']}", "adapter=none",
                  "mesh=2x1" if row == "dp2" else "mesh=1x1", "parallel.dp_strategy=replicate", "plan=none",
                  "reward=file", f"reward.file={data['reward']}", "reward.function=share",
@@ -81,7 +84,8 @@ def framework_cmd(row: str, data: dict, steps: int, new: int, out: Path) -> list
                  "optim.betas=[0.9,0.99]", "trainer.mixed_precision=null", f"trainer.max_steps={steps}",
                  "trainer.warmup_steps=0", "trainer.lr_decay=constant", "trainer.grad_clip=1.0",
                  "trainer.log_every=1", "trainer.eval_every=null", "trainer.progress_bar=false",
-                 "trainer.compile=none", "checkpoint.every=null", f"hydra.run.dir={out}"]
+                 "trainer.compile=none", "checkpoint.every=null", f"objective.max_staleness={staleness}",
+                 f"hydra.run.dir={out}"]
     return [sys.executable, "-m", "framework.train", *overrides]
 
 
@@ -166,7 +170,7 @@ def framework_lengths(out: Path) -> list:
 def measured(side: str, out: Path, world: int) -> dict:
     """The run's median step (steps 2..), rollout seconds and completion tokens per rollout second
     (global tokens over rank 0's rollout time: the ranks roll out side by side)."""
-    if side == "framework":
+    if side in ("framework", "stale"):
         summary = json.loads((out / "summary.json").read_text())
         steps, rollout = summary["step_times_s"], summary["rollout_s"]
         tokens = [length * PROMPTS * GROUP for length in framework_lengths(out)]
@@ -268,6 +272,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=HIDDEN, help="the model's width (default 256)")
     parser.add_argument("--layers", type=int, default=LAYERS, help="the model's blocks (default 4)")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--staleness", type=int, default=0,
+                        help="compare the framework at objective.max_staleness=K with itself at 0, not with TRL")
     parser.add_argument("--threads", type=int, default=2, help="--profile's torch threads")
     parser.add_argument("--quiet-wait", type=float, default=300.0,
                         help="seconds to wait before each run for the shared host to be >= 70%% idle")
@@ -284,15 +290,18 @@ def main() -> None:
     if args.profile:
         return profile(data, args.max_new_tokens, args.quiet_wait, args.threads)
     rows = args.rows.split(",")
-    results = {row: {"framework": [], "peer": []} for row in rows}
+    other, other_name = ("stale", f"max_staleness={args.staleness}") if args.staleness else ("peer", "TRL")
+    results = {row: {"framework": [], other: []} for row in rows}
     for repeat in range(args.repeats):
         for row in rows:
-            sides = ["framework", "peer"] if repeat % 2 == 0 else ["peer", "framework"]
+            sides = ["framework", other] if repeat % 2 == 0 else [other, "framework"]
             for side in sides:
                 out = root / f"{row}_{side}_{repeat}"
-                make = framework_cmd if side == "framework" else peer_cmd
+                command = peer_cmd(row, data, args.steps, args.max_new_tokens, out) if side == "peer" else \
+                    framework_cmd(row, data, args.steps, args.max_new_tokens, out,
+                                  args.staleness if side == "stale" else 0)
                 idle = wait_for_quiet(args.quiet_wait)
-                ran = run_side(make(row, data, args.steps, args.max_new_tokens, out))
+                ran = run_side(command)
                 m = {**measured(side, out, 2 if row == "dp2" else 1), "idle_before": idle, **ran}
                 results[row][side].append(m)
                 print(f"repeat {repeat} {row:5s} {side:9s} {m['step_s']:.3f} s/step, rollout {m['rollout_s']:.3f} s "
@@ -300,11 +309,12 @@ def main() -> None:
                       f"{m['mean_length']:.1f}, peak RSS {m['peak_rss'] / 2**20:.0f} MiB; host idle before {idle:.0%}, "
                       f"others' CPU during {m['others_cpu']:.0%}",
                       flush=True)
-    print("\n| row | framework s/step | TRL s/step | framework / TRL | rollout share (framework, TRL) | "
-          "completion tokens/s (framework; TRL) | tokens/s framework / TRL | peak RSS MiB (framework, TRL) | "
+    o = other_name
+    print(f"\n| row | framework s/step | {o} s/step | framework / {o} | rollout share (framework, {o}) | "
+          f"completion tokens/s (framework; {o}) | tokens/s framework / {o} | peak RSS MiB (framework, {o}) | "
           "others' CPU, most |\n|---|---|---|---|---|---|---|---|---|")
     for row, sides in results.items():
-        f, p = sides["framework"], sides["peer"]
+        f, p = sides["framework"], sides[other]
         mean = lambda rs, key: statistics.mean(r[key] for r in rs)  # noqa: E731
         listed = lambda rs, key, form: ", ".join(format(r[key], form) for r in rs)  # noqa: E731
         print(f"| {row} | {listed(f, 'step_s', '.3f')} | {listed(p, 'step_s', '.3f')} | "

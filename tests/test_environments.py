@@ -55,12 +55,14 @@ def test_turns_append_the_answers_unwritten_and_keep_to_the_budget_and_the_turns
 
     def decode(rows, histories, turn, room):
         turns_seen.append((rows, [len(h) for h in histories], turn, room))
-        return [[3, 9] for _ in rows]
+        return [[3, 9] for _ in rows], [[-0.5, -0.25] for _ in rows]
 
-    played = take_turns(first, prompts, budget=7, max_turns=3, marker=9, answer=answer, decode=decode)
+    drawn = (first, [[-1.0] * len(row) for row in first])
+    played = take_turns(drawn, prompts, budget=7, max_turns=3, marker=9, answer=answer, decode=decode)
     assert played.tokens == [[5, 0], [5, 9, 7, 7, 3, 9, 8], [6, 6, 6, 9, 4, 4, 4]]
     assert played.written == [[True, True], [True, True, False, False, True, True, False],
                               [True, True, True, True, False, False, False]]
+    assert played.logps == [[-1.0, -1.0], [-1.0, -1.0, 0.0, 0.0, -0.5, -0.25, 0.0], [-1.0] * 4 + [0.0] * 3]
     assert played.turns == [1, 2, 1]
     # turn 2 decodes row 1 alone (row 2's answer filled its budget), from its prompt and all it holds
     assert turns_seen == [([1], [5], 2, 3)]
@@ -149,7 +151,7 @@ def test_the_tool_s_tokens_are_inputs_never_targets_and_carry_no_gradient():
     assert objective._rollout_terms["reward"] == 1.0     # the last number is the tool's: the sum
     logits = model(rolled.inputs.flatten(0, 1)).detach().requires_grad_()
     advantages = torch.ones(rolled.targets.shape[:2]).flatten()
-    objective.loss_sum((logits, advantages, None, None), rolled.targets).backward()
+    objective.loss_sum((logits, advantages, None, None, None), rolled.targets).backward()
     per_position = logits.grad[0].abs().sum(-1)
     tool = range(len(prompt), len(prompt) + len(total))  # where the inputs are "=" and the sum's first digits
     assert all(per_position[p] == 0 for p in tool), per_position

@@ -131,7 +131,7 @@ def test_the_loss_is_trl_s_for_each_loss_type_and_its_gradient_the_policy_gradie
     objective = GroupRelativePolicy(group_size=2, max_new_tokens=max_new, loss_type=loss_type, beta=beta)
     units = float(objective.count(targets))
     given = logits[targets != IGNORE] if selected else logits
-    ours = objective((given, advantages, reference, None), targets, torch.nn.Linear(1, 1), StepShare(units, None))
+    ours = objective((given, advantages, reference, None, None), targets, torch.nn.Linear(1, 1), StepShare(units, None))
 
     mask = (targets != IGNORE).double()
     logps = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
@@ -172,7 +172,7 @@ def test_with_several_updates_per_rollout_the_clipped_ratio_to_the_old_policy_is
     step = StepShare(float(objective.count(targets)), 1.0)
     set_up_in_one_process(objective)
     objective._note_rollout(torch.zeros(rows, dtype=torch.float64), {}, mask.sum(-1), targets)  # (its tokens)
-    ours = objective((logits, advantages, None, old), targets, torch.nn.Linear(1, 1), step)
+    ours = objective((logits, advantages, None, old, None), targets, torch.nn.Linear(1, 1), step)
     expected = trl_loss(logps, old, None, advantages, mask, loss_type, 0.2, 0.28, 0.0, max_new, mask.sum())
     assert float(ours) == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
     ratio, a = torch.exp(logps - old), advantages[:, None]

@@ -5,7 +5,8 @@ objective.reference=precomputed, each pair's reference log-probabilities; from a
 (framework.data.mixture), each sample's source; for GRPO (framework.training.objectives.grpo), each prompt's
 index in its dataset (what seeds its sampling) and, once its completions are rolled out, each
 completion's advantage (the reference's per-token log-probabilities in `reference`, and with
-objective.num_iterations > 1 the policy's as it generated, `old_logps`); for a vision-language
+objective.num_iterations > 1 the policy's as it generated, `old_logps`; with its sampling
+correction each completion token's truncated importance weight, `weights`); for a vision-language
 model (framework.data.vision), each sample's images padded to the batch's most (`pixels`), how
 many are real (`image_counts`) and, where its processor gives them, each token's type
 (`token_types`: image or text)."""
@@ -25,6 +26,7 @@ class Batch(NamedTuple):
     index: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     old_logps: Optional[torch.Tensor] = None
+    weights: Optional[torch.Tensor] = None
     pixels: Optional[torch.Tensor] = None
     image_counts: Optional[torch.Tensor] = None
     token_types: Optional[torch.Tensor] = None

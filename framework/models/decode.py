@@ -22,16 +22,19 @@ from framework.models.protocol import offered, project
 CHECK_EVERY = 8  # tokens between two looks at `done` (bench/README.md, GRPO: the stop check)
 
 
-def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
-                generators: List[torch.Generator]) -> torch.Tensor:
+def next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generators: List[torch.Generator],
+                with_logps: bool = False):
     """One token per row of `logits` (rows, vocab): the most likely (temperature 0), else sampled
     from the smallest set of most likely tokens whose probability reaches top_p (all of them at
     top_p 1, with no sort). The rows are split evenly among `generators` (on the logits' device)
     in order, each part drawn from its own: a prompt's draws do not depend on which prompts decode
     beside it. The draw is torch.multinomial's for one sample (argmax of p / q, q ~ Exp(1)), with
-    no host sync (multinomial checks its input on the host): on the CPU the same tokens."""
+    no host sync (multinomial checks its input on the host): on the CPU the same tokens.
+    `with_logps`: also each drawn token's log-probability under the distribution it was drawn
+    from (the nucleus renormalized; greedy: the softmax at temperature 1), as (tokens, logps)."""
     if temperature == 0:
-        return logits.argmax(-1)
+        drawn = logits.argmax(-1)
+        return (drawn, torch.log_softmax(logits.float(), -1).gather(-1, drawn[:, None])[:, 0]) if with_logps else drawn
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     order = None
     if top_p < 1:
@@ -40,7 +43,10 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     parts = probs.split(len(probs) // len(generators))
     noise = torch.cat([torch.empty_like(part).exponential_(1, generator=g) for part, g in zip(parts, generators)])
     drawn = (probs / noise).argmax(-1, keepdim=True)
-    return (drawn if order is None else order.gather(-1, drawn)).squeeze(-1)
+    tokens = (drawn if order is None else order.gather(-1, drawn)).squeeze(-1)
+    if not with_logps:
+        return tokens
+    return tokens, (probs.gather(-1, drawn)[:, 0] / probs.sum(-1)).log()
 
 
 class StaticCache:
@@ -119,7 +125,7 @@ def generate_groups(model: nn.Module, prompts: List[List[int]], n: int, max_new_
                     top_p: float, generators: List[torch.Generator], stop: Set[int], pad_id: int,
                     device: Optional[torch.device] = None, stop_early: bool = True, block: int = 1,
                     last_only: bool = False, capacity: Optional[int] = None, step=None,
-                    check_every: int = CHECK_EVERY) -> Tuple[torch.Tensor, torch.Tensor]:
+                    check_every: int = CHECK_EVERY, with_logps: bool = False):
     """`n` continuations of each of `prompts`, all decoded side by side with a static KV cache,
     prompt p's rows sampled from generators[p]: (tokens (prompts x n, max_new_tokens), prompt p's
     rows p*n .. p*n + n - 1, each ending at its first stop id and padded with pad_id after it;
@@ -138,7 +144,8 @@ def generate_groups(model: nn.Module, prompts: List[List[int]], n: int, max_new_
     the cache's positions (default the longest prompt + max_new_tokens + block; a fixed one
     keeps a compiled `step`'s shapes from one call to the next). `step`: compiled_step's, or
     None for the eager one-token step. A model with its own decoding (ModelProtocol.own_decoder:
-    transformers' classes, their own cache) is sampled the same way, through it."""
+    transformers' classes, their own cache) is sampled the same way, through it. `with_logps`:
+    also each token's log-probability as it was drawn (next_tokens'; 0 after the stop), third."""
     longest = max(len(prompt) for prompt in prompts)
     first = torch.tensor([[pad_id] * (longest - len(prompt)) + prompt for prompt in prompts],
                          device=device).repeat_interleave(n, 0)
@@ -146,7 +153,7 @@ def generate_groups(model: nn.Module, prompts: List[List[int]], n: int, max_new_
     own = offered(model).own_decoder(pad)
     if own is not None:  # (a model with its own cache: transformers' classes)
         return _sample_loop(lambda new: own(new[:, None]), own(first), max_new_tokens, temperature, top_p, generators,
-                            stop, pad_id, check_every if stop_early else 0)
+                            stop, pad_id, check_every if stop_early else 0, with_logps)
     capacity = capacity or longest + max_new_tokens + block
     position = torch.zeros((), dtype=torch.int64, device=first.device)
     prepare(model, capacity, first.device)
@@ -167,21 +174,26 @@ def generate_groups(model: nn.Module, prompts: List[List[int]], n: int, max_new_
 
     logits = forward(first, None)
     return _sample_loop(lambda new: forward(new[:, None], step or _step), logits, max_new_tokens, temperature,
-                        top_p, generators, stop, pad_id, check_every if stop_early else 0)
+                        top_p, generators, stop, pad_id, check_every if stop_early else 0, with_logps)
 
 
 def _sample_loop(forward, logits: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float,
-                 generators: List[torch.Generator], stop: Set[int], pad_id: int,
-                 check_every: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                 generators: List[torch.Generator], stop: Set[int], pad_id: int, check_every: int,
+                 with_logps: bool = False):
     """Draw, record and feed back one token a row until max_new_tokens, or (check_every > 0)
     until a look every check_every tokens finds every row stopped."""
     rows = len(logits)
     tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.int64, device=logits.device)
+    logps = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=logits.device) if with_logps else None
     lengths = torch.zeros(rows, dtype=torch.int64, device=logits.device)
     done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
     stops = torch.tensor(sorted(stop), dtype=torch.int64, device=logits.device)
     for position in range(max_new_tokens):
-        new = torch.where(done, pad_id, next_tokens(logits, temperature, top_p, generators))
+        drawn = next_tokens(logits, temperature, top_p, generators, with_logps)
+        if with_logps:
+            drawn, logp = drawn
+            logps[:, position] = torch.where(done, 0.0, logp)
+        new = torch.where(done, pad_id, drawn)
         tokens[:, position] = new
         lengths += (~done).long()
         done |= torch.isin(new, stops)
@@ -189,7 +201,7 @@ def _sample_loop(forward, logits: torch.Tensor, max_new_tokens: int, temperature
         if last or (check_every and (position + 1) % check_every == 0 and bool(done.all())):
             break
         logits = forward(new)
-    return tokens, lengths
+    return (tokens, lengths, logps) if with_logps else (tokens, lengths)
 
 
 def stop_ids(model_dir: Optional[str], tokenizer) -> Set[int]:

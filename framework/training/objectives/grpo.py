@@ -36,6 +36,7 @@ from framework.config.errors import ConfigError, check_rules
 from framework.data.batch import Batch
 from framework.data.batch import IGNORE
 from framework.training.objectives.base import Objective, StepShare, check_data_pairing
+from framework.training.objectives.correction import CORRECTION_METRICS
 from framework.training.objectives.head import OutputHead
 from framework.training.objectives.logps import token_logps
 from framework.training.objectives.reference import Reference, check_reference
@@ -53,7 +54,8 @@ class GroupRelativePolicy(GroupRollout, Objective):
     def __init__(self, group_size: int = 4, max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                  scale_rewards: str = "group", loss_type: str = "grpo", epsilon: float = 0.2,
                  epsilon_high: Optional[float] = None, beta: float = 0.0, reference: str = "adapters_off",
-                 num_iterations: int = 1, compile_decode: Optional[bool] = None,
+                 num_iterations: int = 1, compile_decode: Optional[bool] = None, max_staleness: int = 0,
+                 sampling_correction: Optional[bool] = None, sampling_cap: float = 2.0,
                  aux_coefficients: Optional[Dict[str, float]] = None):
         super().__init__(aux_coefficients)
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
@@ -61,6 +63,9 @@ class GroupRelativePolicy(GroupRollout, Objective):
         self.loss_type, self.epsilon, self.beta = loss_type, epsilon, beta
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.num_iterations, self.compile_decode = num_iterations, compile_decode
+        self.max_staleness, self.sampling_cap = max_staleness, sampling_cap
+        # truncated importance sampling against the decoder's own log-probabilities (correction.py)
+        self.correct = max_staleness > 0 if sampling_correction is None else sampling_correction
         self.step = None  # (setup: the compiled one-token decode step, where compile_decode)
         self.tp_group = None  # (setup: under TP, the group whose rank 0 scores the completions for all)
         self.environment = None  # (setup: environment=..., what answers completions between turns)
@@ -87,12 +92,13 @@ class GroupRelativePolicy(GroupRollout, Objective):
         """The policy's logits of every completion (completions, seq_len, vocab; where the mesh
         allows, at the completions' tokens alone: the prompts' positions skip the output layer),
         their advantages, the reference's and the old policy's log-probabilities, a completion a row."""
-        reference, old = (t.flatten(0, 1) if t is not None else None for t in (batch.reference, batch.old_logps))
+        reference, old, weights = (t.flatten(0, 1) if t is not None else None
+                                   for t in (batch.reference, batch.old_logps, batch.weights))
         logits = self.head(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), per_token=True)
-        return logits, batch.advantages.flatten(), reference, old
+        return logits, batch.advantages.flatten(), reference, old, weights
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
-        logits, advantages, reference, old = outputs
+        logits, advantages, reference, old, weights = outputs
         targets = targets.flatten(0, -2)  # (prompts, group_size, seq_len): a completion a row
         mask = (targets != IGNORE).float()
         logps = token_logps(logits, targets)
@@ -103,6 +109,8 @@ class GroupRelativePolicy(GroupRollout, Objective):
         outside = ((ratio < 1 - self.epsilon) & (advantages[:, None] < 0)) | \
             ((ratio > 1 + self.epsilon_high) & (advantages[:, None] > 0))
         self._clipped = (outside.float() * mask).sum().detach()
+        if weights is not None:  # (TRL's order: the sampling correction weighs the policy term, not the KL)
+            per_token = per_token * weights
         if self.beta > 0:
             kl = torch.exp(reference - logps) - (reference - logps) - 1
             per_token = per_token + self.beta * kl
@@ -157,6 +165,7 @@ class GroupRelativePolicy(GroupRollout, Objective):
     def logged_terms(self, model: nn.Module) -> Dict[str, str]:
         names = ROLLOUT_METRICS + (("kl",) if self.beta > 0 else ()) + \
             (ENVIRONMENT_METRICS if self.environment is not None else ()) + \
+            (("staleness",) if self.max_staleness > 0 else ()) + (CORRECTION_METRICS if self.correct else ()) + \
             tuple(f"rewards/{name}" for name in (self.reward.curves() if self.reward is not None else ()))
         return {**super().logged_terms(model), **{name: name for name in names}}
 
@@ -179,7 +188,12 @@ def check_grpo(c: Checked) -> None:
              ("epsilon_high", lambda v: v is None or v >= objective.epsilon, "must be >= objective.epsilon (or null)"),
              ("beta", lambda v: v >= 0, "must be >= 0 (0: no KL term, no reference)"),
              ("num_iterations", lambda v: v >= 1, "must be >= 1 (policy updates per rollout)"),
-             ("compile_decode", lambda v: v in (None, True, False), "use true, false or null (null: on for cuda)")]
+             ("compile_decode", lambda v: v in (None, True, False), "use true, false or null (null: on for cuda)"),
+             ("max_staleness", lambda v: isinstance(v, int) and v >= 0,
+              "must be a whole number >= 0 (updates the generating policy may lag; 0: synchronous)"),
+             ("sampling_correction", lambda v: v in (None, True, False),
+              "use true, false or null (null: on when objective.max_staleness > 0)"),
+             ("sampling_cap", lambda v: v >= 1, "must be >= 1 (the truncation of the importance weights; TRL's: 2)")]
     check_rules(rules, objective.get, lambda key: f"objective.{key}")
     sharded = [what for what, on in (
         (f"parallel.dp_strategy={getattr(cfg.parallel.dp_strategy, 'value', cfg.parallel.dp_strategy)} shards it over the DP ranks",
@@ -196,6 +210,19 @@ def check_grpo(c: Checked) -> None:
                                                      f"objective.num_iterations={objective.num_iterations} steps "
                                                      f"would resume without that rollout; make it a multiple of "
                                                      f"{objective.num_iterations}")
+    if objective.max_staleness > 0 and objective.num_iterations > 1:
+        raise ConfigError("objective.num_iterations", objective.num_iterations,
+                          f"learns from each rollout {objective.num_iterations} times, and "
+                          f"objective.max_staleness={objective.max_staleness} already learns from rollouts of an "
+                          f"older policy; use one of the two (num_iterations=1, or max_staleness=0)")
+    correcting = objective.max_staleness > 0 if objective.sampling_correction is None else objective.sampling_correction
+    plain = objective.temperature in (0, 1) and objective.top_p >= 1
+    if correcting and not plain and (c.roles.tp_size > 1 or cfg.trainer.get("loss_chunk_tokens")):
+        raise ConfigError("objective.sampling_correction", objective.sampling_correction,
+                          f"weighs each token by the sampling distribution (temperature {objective.temperature}, "
+                          f"top_p {objective.top_p}), which needs the whole logits on a rank, and "
+                          f"{'tensor parallelism splits them' if c.roles.tp_size > 1 else 'trainer.loss_chunk_tokens scores by chunks'}; "
+                          f"use temperature 1 and top_p 1, or objective.sampling_correction=false")
     check_reference(c, REFERENCES, used=objective.beta > 0, otherwise=", or objective.beta=0")
     data = instantiate(dataset, split="train")
     room = data.seq_len - objective.max_new_tokens

@@ -6,6 +6,7 @@ num_iterations > 1 the old policy's. With an environment (environment=..., frame
 objectives.environments) completions are decoded in turns (framework.training.objectives.turns)
 and the environment's answers are inputs the loss leaves out."""
 import time
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -21,7 +22,9 @@ from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
 from framework.training.objectives.logps import token_logps
 from framework.parallel.dtensors import reshard
+from framework.training.objectives.correction import sampling_logps, truncated_weights
 from framework.training.objectives.environments import make_environment
+from framework.training.objectives.staleness import StalePolicy
 from framework.training.objectives.rewards import make_reward
 from framework.training.objectives.turns import take_turns
 
@@ -75,6 +78,7 @@ class GroupRollout:
         self.micro_batch = cfg.data.micro_batch_size
         plan = OmegaConf.to_container(cfg.plan, resolve=True) if cfg.plan else {}
         self.block = tp.size if shards_sequence(plan) else 1  # (generate_groups' `block`)
+        self.stale = StalePolicy(self.max_staleness) if self.max_staleness > 0 else None
         plain = not self.sharded and tp.size == 1
         if self.compile_decode if self.compile_decode is not None else self.device.type == "cuda" and plain:
             self.step = compiled_step(self.device)
@@ -108,15 +112,23 @@ class GroupRollout:
         generators = decoding_generators([sampling_seed(self.seed, step, index) for index in batch.index.tolist()],
                                          self.device)
         model.eval()
-        if self.environment is None:
-            tokens, counts = generate_groups(model, prompts, n, self.max_new_tokens, self.temperature, self.top_p,
-                                             generators, self.stop, self.pad_id, self.device,
-                                             stop_early=not self.sharded, block=self.block, last_only=self.select,
-                                             capacity=width + self.block if self.step else None, step=self.step)
-            tokens, counts = tokens.cpu(), counts.cpu()  # the decoder's one transfer
-            completions, written = [tokens[r, :length].tolist() for r, length in enumerate(counts.tolist())], None
-        else:
-            completions, written = self._in_turns(model, prompts, answers, generators, width, step, batch.index.tolist())
+        if self.stale is not None:
+            self.stale.record(model, step)
+        with self.stale.generating(model, step) if self.stale is not None else nullcontext(0) as staleness:
+            if self.environment is None:
+                drawn = generate_groups(model, prompts, n, self.max_new_tokens, self.temperature, self.top_p,
+                                        generators, self.stop, self.pad_id, self.device,
+                                        stop_early=not self.sharded, block=self.block, last_only=self.select,
+                                        capacity=width + self.block if self.step else None, step=self.step,
+                                        with_logps=self.correct)
+                tokens, counts = drawn[0].cpu(), drawn[1].cpu()  # the decoder's one transfer (two with logps)
+                completions = [tokens[r, :length].tolist() for r, length in enumerate(counts.tolist())]
+                logps = [row[:length].tolist() for row, length in zip(drawn[2].cpu(), counts.tolist())] \
+                    if self.correct else None
+                written = None
+            else:
+                completions, written, logps = self._in_turns(model, prompts, answers, generators, width, step,
+                                                             batch.index.tolist())
         model.train()
         if self.sharded:
             reshard(model)
@@ -136,18 +148,39 @@ class GroupRollout:
         if self.num_iterations > 1:
             old = self._logps(lambda rows, counted: self.head(model, rows, counted, per_token=True), model,
                               inputs, targets)
+        weights = self._corrected(model, inputs, targets, logps, prompts) if self.correct else None
+        if self.stale is not None:
+            self._rollout_terms["staleness"] = torch.tensor(float(staleness), dtype=torch.float64)
         self.rollout_s.append(time.perf_counter() - start)
         grouped = (len(prompts), n, width)
         return Batch(inputs.view(grouped), targets.view(grouped),
                      reference=reference.view(grouped) if reference is not None else None,
                      advantages=advantages.float().to(self.device).view(grouped[:2]),
-                     old_logps=old.view(grouped) if old is not None else None)
+                     old_logps=old.view(grouped) if old is not None else None,
+                     weights=weights.view(grouped) if weights is not None else None)
+
+    def _corrected(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, logps: List[List[float]],
+                   prompts: List[List[int]]) -> torch.Tensor:
+        """Each completion token's truncated importance weight (framework.training.objectives.
+        correction): the policy as it learns this step (a forward over the completions, in the
+        step's micro-batches) against the decoder's log-probabilities as it drew them."""
+        sampler = torch.zeros(targets.shape, dtype=torch.float32)
+        for r, row in enumerate(logps):
+            start = len(prompts[r // self.group_size]) - 1
+            sampler[r, start:start + len(row)] = torch.tensor(row, dtype=torch.float32)
+        learner = self._logps(lambda rows, counted: self.head(model, rows, counted, per_token=True), model, inputs,
+                              targets, score=lambda logits, counted: sampling_logps(logits, counted, self.temperature,
+                                                                                    self.top_p))
+        weights, terms = truncated_weights(learner, sampler.to(learner.device), targets, self.sampling_cap,
+                                           self.replica_group if self.replicas > 1 else None)
+        self._rollout_terms.update(terms)
+        return weights
 
     def _in_turns(self, model: nn.Module, prompts: List[List[int]], answers: List[Optional[str]],
                   generators: List[torch.Generator], width: int, step: int,
-                  indices: List[int]) -> Tuple[List[List[int]], List[List[bool]]]:
-        """Each completion decoded in turns with the environment (take_turns): its tokens and
-        which of them the model wrote. The first turn is sampled as without one (the prompts'
+                  indices: List[int]) -> Tuple[List[List[int]], List[List[bool]], List[List[float]]]:
+        """Each completion decoded in turns with the environment (take_turns): its tokens, which
+        of them the model wrote, and their log-probabilities as drawn. The first turn is sampled as without one (the prompts'
         generators); a later turn of a completion from a generator of its own, seeded by the
         step, the prompt's index, its place in the group and the turn (the same on every mesh).
         Under TP the environment runs on the group's rank 0 (`_led`), as the reward does."""
@@ -158,18 +191,21 @@ class GroupRollout:
         capacity = width + self.max_new_tokens + self.block  # (one shape for every turn: a compiled step's)
 
         def decoded(histories: List[List[int]], row_generators: List[torch.Generator], group: int,
-                    new_tokens: int) -> List[List[int]]:
-            tokens, counts = generate_groups(model, histories, group, new_tokens, self.temperature, self.top_p,
-                                             row_generators, stop, self.pad_id, self.device,
-                                             stop_early=not self.sharded, block=self.block, last_only=self.select,
-                                             capacity=capacity, step=self.step)
-            tokens, counts = tokens.cpu(), counts.cpu()
-            return [tokens[r, :length].tolist() for r, length in enumerate(counts.tolist())]
+                    new_tokens: int) -> Tuple[List[List[int]], List[List[float]]]:
+            tokens, counts, logps = generate_groups(model, histories, group, new_tokens, self.temperature,
+                                                    self.top_p, row_generators, stop, self.pad_id, self.device,
+                                                    stop_early=not self.sharded, block=self.block,
+                                                    last_only=self.select, capacity=capacity, step=self.step,
+                                                    with_logps=True)
+            lengths = counts.tolist()
+            return ([row[:length] for row, length in zip(tokens.cpu().tolist(), lengths)],
+                    [row[:length] for row, length in zip(logps.cpu().tolist(), lengths)])
 
-        def decode(going: List[int], histories: List[List[int]], turn: int, room: int) -> List[List[int]]:
+        def decode(going: List[int], histories: List[List[int]], turn: int,
+                   room: int) -> Tuple[List[List[int]], List[List[float]]]:
             if not going:  # (sharded: other replicas decode this turn, so this one decodes a stand-in)
                 decoded([rows[0]], decoding_generators([0], self.device), 1, room)
-                return []
+                return [], []
             seeds = [sampling_seed(sampling_seed(self.seed, step, indices[r // n]), turn, r % n) for r in going]
             return decoded(histories, decoding_generators(seeds, self.device), 1, room)
 
@@ -181,7 +217,7 @@ class GroupRollout:
         played = take_turns(decoded(prompts, generators, n, self.max_new_tokens), rows, self.max_new_tokens, self.environment.max_turns,
                             self.marker, answer, decode, self._agreed)
         self._turns = torch.tensor(played.turns, dtype=torch.float64)
-        return played.tokens, played.written
+        return played.tokens, played.written, played.logps
 
     def _start_episodes(self, prompts: List[str], answers: List[Optional[str]]) -> None:
         self.episodes = self.environment.episodes(prompts, answers)
@@ -289,13 +325,15 @@ class GroupRollout:
             length = length.cpu()
         return length
 
-    def _logps(self, forward, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _logps(self, forward, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+               score=token_logps) -> torch.Tensor:
         """Each completion token's log-probability (0 elsewhere) under `forward` (rows, their
-        targets -> logits: the policy `model`'s or its reference's), in the step's micro-batches."""
+        targets -> logits: the policy `model`'s or its reference's), in the step's micro-batches,
+        by `score` (logits, targets -> log-probabilities)."""
         size, parts = (self.micro_batch or len(inputs)) * self.group_size, []
         for begin in range(0, len(inputs), size):
             rows, counted = inputs[begin:begin + size], targets[begin:begin + size]
-            parts.append(token_logps(forward(rows, counted), counted))
+            parts.append(score(forward(rows, counted), counted))
         if self.sharded:
             reshard(model)
         return torch.cat(parts)
