@@ -115,6 +115,8 @@ def placeholders(hf_dirs, prepared, tmp_path_factory) -> Dict[str, str]:
     assert prepare([unpaired, "--prompt-field", "prompt", "--response-field", "completion", "--label-field", "label",
                     "--tokenizer", model, "--out", str(root / "kto")]) == 0
     (root / "my_rewards.py").write_text("def score(prompt, completion, answer):\n    return float(answer in completion)\n")
+    (root / "my_env.py").write_text("class MyEnv:\n    marker = '='\n\n    def __init__(self, prompt, answer):\n"
+                                    "        pass\n\n    def respond(self, completion):\n        return '1'\n")
     gemma = make_hf_model("gemma3_text", str(root / "gemma"), max_position_embeddings=32768)  # (transformers' classes)
     assert prepare([str(root / "text.txt"), "--tokenizer", gemma, "--out", str(root / "gemma_tokens")]) == 0
     vlm = make_vlm(str(root / "vlm"))  # docs/vision-language.md's Gemma 3 and its colour records
@@ -124,7 +126,8 @@ def placeholders(hf_dirs, prepared, tmp_path_factory) -> Dict[str, str]:
             "my_docs/": str(root / "my_docs"), "chats.jsonl": str(root / "chats.jsonl"),
             "data/my_tokens": prepared["packed"], "data/my_sft": prepared["instruction"],
             "data/prefs": str(root / "prefs"), "$HOME/my_texts": str(root / "my_texts"),
-            "data/prompts": str(root / "prompts"), "data/kto": str(root / "kto"), "my_rewards.py": str(root / "my_rewards.py")}
+            "data/prompts": str(root / "prompts"), "data/kto": str(root / "kto"), "my_rewards.py": str(root / "my_rewards.py"),
+            "my_env.py": str(root / "my_env.py")}
 
 
 def overrides_of(module: str, arguments: List[str], placeholders: Dict[str, str]) -> List[str]:

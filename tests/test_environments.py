@@ -320,3 +320,27 @@ def test_environment_file_may_be_set_on_the_command_line_only(tmp_path):
             check_before_hydra(["--config-dir", str(conf), *overrides])
     check_before_hydra(["environment=file", f"environment.file={path}", "environment.name=Tool"])
     assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.timeout(300)
+def test_turns_and_stale_rollouts_on_transformers_classes_follow_the_native_path(hf_dirs, prepared, tmp_path):
+    """The tiny Llama with the calculator and max_staleness=1: decoding through transformers' own
+    cache (model.backend=transformers) draws the turns the native path draws, with the same
+    rewards, and learns the same steps."""
+    from framework.launch.local import launch_local
+    from tests.test_grpo import LOWERCASE_SHARE
+    from tests.test_transformers_models import grpo_run
+
+    (tmp_path / "reward.py").write_text(LOWERCASE_SHARE)
+    runs = {}
+    for backend in ("native", "transformers"):
+        cfg = grpo_run(hf_dirs["llama"], prepared["prompts"], str(tmp_path / "reward.py"), f"model.backend={backend}",
+                       "environment=calculator", "reward=none", "objective.max_staleness=1",
+                       "objective.group_size=8", "objective.max_new_tokens=16")
+        runs[backend] = (launch_local(cfg, str(tmp_path / backend)), scalars(tmp_path / backend / "tb"))
+    (native, ours), (theirs_summary, theirs) = runs["native"], runs["transformers"]
+    assert theirs["environment/turns"] == ours["environment/turns"] and max(ours["environment/turns"]) > 1
+    assert theirs["reward"] == pytest.approx(ours["reward"], abs=1e-6)
+    assert theirs["staleness"] == ours["staleness"] == [0.0, 1.0, 1.0]
+    assert theirs["sampling/ratio_max"] == pytest.approx(ours["sampling/ratio_max"], rel=1e-4)
+    assert theirs_summary["losses"] == pytest.approx(native["losses"], abs=1e-6)

@@ -6,7 +6,7 @@ objective.reference=precomputed, each pair's reference log-probabilities; from a
 index in its dataset (what seeds its sampling) and, once its completions are rolled out, each
 completion's advantage (the reference's per-token log-probabilities in `reference`, and with
 objective.num_iterations > 1 the policy's as it generated, `old_logps`; with its sampling
-correction each completion token's truncated importance weight, `weights`); for a vision-language
+correction each completion token's log-probability as the decoder drew it, `sampled_logps`); for a vision-language
 model (framework.data.vision), each sample's images padded to the batch's most (`pixels`), how
 many are real (`image_counts`) and, where its processor gives them, each token's type
 (`token_types`: image or text)."""
@@ -26,7 +26,7 @@ class Batch(NamedTuple):
     index: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     old_logps: Optional[torch.Tensor] = None
-    weights: Optional[torch.Tensor] = None
+    sampled_logps: Optional[torch.Tensor] = None
     pixels: Optional[torch.Tensor] = None
     image_counts: Optional[torch.Tensor] = None
     token_types: Optional[torch.Tensor] = None

@@ -4,8 +4,9 @@ drew the completion's tokens.
 
 Each completion token's weight is w = min(exp(learner - sampler), sampling_cap), where `sampler`
 is the token's log-probability as the decoder drew it (framework.models.decode: the softmax at
-`temperature`, renormalized over the top-p nucleus) and `learner` the same distribution's, from a
-full forward of the policy as it learns this step. With max_staleness 0 both are the same weights
+`temperature`, renormalized over the top-p nucleus) and `learner` the same distribution's under
+the policy as it learns this step, from the loss's own logits (no forward more: with one update
+a rollout, the learning forward is the policy's). With max_staleness 0 both are the same weights
 and w is 1 up to the two computations' rounding (the decoder's KV cache sums in another order);
 with K > 0 the sampler was the policy K updates before, and w corrects for it. Both sides use the
 sampling's own support: a token outside the learner's nucleus gets weight 0, never the full
@@ -14,7 +15,6 @@ softmax's (the top-p bias TRL's users report). The loss multiplies each token's 
 from typing import Dict, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -52,19 +52,13 @@ def sampling_logps(logits, targets: torch.Tensor, temperature: float, top_p: flo
     return torch.zeros(targets.shape, dtype=token.dtype, device=token.device).masked_scatter(counted, token)
 
 
-def truncated_weights(learner: torch.Tensor, sampler: torch.Tensor, targets: torch.Tensor, cap: float,
-                      group=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Each counted token's min(exp(learner - sampler), cap) (0 elsewhere), and what is logged of
-    the ratio before truncation over this replica's tokens: its mean, the largest over every DP
-    replica (one all-reduce MAX over `group`), and the share truncated."""
+def truncated_weights(learner: torch.Tensor, sampler: torch.Tensor, targets: torch.Tensor,
+                      cap: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Each counted token's min(exp(learner - sampler), cap) (0 elsewhere), and sums of the ratio
+    before truncation over these tokens: its sum, its largest value and how many were truncated."""
     if isinstance(learner, DTensor):
         learner = learner.full_tensor()
     counted = targets != IGNORE
-    ratio = torch.exp(learner.float() - sampler.float()).masked_fill(~counted, 0)
-    tokens = counted.sum().clamp(min=1)
-    largest = ratio.max().detach().double()
-    if group is not None:
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-    values = ((ratio.sum() / tokens).double(), largest, ((ratio > cap) & counted).sum().double() / tokens)
-    terms = dict(zip(CORRECTION_METRICS, (value.cpu() for value in values)))
-    return ratio.clamp(max=cap), terms
+    ratio = torch.exp(learner.detach().float() - sampler.float()).masked_fill(~counted, 0)
+    sums = {"sum": ratio.sum(), "max": ratio.max(), "truncated": ((ratio > cap) & counted).sum().float()}
+    return ratio.clamp(max=cap), sums

@@ -194,7 +194,7 @@ def make_environment(environment: Any) -> Optional[Environment]:
     marker = environment.marker if environment.marker is not None else getattr(cls, "marker", None)
     if not isinstance(marker, str) or not marker:
         raise ConfigError("environment.marker", environment.marker, f"{where} sets no marker; give the text that ends "
-                                                                    f"a model's turn, e.g. environment.marker='</call>'")
+                                                                    f"a model's turn, e.g. 'environment.marker=\"</call>\"'")
     if environment.max_turns < 1:
         raise ConfigError("environment.max_turns", environment.max_turns, "must be >= 1 (the model's turns; the "
                                                                           "environment answers between two)")

@@ -36,7 +36,8 @@ from framework.config.errors import ConfigError, check_rules
 from framework.data.batch import Batch
 from framework.data.batch import IGNORE
 from framework.training.objectives.base import Objective, StepShare, check_data_pairing
-from framework.training.objectives.correction import CORRECTION_METRICS
+from framework.training.objectives.correction import (CORRECTION_METRICS, plain_sampling, sampling_logps,
+                                                     truncated_weights)
 from framework.training.objectives.head import OutputHead
 from framework.training.objectives.logps import token_logps
 from framework.training.objectives.reference import Reference, check_reference
@@ -74,6 +75,8 @@ class GroupRelativePolicy(GroupRollout, Objective):
         self._rollout_terms: Dict[str, torch.Tensor] = {}
         self._kl: Optional[torch.Tensor] = None
         self._clipped: Optional[torch.Tensor] = None
+        self._ratio: Optional[Dict[str, torch.Tensor]] = None  # (the sampling correction's sums, this micro-batch)
+        self._ratio_max = torch.zeros((), dtype=torch.float64)  # (the step's largest ratio so far)
         self._samples = ""  # the last rollout's first group, as text
         self._cycle: Optional[tuple] = None  # num_iterations > 1: (the step it generated at, its batch, its terms)
         self.rollout_s: List[float] = []  # each step's seconds spent generating and scoring (this attempt)
@@ -92,13 +95,13 @@ class GroupRelativePolicy(GroupRollout, Objective):
         """The policy's logits of every completion (completions, seq_len, vocab; where the mesh
         allows, at the completions' tokens alone: the prompts' positions skip the output layer),
         their advantages, the reference's and the old policy's log-probabilities, a completion a row."""
-        reference, old, weights = (t.flatten(0, 1) if t is not None else None
-                                   for t in (batch.reference, batch.old_logps, batch.weights))
+        reference, old, sampled = (t.flatten(0, 1) if t is not None else None
+                                   for t in (batch.reference, batch.old_logps, batch.sampled_logps))
         logits = self.head(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), per_token=True)
-        return logits, batch.advantages.flatten(), reference, old, weights
+        return logits, batch.advantages.flatten(), reference, old, sampled
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
-        logits, advantages, reference, old, weights = outputs
+        logits, advantages, reference, old, sampled = outputs
         targets = targets.flatten(0, -2)  # (prompts, group_size, seq_len): a completion a row
         mask = (targets != IGNORE).float()
         logps = token_logps(logits, targets)
@@ -109,8 +112,8 @@ class GroupRelativePolicy(GroupRollout, Objective):
         outside = ((ratio < 1 - self.epsilon) & (advantages[:, None] < 0)) | \
             ((ratio > 1 + self.epsilon_high) & (advantages[:, None] > 0))
         self._clipped = (outside.float() * mask).sum().detach()
-        if weights is not None:  # (TRL's order: the sampling correction weighs the policy term, not the KL)
-            per_token = per_token * weights
+        if sampled is not None:  # (TRL's order: the sampling correction weighs the policy term, not the KL)
+            per_token = per_token * self._weights(logits, logps, sampled, targets)
         if self.beta > 0:
             kl = torch.exp(reference - logps) - (reference - logps) - 1
             per_token = per_token + self.beta * kl
@@ -119,6 +122,15 @@ class GroupRelativePolicy(GroupRollout, Objective):
         if self.loss_type == "grpo":
             return (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
         return per_token.sum()
+
+    def _weights(self, logits, logps: torch.Tensor, sampled: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The sampling correction's truncated weights (framework.training.objectives.correction),
+        the learner's side from this forward's logits; the ratio's sums kept for the step's terms."""
+        with torch.no_grad():
+            learner = logps if plain_sampling(self.temperature, self.top_p) else \
+                sampling_logps(logits, targets, self.temperature, self.top_p)
+            weights, self._ratio = truncated_weights(learner, sampled, targets, self.sampling_cap)
+        return weights
 
     def __call__(self, outputs, targets, model, step: StepShare):
         """The share of the step's loss, and the step's metrics: the rollout's (once a step) and
@@ -130,6 +142,12 @@ class GroupRelativePolicy(GroupRollout, Objective):
                 step.add(name, value.float().to(total.device))
             self._rollout_terms = {}
             step.add("clip_ratio", self._clipped / max(self._tokens, 1.0))
+            if self._ratio is not None:  # (each micro-batch's; its largest added as the rise over the step's so far)
+                largest = torch.maximum(self._ratio_max, self._ratio["max"].double())
+                step.add("sampling/ratio_max", largest - self._ratio_max)
+                step.add("sampling/ratio_mean", self._ratio["sum"] / max(self._tokens, 1.0))
+                step.add("sampling/truncated", self._ratio["truncated"] / max(self._tokens, 1.0))
+                self._ratio_max, self._ratio = largest, None
             if self._kl is not None:
                 step.add("kl", self._kl / max(self._tokens, 1.0))
         return total

@@ -22,7 +22,6 @@ from framework.models.protocol import offered
 from framework.parallel.plan import shards_sequence
 from framework.training.objectives.logps import token_logps
 from framework.parallel.dtensors import reshard
-from framework.training.objectives.correction import sampling_logps, truncated_weights
 from framework.training.objectives.environments import make_environment
 from framework.training.objectives.staleness import StalePolicy
 from framework.training.objectives.rewards import make_reward
@@ -148,7 +147,7 @@ class GroupRollout:
         if self.num_iterations > 1:
             old = self._logps(lambda rows, counted: self.head(model, rows, counted, per_token=True), model,
                               inputs, targets)
-        weights = self._corrected(model, inputs, targets, logps, prompts) if self.correct else None
+        sampled = self._sampled(logps, prompts, targets) if self.correct else None
         if self.stale is not None:
             self._rollout_terms["staleness"] = torch.tensor(float(staleness), dtype=torch.float64)
         self.rollout_s.append(time.perf_counter() - start)
@@ -157,24 +156,17 @@ class GroupRollout:
                      reference=reference.view(grouped) if reference is not None else None,
                      advantages=advantages.float().to(self.device).view(grouped[:2]),
                      old_logps=old.view(grouped) if old is not None else None,
-                     weights=weights.view(grouped) if weights is not None else None)
+                     sampled_logps=sampled.view(grouped) if sampled is not None else None)
 
-    def _corrected(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, logps: List[List[float]],
-                   prompts: List[List[int]]) -> torch.Tensor:
-        """Each completion token's truncated importance weight (framework.training.objectives.
-        correction): the policy as it learns this step (a forward over the completions, in the
-        step's micro-batches) against the decoder's log-probabilities as it drew them."""
-        sampler = torch.zeros(targets.shape, dtype=torch.float32)
+    def _sampled(self, logps: List[List[float]], prompts: List[List[int]], targets: torch.Tensor) -> torch.Tensor:
+        """Each completion token's log-probability as the decoder drew it, where its target is
+        (0 elsewhere): what the sampling correction weighs the learner against."""
+        sampled = torch.zeros(targets.shape, dtype=torch.float32)
         for r, row in enumerate(logps):
             start = len(prompts[r // self.group_size]) - 1
-            sampler[r, start:start + len(row)] = torch.tensor(row, dtype=torch.float32)
-        learner = self._logps(lambda rows, counted: self.head(model, rows, counted, per_token=True), model, inputs,
-                              targets, score=lambda logits, counted: sampling_logps(logits, counted, self.temperature,
-                                                                                    self.top_p))
-        weights, terms = truncated_weights(learner, sampler.to(learner.device), targets, self.sampling_cap,
-                                           self.replica_group if self.replicas > 1 else None)
-        self._rollout_terms.update(terms)
-        return weights
+            sampled[r, start:start + len(row)] = torch.tensor(row, dtype=torch.float32)
+        self._ratio_max = torch.zeros((), dtype=torch.float64, device=targets.device)  # (the step's largest so far)
+        return sampled.to(targets.device)
 
     def _in_turns(self, model: nn.Module, prompts: List[List[int]], answers: List[Optional[str]],
                   generators: List[torch.Generator], width: int, step: int,
@@ -325,15 +317,13 @@ class GroupRollout:
             length = length.cpu()
         return length
 
-    def _logps(self, forward, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-               score=token_logps) -> torch.Tensor:
+    def _logps(self, forward, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Each completion token's log-probability (0 elsewhere) under `forward` (rows, their
-        targets -> logits: the policy `model`'s or its reference's), in the step's micro-batches,
-        by `score` (logits, targets -> log-probabilities)."""
+        targets -> logits: the policy `model`'s or its reference's), in the step's micro-batches."""
         size, parts = (self.micro_batch or len(inputs)) * self.group_size, []
         for begin in range(0, len(inputs), size):
             rows, counted = inputs[begin:begin + size], targets[begin:begin + size]
-            parts.append(score(forward(rows, counted), counted))
+            parts.append(token_logps(forward(rows, counted), counted))
         if self.sharded:
             reshard(model)
         return torch.cat(parts)
