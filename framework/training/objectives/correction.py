@@ -16,9 +16,9 @@ from typing import Dict, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from framework.data.batch import IGNORE
+from framework.parallel.dtensors import is_dtensor, whole
 from framework.training.objectives.logps import TokenLogps, token_logps
 
 CORRECTION_METRICS = ("sampling/ratio_mean", "sampling/ratio_max", "sampling/truncated")
@@ -37,7 +37,7 @@ def sampling_logps(logits, targets: torch.Tensor, temperature: float, top_p: flo
     outside it. `logits` as token_logps takes them."""
     if plain_sampling(temperature, top_p):
         return token_logps(logits, targets)
-    if isinstance(logits, (TokenLogps, DTensor)):
+    if isinstance(logits, TokenLogps) or is_dtensor(logits):
         raise ValueError("the sampling's own distribution needs whole logits on the rank")
     counted = targets != IGNORE
     rows = (logits if logits.dim() == 2 else logits[counted]).float() / (temperature or 1.0)
@@ -56,8 +56,7 @@ def truncated_weights(learner: torch.Tensor, sampler: torch.Tensor, targets: tor
                       cap: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Each counted token's min(exp(learner - sampler), cap) (0 elsewhere), and sums of the ratio
     before truncation over these tokens: its sum, its largest value and how many were truncated."""
-    if isinstance(learner, DTensor):
-        learner = learner.full_tensor()
+    learner = whole(learner)
     counted = targets != IGNORE
     ratio = torch.exp(learner.detach().float() - sampler.float()).masked_fill(~counted, 0)
     sums = {"sum": ratio.sum(), "max": ratio.max(), "truncated": ((ratio > cap) & counted).sum().float()}

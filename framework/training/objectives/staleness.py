@@ -14,12 +14,13 @@ from typing import Deque, Iterator, List, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from framework.parallel.dtensors import local_part
 
 
 def _trainable(model: nn.Module) -> List[torch.Tensor]:
     """The local values of `model`'s trainable parameters (a DTensor's own shard), in order."""
-    return [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in model.parameters() if p.requires_grad]
+    return [local_part(p).detach() for p in model.parameters() if p.requires_grad]
 
 
 class StalePolicy:
