@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from framework.config.errors import ConfigError
 from framework.data.batch import IGNORE, Batch
+from framework.data.records import InputError
 from framework.data.vision import VisionDataset
 from framework.export import export, load_model
 from framework.generate import main as generate_main
@@ -271,3 +272,42 @@ def test_a_record_whose_image_is_missing_is_refused_before_launch_naming_its_lin
         f"input error: {records}:{first}: its image {tmp_path / 'data' / 'blue.png'} does not exist; "
         f"fix the name or remove the record")
     assert not job.exists()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "llava"])
+def test_each_record_s_length_is_counted_before_launch_as_the_processor_makes_it(kind, vlms, tmp_path):
+    """The count a dataset makes before launch (its text's tokens, a constant and a count per
+    image, measured on blank images) against the processor's own processing of each record of
+    two images, one, none and one."""
+    colour_records(str(tmp_path), count=1)
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MIXED))
+    dataset = VisionDataset(str(tmp_path / "mixed.jsonl"), vlms[kind], seq_len=1024, val_fraction=0.0)
+    counted = dataset._token_counter()
+    assert counted is not None
+    for record in dataset.records:
+        images = [Image.open(file).convert("RGB") for file in record["images"]]
+        text = dataset._texts(record)[0]
+        made = dataset.processor(text=[text], images=[images] if images else None, return_tensors="pt")
+        assert counted(record) == len(made["input_ids"][0]), record
+
+
+def test_a_record_too_long_or_holding_an_image_placeholder_is_refused_before_launch_naming_its_line(vlm, tmp_path):
+    records = colour_records(str(tmp_path / "data"), count=8)
+    lines = open(records).read().splitlines()
+    lines[4] = json.dumps({"image": "red.png", "prompt": "What colour is it?", "response": "red " * 80})
+    (tmp_path / "data" / "long.jsonl").write_text("\n".join(lines) + "\n")
+    job = tmp_path / "job"
+    result = run_cli(["model=hf", f"model.path={vlm}", "plan=none", "data=vision",
+                      f"data.path={tmp_path / 'data' / 'long.jsonl'}", "data.dataset.seq_len=64", "mesh=1x1", *QUIET,
+                      f"hydra.run.dir={job}"])
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"input error: {tmp_path / 'data' / 'long.jsonl'}:5: takes ") and last.endswith(
+        " tokens with its images' and the template's; data.dataset.seq_len=64 holds 65: raise it"), last
+    assert not job.exists()
+    lines[4] = json.dumps({"image": "red.png", "prompt": "<start_of_image> What colour?", "response": "red"})
+    (tmp_path / "data" / "placeholder.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputError, match=r"placeholder.jsonl:5: its 'prompt' holds '<start_of_image>', the "
+                                        r"processor's image placeholder; images come from the 'image' field, one "
+                                        r"placeholder each: remove it from the text$"):
+        VisionDataset(str(tmp_path / "data" / "placeholder.jsonl"), vlm, seq_len=64)

@@ -64,6 +64,7 @@ class VisionDataset(Dataset):
         from PIL import Image
 
         self.image_shape = self._pixels([Image.new("RGB", (32, 32))]).shape[1:]  # a padding slot's
+        self._check_texts()
 
     def _read(self) -> List[dict]:
         """Every record, each image checked to open (header only)."""
@@ -106,6 +107,55 @@ class VisionDataset(Dataset):
         if not records:
             raise ConfigError("data.path", self.path, "holds no records")
         return records
+
+    def _check_texts(self) -> None:
+        """Before launch: no record's text holds the processor's image placeholder (its images
+        come from the image field, one placeholder each), and each fits seq_len with its images'
+        tokens. The length is counted from the text's tokens and a per-image count measured once
+        on blank images (fixed-resolution processors: Gemma 3's, LLaVA's); a processor whose count
+        depends on the image (tiles, dynamic resolution) fails that measurement's check against
+        the first record, and its records are then measured as they are read, in the ranks."""
+        placeholders = sorted({token for token in (getattr(self.processor, "image_token", None),
+                                                   getattr(self.processor, "boi_token", None),
+                                                   getattr(self.processor.tokenizer, "image_token", None)) if token})
+        for record in self.records:
+            for field, text in zip(self.fields[1:], (record["prompt"], record["response"])):
+                found = next((token for token in placeholders if token in text), None)
+                if found:
+                    raise InputError(record["where"], f"its {field!r} holds {found!r}, the processor's image "
+                                                      f"placeholder; images come from the {self.fields[0]!r} field, "
+                                                      f"one placeholder each: remove it from the text")
+        counted = self._token_counter()
+        if counted is None:
+            return
+        for record in self.records:
+            length = counted(record)
+            if length - 1 > self.seq_len:
+                raise InputError(record["where"], f"takes {length} tokens with its images' and the template's; "
+                                                  f"data.dataset.seq_len={self.seq_len} holds {self.seq_len + 1}: "
+                                                  f"raise it")
+
+    def _token_counter(self):
+        """record -> its processed length, from its text's tokens plus a constant and a count per
+        image measured on blank images; None where the first record's real processing disagrees."""
+        from PIL import Image
+
+        blank = Image.new("RGB", (64, 64))
+        text_tokens = lambda text: len(self.processor.tokenizer(text)["input_ids"])  # noqa: E731
+        processed = lambda text, images: len(self.processor(text=[text], images=[images] if images else None,  # noqa: E731
+                                                            return_tensors="pt")["input_ids"][0])
+        probe = {"prompt": "x", "response": "y"}
+        texts = [self._texts({**probe, "images": [blank] * n})[0] for n in (0, 1, 2)]
+        offsets = [processed(text, [blank] * n) - text_tokens(text) for n, text in enumerate(texts)]
+        per_image = offsets[1] - offsets[0]
+        if offsets[2] - offsets[1] != per_image:
+            return None
+
+        def counted(record: dict) -> int:
+            return text_tokens(self._texts(record)[0]) + offsets[0] + per_image * len(record["images"])
+        first = self.records[0]
+        images = [Image.open(file).convert("RGB") for file in first["images"]]
+        return counted if counted(first) == processed(self._texts(first)[0], images) else None
 
     def _texts(self, record: dict) -> tuple:
         """The record's conversation through the chat template, and its prompt's (the user's turn
