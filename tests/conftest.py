@@ -99,16 +99,20 @@ def prepared(tmp_path_factory) -> Dict[str, str]:
 def hf_dirs(tmp_path_factory, prepared) -> Dict[str, str]:
     """A tiny random Hugging Face model directory per supported architecture (tests/hf_models.py),
     and "tokens": the packed text prepared with their (byte-level) tokenizer.json; "vlm": a
-    vision-language model (Gemma 3's) and "colours": image-and-text records for it."""
+    vision-language model (Gemma 3's), "colours": image-and-text records for it, and "vqa": the
+    same records as a save_to_disk dataset with an image column."""
     from framework.prepare import main as prepare
-    from tests.hf_models import ARCHITECTURES, colour_records, make_hf_model, make_vlm
+    from tests.hf_models import ARCHITECTURES, colour_records, hf_records, make_hf_model, make_vlm
 
     root = tmp_path_factory.mktemp("hf")
     dirs = {kind: make_hf_model(kind, str(root / kind)) for kind in ARCHITECTURES}
     text = os.path.join(os.path.dirname(prepared["packed"]), "text.txt")
     assert prepare([text, "--tokenizer", dirs["llama"], "--out", str(root / "tokens")]) == 0
-    return {**dirs, "tokens": str(root / "tokens"), "vlm": make_vlm(str(root / "vlm")),
-            "colours": colour_records(str(root / "colours"), 256)}
+    colours = colour_records(str(root / "colours"), 256)
+    vqa = hf_records([json.loads(line) for line in open(colours)], Path(root) / "colours", Path(root) / "vqa",
+                     as_list=False)
+    return {**dirs, "tokens": str(root / "tokens"), "vlm": make_vlm(str(root / "vlm")), "colours": colours,
+            "vqa": vqa}
 
 
 def compose_config(overrides: List[str] = ()) -> DictConfig:

@@ -262,3 +262,18 @@ def colour_records(out_dir: str, count: int = 128, text_only_every: int = 0, see
                 record = {"image": f"{name}.png", "prompt": "What colour is it?", "response": name}
             f.write(json.dumps(record) + "\n")
     return path
+
+
+def hf_records(records: list, root, out, as_list: bool = True):
+    """`records` (data=vision's, images beside them in `root`) as a save_to_disk dataset with an
+    image column of datasets' Image feature: lists of images (as_list), or one image a row."""
+    import datasets
+
+    images = [[str(root / name) for name in ([r["image"]] if isinstance(r.get("image"), str) else r.get("image") or [])]
+              for r in records]
+    column = images if as_list else [files[0] for files in images]
+    feature = datasets.Sequence(datasets.Image()) if as_list else datasets.Image()
+    table = datasets.Dataset.from_dict({"image": column, "question": [r["prompt"] for r in records],
+                                        "answer": [r["response"] for r in records]})
+    table.cast_column("image", feature).save_to_disk(str(out))
+    return str(out)

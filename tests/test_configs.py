@@ -70,6 +70,8 @@ HF = {("model", "hf"): ["recipe=lm_2d", "model.path={llama}"],
       ("recipe", "dpo_hf"): ["model.path={llama}", "data.path={preference}", "data.tokenizer=null",
                              "data.dataset.seq_len=64"],
       ("data", "vision"): ["model=hf", "model.path={vlm}", "plan=none", "mesh=1x1", "data.path={colours}"],
+      ("data", "hf_vision"): ["model=hf", "model.path={vlm}", "plan=none", "mesh=1x1", "data.path={vqa}",
+                              "data.dataset.prompt_field=question", "data.dataset.response_field=answer"],
       ("recipe", "vlm_sft"): ["model.path={vlm}", "data.path={colours}"],
       ("recipe", "grpo_hf"): ["model.path={llama}", "data.path={prompts}", "data.tokenizer=null",
                               "data.dataset.seq_len=64", "objective.max_new_tokens=16", "data.micro_batch_size=null"]}

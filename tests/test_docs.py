@@ -17,7 +17,7 @@ import pytest
 
 from framework.validate import check_known_keys, validate
 from tests.conftest import ROOT, compose_config
-from tests.hf_models import colour_records, make_hf_model, make_vlm
+from tests.hf_models import colour_records, hf_records, make_hf_model, make_vlm
 
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 CONFIG_COMMANDS = {"framework.train", "framework.dryrun", "framework.verify", "framework.inspect", "framework.planner"}
@@ -120,7 +120,9 @@ def placeholders(hf_dirs, prepared, tmp_path_factory) -> Dict[str, str]:
     gemma = make_hf_model("gemma3_text", str(root / "gemma"), max_position_embeddings=32768)  # (transformers' classes)
     assert prepare([str(root / "text.txt"), "--tokenizer", gemma, "--out", str(root / "gemma_tokens")]) == 0
     vlm = make_vlm(str(root / "vlm"))  # docs/vision-language.md's Gemma 3 and its colour records
-    return {"/models/gemma-3-4b-it": vlm, "data/colours/train.jsonl": colour_records(str(root / "colours"), 256),
+    colours = colour_records(str(root / "colours"), 256)
+    vqa = hf_records([json.loads(line) for line in open(colours)], root / "colours", root / "my_vqa", as_list=False)
+    return {"/models/gemma-3-4b-it": vlm, "data/colours/train.jsonl": colours, "data/my_vqa": vqa,
             "/models/gemma-3-1b-pt": gemma, "data/gemma_tokens": str(root / "gemma_tokens"),
             "/models/Qwen2.5-0.5B": model, "data/qwen_tokens": str(root / "qwen_tokens"),
             "my_docs/": str(root / "my_docs"), "chats.jsonl": str(root / "chats.jsonl"),

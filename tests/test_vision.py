@@ -20,7 +20,7 @@ from framework.models.adapter_names import adapter_layers
 from framework.validate import validate
 from tests.conftest import QUIET, compose_config, run_cli
 from tests.errors import relative_error
-from tests.hf_models import COLOURS, colour_records, make_hf_model, make_vlm
+from tests.hf_models import COLOURS, colour_records, hf_records, make_hf_model, make_vlm
 from tests.test_transformers_models import loaded
 
 import transformers  # noqa: F401  (the dev extra: a broken install fails, never skips)
@@ -311,3 +311,45 @@ def test_a_record_too_long_or_holding_an_image_placeholder_is_refused_before_lau
                                         r"processor's image placeholder; images come from the 'image' field, one "
                                         r"placeholder each: remove it from the text$"):
         VisionDataset(str(tmp_path / "data" / "placeholder.jsonl"), vlm, seq_len=64)
+
+
+def test_hf_vision_makes_data_vision_s_samples_from_an_image_column(vlm, tmp_path):
+    """The same records as a JSONL beside their images (data=vision) and as a save_to_disk
+    dataset whose image column holds the images' bytes (data=hf_vision): equal samples."""
+    from framework.data.hf_vision import HFVisionDataset
+
+    colour_records(str(tmp_path), count=1)
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MIXED))
+    ours = VisionDataset(str(tmp_path / "mixed.jsonl"), vlm, seq_len=96, val_fraction=0.0)
+    theirs = HFVisionDataset(hf_records(MIXED, tmp_path, tmp_path / "hf"), vlm, seq_len=96, val_fraction=0.0,
+                             prompt_field="question", response_field="answer")
+    assert len(theirs) == len(ours) == 4
+    for i in range(4):
+        a, b = ours[i], theirs[i]
+        assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a), i
+    assert theirs[0]["pixels"].shape[0] == 2 and theirs[2]["pixels"].shape[0] == 0
+
+
+def test_hf_vision_trains_and_refuses_a_row_without_an_image_before_launch(vlm, tmp_path):
+    records = [json.loads(line) for line in open(colour_records(str(tmp_path / "data"), count=16))]
+    path = hf_records(records, tmp_path / "data", tmp_path / "hf", as_list=False)
+    summary = launch_local(vlm_config(vlm, path, "data=hf_vision", "data.dataset.prompt_field=question",
+                                      "data.dataset.response_field=answer"), str(tmp_path / "run"))
+    assert summary["steps"] == 3 and all(loss > 0 for loss in summary["losses"])
+    import datasets
+
+    broken = datasets.load_from_disk(path).cast_column("image", datasets.Image(decode=False))
+    broken = broken.map(lambda row, i: {"image": {"bytes": b"not a png", "path": None} if i == 6 else row["image"]},
+                        with_indices=True)
+    broken.save_to_disk(str(tmp_path / "broken"))
+    job = tmp_path / "job"
+    result = run_cli(["model=hf", f"model.path={vlm}", "plan=none", "data=hf_vision", f"data.path={tmp_path / 'broken'}",
+                      "data.dataset.prompt_field=question", "data.dataset.response_field=answer", "mesh=1x1", *QUIET,
+                      f"hydra.run.dir={job}"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"input error: {tmp_path / 'broken'} row 6: its 'image' column holds no image Pillow reads "), result.stderr
+    assert not job.exists()
+    with pytest.raises(ConfigError, match=r"^config error: data.dataset.prompt_field='prompt': is not a column of "
+                                          r".*; its columns: image, question, answer$"):
+        validate(vlm_config(vlm, path, "data=hf_vision"))

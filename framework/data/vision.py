@@ -154,7 +154,7 @@ class VisionDataset(Dataset):
         def counted(record: dict) -> int:
             return text_tokens(self._texts(record)[0]) + offsets[0] + per_image * len(record["images"])
         first = self.records[0]
-        images = [Image.open(file).convert("RGB") for file in first["images"]]
+        images = [self._image(source) for source in first["images"]]
         return counted if counted(first) == processed(self._texts(first)[0], images) else None
 
     def _texts(self, record: dict) -> tuple:
@@ -173,6 +173,12 @@ class VisionDataset(Dataset):
                               "assistant turn follows its generation prompt")
         return text, prompt
 
+    def _image(self, source) -> "Image.Image":
+        """A record's image, decoded (`source`: its file)."""
+        from PIL import Image
+
+        return Image.open(source).convert("RGB")
+
     def __len__(self) -> int:
         return self.end - self.first
 
@@ -180,10 +186,8 @@ class VisionDataset(Dataset):
         return self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
-        from PIL import Image
-
         record = self.records[self.first + index]
-        images = [Image.open(file).convert("RGB") for file in record["images"]]
+        images = [self._image(source) for source in record["images"]]
         text, prompt = self._texts(record)
         encoded = self.processor(text=[text], images=[images] if images else None, return_tensors="pt")
         ids = encoded["input_ids"][0]

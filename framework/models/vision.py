@@ -92,7 +92,7 @@ def check_vision(c) -> None:
     that reads images so far); a vision-language model on text alone only when asked (its tower
     and projector frozen). (Its meshes: framework.models.transformers_model's checks.)"""
     model, cfg = c.model, c.cfg
-    vision_data = str((cfg.data.get("dataset") or {}).get("_target_", "")).endswith(".VisionDataset")
+    vision_data = str((cfg.data.get("dataset") or {}).get("_target_", "")).endswith("VisionDataset")  # (data=vision, hf_vision)
     if vision_data and not getattr(model, "vision", False):
         raise ConfigError("data", "vision", f"needs a vision-language model (transformers' classes, a config.json with "
                                             f"a vision_config); {type(model).__name__} is not one: for text, use "
