@@ -102,7 +102,7 @@ def hf_dirs(tmp_path_factory, prepared) -> Dict[str, str]:
     vision-language model (Gemma 3's), "colours": image-and-text records for it, and "vqa": the
     same records as a save_to_disk dataset with an image column."""
     from framework.prepare import main as prepare
-    from tests.hf_models import ARCHITECTURES, colour_records, hf_records, make_hf_model, make_vlm
+    from tests.hf_models import ARCHITECTURES, colour_pairs, colour_records, hf_records, make_hf_model, make_vlm
 
     root = tmp_path_factory.mktemp("hf")
     dirs = {kind: make_hf_model(kind, str(root / kind)) for kind in ARCHITECTURES}
@@ -112,7 +112,7 @@ def hf_dirs(tmp_path_factory, prepared) -> Dict[str, str]:
     vqa = hf_records([json.loads(line) for line in open(colours)], Path(root) / "colours", Path(root) / "vqa",
                      as_list=False)
     return {**dirs, "tokens": str(root / "tokens"), "vlm": make_vlm(str(root / "vlm")), "colours": colours,
-            "vqa": vqa}
+            "vqa": vqa, "colour_pairs": colour_pairs(str(root / "colour_pairs"))}
 
 
 def compose_config(overrides: List[str] = ()) -> DictConfig:

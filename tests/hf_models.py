@@ -241,16 +241,21 @@ def _make_llava(out_dir: str, seed: int) -> str:
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 20)}
 
 
-def colour_records(out_dir: str, count: int = 128, text_only_every: int = 0, seed: int = 0) -> str:
-    """A JSONL of `count` records asking the colour of a solid 16x16 image (the answer only the
-    image gives), the images beside it; every `text_only_every`-th record a text-only one."""
-    import random
-
+def colour_images(out_dir: str) -> None:
+    """A solid 16x16 PNG of each colour, named after it, in `out_dir`."""
     from PIL import Image
 
     os.makedirs(out_dir, exist_ok=True)
     for name, rgb in COLOURS.items():
         Image.new("RGB", (16, 16), rgb).save(os.path.join(out_dir, f"{name}.png"))
+
+
+def colour_records(out_dir: str, count: int = 128, text_only_every: int = 0, seed: int = 0) -> str:
+    """A JSONL of `count` records asking the colour of a solid 16x16 image (the answer only the
+    image gives), the images beside it; every `text_only_every`-th record a text-only one."""
+    import random
+
+    colour_images(out_dir)
     rng = random.Random(seed)
     path = os.path.join(out_dir, "train.jsonl")
     with open(path, "w") as f:
@@ -277,3 +282,20 @@ def hf_records(records: list, root, out, as_list: bool = True):
                                         "answer": [r["response"] for r in records]})
     table.cast_column("image", feature).save_to_disk(str(out))
     return str(out)
+
+
+def colour_pairs(out_dir: str, count: int = 64, seed: int = 0) -> str:
+    """colour_records' task as preference pairs (data=vision_preferences): the image's colour
+    chosen, another rejected."""
+    import random
+
+    colour_images(out_dir)
+    rng = random.Random(seed)
+    path = os.path.join(out_dir, "pairs.jsonl")
+    with open(path, "w") as f:
+        for _ in range(count):
+            name = rng.choice(sorted(COLOURS))
+            wrong = rng.choice([c for c in sorted(COLOURS) if c != name])
+            f.write(json.dumps({"image": f"{name}.png", "prompt": "What colour is it?", "chosen": name,
+                                "rejected": wrong}) + "\n")
+    return path

@@ -17,7 +17,7 @@ import pytest
 
 from framework.validate import check_known_keys, validate
 from tests.conftest import ROOT, compose_config
-from tests.hf_models import colour_records, hf_records, make_hf_model, make_vlm
+from tests.hf_models import colour_pairs, colour_records, hf_records, make_hf_model, make_vlm
 
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 CONFIG_COMMANDS = {"framework.train", "framework.dryrun", "framework.verify", "framework.inspect", "framework.planner"}
@@ -123,6 +123,7 @@ def placeholders(hf_dirs, prepared, tmp_path_factory) -> Dict[str, str]:
     colours = colour_records(str(root / "colours"), 256)
     vqa = hf_records([json.loads(line) for line in open(colours)], root / "colours", root / "my_vqa", as_list=False)
     return {"/models/gemma-3-4b-it": vlm, "data/colours/train.jsonl": colours, "data/my_vqa": vqa,
+            "data/colours/pairs.jsonl": colour_pairs(str(root / "colours"), 256),
             "/models/gemma-3-1b-pt": gemma, "data/gemma_tokens": str(root / "gemma_tokens"),
             "/models/Qwen2.5-0.5B": model, "data/qwen_tokens": str(root / "qwen_tokens"),
             "my_docs/": str(root / "my_docs"), "chats.jsonl": str(root / "chats.jsonl"),

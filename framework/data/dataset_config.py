@@ -31,7 +31,10 @@ def tokenizer_of(node) -> Optional[dict]:
     own), with `source` (where the ids come from) and `max_token_id`; None for other data."""
     if kind_of(node) is None:
         return None
-    if "tokenizer" in inspect.signature(get_class(node["_target_"])).parameters:  # data=hf: tokenized as read
+    parameters = inspect.signature(get_class(node["_target_"])).parameters
+    if "processor" in parameters:  # (data=vision_preferences: the model directory's processor makes its tokens)
+        return None
+    if "tokenizer" in parameters:  # data=hf: tokenized as read
         if not node.get("tokenizer"):
             raise ConfigError("data.tokenizer", None, "data=hf tokenizes as it reads: name the model's tokenizer.json "
                                                       "(or its directory), or 'bytes'")

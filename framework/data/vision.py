@@ -53,6 +53,7 @@ class VisionDataset(Dataset):
                  image_field: str = "image", prompt_field: str = "prompt", response_field: str = "response"):
         self.path, self.seq_len, self.split = os.path.abspath(os.path.expanduser(str(path))), seq_len, split
         self.fields = (image_field, prompt_field, response_field)
+        self.texts = self.text_fields(prompt_field, response_field)
         self.processor_path = processor
         self.processor = load_processor(processor)
         self.records = self._read()
@@ -72,7 +73,7 @@ class VisionDataset(Dataset):
 
         if not os.path.isfile(self.path):
             raise ConfigError("data.path", self.path, "no such file: give a JSONL of image-and-text records")
-        image_field, prompt_field, response_field = self.fields
+        image_field = self.fields[0]
         records, root = [], Path(self.path).parent
         with open(self.path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
@@ -83,10 +84,9 @@ class VisionDataset(Dataset):
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
                     raise InputError(where, f"not JSON ({error.msg}); each line is one record") from None
-                for field in (prompt_field, response_field):
+                for role, field in self.texts.items():
                     if not isinstance(record.get(field), str) or not record[field]:
-                        raise InputError(where, f"no {field!r} text; name its field with "
-                                                f"data.dataset.{'prompt' if field == prompt_field else 'response'}_field")
+                        raise InputError(where, f"no {field!r} text; name its field with data.dataset.{role}_field")
                 images = record.get(image_field) or []
                 images = [images] if isinstance(images, str) else images
                 if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
@@ -102,8 +102,8 @@ class VisionDataset(Dataset):
                                                 "record") from None
                     except (UnidentifiedImageError, OSError, SyntaxError) as error:
                         raise InputError(where, f"its image {file} is not an image Pillow reads ({error})") from None
-                records.append({"images": files, "prompt": record[prompt_field], "response": record[response_field],
-                                "where": where})
+                records.append({"images": files, **{role: record[field] for role, field in self.texts.items()},
+                                "response": record[self.fields[2]], "where": where})
         if not records:
             raise ConfigError("data.path", self.path, "holds no records")
         return records
@@ -119,7 +119,7 @@ class VisionDataset(Dataset):
                                                    getattr(self.processor, "boi_token", None),
                                                    getattr(self.processor.tokenizer, "image_token", None)) if token})
         for record in self.records:
-            for field, text in zip(self.fields[1:], (record["prompt"], record["response"])):
+            for field, text in ((field, record[role]) for role, field in self.texts.items()):
                 found = next((token for token in placeholders if token in text), None)
                 if found:
                     raise InputError(record["where"], f"its {field!r} holds {found!r}, the processor's image "
@@ -128,7 +128,7 @@ class VisionDataset(Dataset):
         counted = self._token_counter()
         if counted is None:
             return
-        for record in self.records:
+        for record in (answered for record in self.records for answered in self.answered(record)):
             length = counted(record)
             if length - 1 > self.seq_len:
                 raise InputError(record["where"], f"takes {length} tokens with its images' and the template's; "
@@ -173,6 +173,14 @@ class VisionDataset(Dataset):
                               "assistant turn follows its generation prompt")
         return text, prompt
 
+    def text_fields(self, prompt_field: str, response_field: str) -> Dict[str, str]:
+        """A record's text fields by role, each role's config key data.dataset.<role>_field."""
+        return {"prompt": prompt_field, "response": response_field}
+
+    def answered(self, record: dict) -> List[dict]:
+        """The record once per response it holds (as `response`): one here, a pair's two."""
+        return [record]
+
     def _image(self, source) -> "Image.Image":
         """A record's image, decoded (`source`: its file)."""
         from PIL import Image
@@ -187,7 +195,10 @@ class VisionDataset(Dataset):
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         record = self.records[self.first + index]
-        images = [self._image(source) for source in record["images"]]
+        return self._sample(record, [self._image(source) for source in record["images"]])
+
+    def _sample(self, record: dict, images: list) -> Dict[str, torch.Tensor]:
+        """The record's conversation as the model's inputs and targets, with its images'."""
         text, prompt = self._texts(record)
         encoded = self.processor(text=[text], images=[images] if images else None, return_tensors="pt")
         ids = encoded["input_ids"][0]

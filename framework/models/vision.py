@@ -88,11 +88,13 @@ def parts_line(counts: Dict[str, int], frozen: List[str]) -> str:
 
 
 def check_vision(c) -> None:
-    """Before launch: data=vision's records for a vision-language model, by SFT (the objective
-    that reads images so far); a vision-language model on text alone only when asked (its tower
-    and projector frozen). (Its meshes: framework.models.transformers_model's checks.)"""
+    """Before launch: data=vision's records for a vision-language model, by SFT, and
+    data=vision_preferences' pairs by DPO or SimPO (the objectives that read images so far); a
+    vision-language model on text alone only when asked (its tower and projector frozen). (Its
+    meshes: framework.models.transformers_model's checks.)"""
     model, cfg = c.model, c.cfg
-    vision_data = str((cfg.data.get("dataset") or {}).get("_target_", "")).endswith("VisionDataset")  # (data=vision, hf_vision)
+    target = str((cfg.data.get("dataset") or {}).get("_target_", ""))
+    vision_data = target.endswith(("VisionDataset", ".VisionPreferenceDataset"))  # (data=vision, hf_vision, pairs)
     if vision_data and not getattr(model, "vision", False):
         raise ConfigError("data", "vision", f"needs a vision-language model (transformers' classes, a config.json with "
                                             f"a vision_config); {type(model).__name__} is not one: for text, use "
@@ -103,6 +105,14 @@ def check_vision(c) -> None:
         raise ConfigError("data.dataset", data, f"holds no images, and {model.model_type} is a vision-language model: "
                                                 f"use data=vision, or train its language model on text alone with "
                                                 f"model.freeze=[vision,projector]")
-    if vision_data and not str(cfg.objective.get("_target_", "")).endswith(".NextTokenCrossEntropy"):
-        raise ConfigError("objective", cfg.objective._target_.rpartition(".")[2], "data=vision trains by SFT (objective=lm) "
-                                                                                  "only so far")
+    pairs = target.endswith(".VisionPreferenceDataset")
+    objective = str(cfg.objective.get("_target_", "")).rpartition(".")[2]
+    if vision_data and not pairs and objective != "NextTokenCrossEntropy":
+        raise ConfigError("objective", objective, "data=vision trains by SFT (objective=lm); for objective=dpo or "
+                                                  "simpo give pairs with data=vision_preferences")
+    if pairs and objective not in ("DirectPreference", "SimplePreference"):
+        raise ConfigError("objective", objective, "data=vision_preferences trains by objective=dpo or simpo so far")
+    if pairs and cfg.objective.get("reference") == "precomputed":
+        raise ConfigError("objective.reference", "precomputed", "is stored beside prepared token data, and "
+                                                                "data=vision_preferences is read as it is: use "
+                                                                "frozen_copy or adapters_off")

@@ -98,6 +98,15 @@ def pair_losses(loss_type: str, beta: float, e: float, logratios: torch.Tensor, 
     raise ValueError(f"objective.loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
 
 
+def pair_inputs(batch) -> Dict[str, torch.Tensor]:
+    """A batch of pairs' model inputs besides the tokens, a row per sequence: each pair's images
+    for both its rows (data=vision_preferences; the tower runs on each), per-token inputs
+    flattened as the tokens are."""
+    rows = batch.inputs.shape[1]
+    return {name: value.repeat_interleave(rows, 0) if name in ("pixels", "image_counts") else value.flatten(0, 1)
+            for name, value in batch.model_inputs().items()}
+
+
 class PreferenceObjective(Objective):
     """What the preference objectives share: a sample (a pair, an example) is the unit and every
     one counts; loss_sum keeps the sample's metrics as sums (`_sums`), which the step adds up
@@ -157,8 +166,9 @@ class DirectPreference(PreferenceObjective):
     def forward(self, model: nn.Module, batch) -> Tuple[torch.Tensor, torch.Tensor]:
         """The policy's logits for every sequence of the pairs (chosen, rejected, ...), and the
         reference's log-probabilities of each pair's two (pairs, 2)."""
-        reference = self.reference.logps(model, batch.inputs, batch.targets, batch.reference)
-        policy = self.head(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), per_token=True)
+        extra = pair_inputs(batch)
+        reference = self.reference.logps(model, batch.inputs, batch.targets, batch.reference, **extra)
+        policy = self.head(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), per_token=True, **extra)
         return policy, reference
 
     def loss_sum(self, outputs: Tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
@@ -181,7 +191,8 @@ class SimplePreference(PreferenceObjective):
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
         """The policy's logits for every sequence of the pairs: no reference."""
-        return self.head(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), per_token=True)
+        return self.head(model, batch.inputs.flatten(0, 1), batch.targets.flatten(0, 1), per_token=True,
+                         **pair_inputs(batch))
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         average = sequence_logps(outputs, targets.flatten(0, 1), average=True).view(-1, 2)

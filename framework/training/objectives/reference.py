@@ -52,20 +52,23 @@ class Reference:
 
     @torch.no_grad()
     def logps(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-              stored: Optional[torch.Tensor]) -> torch.Tensor:
+              stored: Optional[torch.Tensor], **model_inputs) -> torch.Tensor:
         """The reference's log-probability of each sequence of `inputs` (..., seq_len), in their
         shape: `stored` (precomputed's, as the batch carries them), or a forward of frozen_copy's
-        model or of the policy `model` with its adapters off."""
+        model or of the policy `model` with its adapters off (`model_inputs`: a row's images, as
+        the policy's forward takes them)."""
         if self.kind == "precomputed":
             if stored is None:
                 raise RuntimeError("objective.reference=precomputed: the batch carries no reference log-probabilities "
                                    "(the objective's setup attaches them to the dataset before training)")
             return stored
         flat, flat_targets = inputs.reshape(-1, inputs.shape[-1]), targets.reshape(-1, targets.shape[-1])
-        return sequence_logps(self.logits(model, flat, flat_targets), flat_targets).view(targets.shape[:-1])
+        return sequence_logps(self.logits(model, flat, flat_targets, **model_inputs),
+                              flat_targets).view(targets.shape[:-1])
 
     @torch.no_grad()
-    def logits(self, model: nn.Module, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(self, model: nn.Module, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None,
+               **model_inputs) -> torch.Tensor:
         """The reference's logits of `inputs` (rows, seq_len): frozen_copy's model's, or the
         policy `model`'s with its adapters off; given `targets`, at the ones that count alone
         where the mesh allows (output_head)."""
@@ -74,11 +77,11 @@ class Reference:
             if self.model is None:
                 raise RuntimeError("objective.reference=frozen_copy: no reference model (the objective's setup builds "
                                    "it)")
-            logits = head(self.model, inputs, targets, per_token=True)
+            logits = head(self.model, inputs, targets, per_token=True, **model_inputs)
             reshard(self.model)
             return logits
         with adapters_disabled(model):
-            return head(model, inputs, targets, per_token=True)
+            return head(model, inputs, targets, per_token=True, **model_inputs)
 
     def held_bytes(self) -> int:
         """The reference's parameters (frozen_copy's; the others hold none)."""
