@@ -410,6 +410,7 @@ def test_each_pair_s_two_conversations_score_as_transformers_scores_them_on_the_
         assert float((p.grad - reference[name].grad).abs().max()) <= 1e-5 * scale + 1e-6, name
 
 
+@pytest.mark.integration  # (a minute of make test's 13: the one-step parity above stays in it)
 @pytest.mark.timeout(300)
 def test_dpo_on_image_pairs_learns_to_prefer_the_colour_the_image_shows(vlm, tmp_path):
     """The colour task as pairs (the image's colour chosen, another rejected), DPO against a
