@@ -87,17 +87,20 @@ class Sleeper:
         return 1.0
 
 
-def test_an_episode_that_raises_hangs_or_answers_wrong_fails_alone_within_the_time_limit():
-    episodes = _episodes(Sleeper, timeout=0.5, rows=4)
+def test_an_episode_that_raises_or_answers_wrong_fails_alone_and_one_that_hangs_within_the_time_limit():
+    """A turn's answers one after another: one that raises and one that answers an int fail
+    alone; one that hangs fails after timeout_s, and the one after it, unanswered, with it."""
+    episodes = _episodes(Sleeper, timeout=0.5, rows=5)
     start = time.monotonic()
-    assert episodes.respond([0, 1, 2, 3], ["slow", "raise", "number", "fine"]) == [None, None, None, "ok"]
-    assert time.monotonic() - start < 5  # one time limit for the turn, not one per episode
-    assert episodes.failed[:3] == ["took longer than environment.timeout_s=0.5",
-                                   "raised KeyError: 'no such tool'",
-                                   "respond() returned a int; return text or None"]
-    assert episodes.failed[3] is None
-    assert episodes.rewards(["a", "b", "c", "d"]) == [0.0, 0.0, 0.0, 1.0]
-    assert episodes.respond([0, 3], ["fine", "fine"]) == [None, "ok"]  # a failed episode is not called again
+    assert episodes.respond([0, 1, 2, 3, 4], ["raise", "number", "fine", "slow", "fine"]) == [None, None, "ok", None,
+                                                                                              None]
+    assert time.monotonic() - start < 5  # (the hung answer is left to its daemon thread)
+    assert episodes.failed == ["raised KeyError: 'no such tool'", "respond() returned a int; return text or None",
+                               None, "took longer than environment.timeout_s=0.5",
+                               "not answered: an episode before it in the turn took longer than "
+                               "environment.timeout_s=0.5"]
+    assert episodes.rewards(["a", "b", "c", "d", "e"]) == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert episodes.respond([0, 2], ["fine", "fine"]) == [None, "ok"]  # a failed episode is not called again
 
 
 def calculator_objective(*overrides: str):
@@ -222,7 +225,8 @@ def test_the_guess_digit_recipe_learns_to_read_the_game_s_answers(tmp_path):
     from framework.launch.local import launch_local
     from tests.conftest import compose_config
 
-    launch_local(compose_config(recipe("grpo_guess_digit", 100, "mesh=1x1")), str(tmp_path))
+    launch_local(compose_config(recipe("grpo_guess_digit", 100, "mesh=1x1", "launcher.threads_per_rank=1")),
+                 str(tmp_path))
     reward, turns = scalars(tmp_path / "tb")["reward"], scalars(tmp_path / "tb")["environment/turns"]
     last = sum(reward[-20:]) / 20  # measured on 1x1: 0.018 over steps 1-5, 0.807 over 81-100; turns 3.35 there
     assert sum(reward[:5]) / 5 < 0.2 and last > 0.75, (reward[:5], last)

@@ -29,7 +29,6 @@ import operator
 import os
 import re
 import threading
-import time
 from typing import Any, Callable, List, Optional, Sequence
 
 from framework.config.checked import Checked
@@ -130,26 +129,38 @@ class Episodes:
         return instance
 
     def _called(self, call: Callable[[int], Any], rows: Sequence[int]) -> List[Any]:
-        """call(row) for each row not failed, side by side in threads, all within timeout_s."""
+        """call(row) for each row not failed, one after another in one daemon thread (not a
+        thread each: 64 of them a turn starve for cores beside the ranks' own threads), each
+        within timeout_s of the one before. Past it, that row fails, and so do the rows after it
+        in this call, unanswered; the thread is left to itself."""
+        live = [(k, row) for k, row in enumerate(rows) if self.failed[row] is None]
         results: List[Any] = [None] * len(rows)
-        done = [False] * len(rows)
+        progress, cancelled, turn = [0], threading.Event(), threading.Condition()
 
-        def run(k: int, row: int) -> None:
-            try:
-                results[k] = call(row)
-                done[k] = True
-            except Exception as error:  # noqa: BLE001 (the episode fails, the run does not)
-                self.failed[row] = f"raised {type(error).__name__}: {' '.join(str(error).split())[:200]}"
-        threads = [threading.Thread(target=run, args=(k, row), daemon=True)
-                   for k, row in enumerate(rows) if self.failed[row] is None]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + self.environment.timeout_s
-        for thread in threads:
-            thread.join(max(deadline - time.monotonic(), 0))
-        for k, row in enumerate(rows):
-            if not done[k] and self.failed[row] is None:
-                self.failed[row] = f"took longer than environment.timeout_s={self.environment.timeout_s}"
+        def run() -> None:
+            for k, row in live:
+                if cancelled.is_set():
+                    return
+                try:
+                    results[k] = call(row)
+                except Exception as error:  # noqa: BLE001 (the episode fails, the run does not)
+                    self.failed[row] = f"raised {type(error).__name__}: {' '.join(str(error).split())[:200]}"
+                with turn:
+                    progress[0] += 1
+                    turn.notify()
+        threading.Thread(target=run, daemon=True).start()
+        with turn:
+            while progress[0] < len(live):
+                before = progress[0]
+                if not turn.wait_for(lambda: progress[0] > before, timeout=self.environment.timeout_s):
+                    cancelled.set()
+                    break
+            late = live[progress[0]:]
+        limit = f"environment.timeout_s={self.environment.timeout_s}"
+        for position, (k, row) in enumerate(late):
+            self.failed[row] = f"took longer than {limit}" if position == 0 else \
+                f"not answered: an episode before it in the turn took longer than {limit}"
+            results[k] = None
         return results
 
     def respond(self, rows: Sequence[int], completions: Sequence[str]) -> List[Optional[str]]:

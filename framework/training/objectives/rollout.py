@@ -86,6 +86,7 @@ class GroupRollout:
     def rollout(self, model: nn.Module, batch: Batch, step: int) -> Batch:
         """The prompts' completions as a batch to learn from (`generated`), or with num_iterations
         k > 1, within k steps of the last rollout, that rollout again."""
+        self._ratio_max = torch.zeros((), dtype=torch.float64, device=self.device)  # (the step's largest ratio so far)
         if self._cycle is not None and 0 < step - self._cycle[0] < self.num_iterations:
             start = time.perf_counter()
             _, rolled_out, self._rollout_terms = self._cycle
@@ -165,7 +166,6 @@ class GroupRollout:
         for r, row in enumerate(logps):
             start = len(prompts[r // self.group_size]) - 1
             sampled[r, start:start + len(row)] = torch.tensor(row, dtype=torch.float32)
-        self._ratio_max = torch.zeros((), dtype=torch.float64, device=targets.device)  # (the step's largest so far)
         return sampled.to(targets.device)
 
     def _in_turns(self, model: nn.Module, prompts: List[List[int]], answers: List[Optional[str]],
