@@ -291,6 +291,9 @@ def test_an_environment_that_raises_costs_only_its_completions(tmp_path):
      r"turn"),
     (["environment=file", "environment.file={tool}", "environment.name=Tool", "environment.marker=@"],
      r"^config error: reward.kind='none': Tool in .*tool.py has no reward\(\) of its own; choose one"),
+    (["environment=guess_digit"],
+     r"^config error: environment.kind='guess_digit': environment=guess_digit cannot start an episode on the data's "
+     r"first prompt \(ValueError: guess_digit hides the sample's answer, a digit 0-9; this sample's is '70'\)"),
     (["objective=lm", "data=byte_corpus"],
      r"^config error: environment.kind='calculator': only objective=grpo decodes completions in turns"),
 ])

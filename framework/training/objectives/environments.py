@@ -33,6 +33,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from framework.config.checked import Checked
 from framework.config.errors import ConfigError
+from framework.data.batch import IGNORE
 from framework.training.objectives.base import objective_kind
 from framework.training.objectives.rewards import load_definition
 
@@ -266,3 +267,12 @@ def check_environment(c: Checked) -> None:
     if ids[0] == tokenizer.eos_id:
         raise ConfigError("environment.marker", environment.marker, "is the tokenizer's end of text, which ends an "
                                                                     "episode; give another")
+    sample = dataset[0]  # (an environment that cannot start on the data would fail every episode and train on 0)
+    prompt, answer = (tokenizer.decode(row[row != IGNORE].tolist()) for row in (sample["inputs"], sample["targets"]))
+    try:
+        environment.cls(prompt, answer or None)
+    except Exception as error:  # noqa: BLE001 (refused here, in one line)
+        raise ConfigError("environment.kind", section.kind, f"{environment.where} cannot start an episode on the "
+                                                            f"data's first prompt ({type(error).__name__}: "
+                                                            f"{' '.join(str(error).split())[:200]}); give it data it "
+                                                            f"plays on") from None
